@@ -1,0 +1,454 @@
+/* engine.c: agent lifecycle and the engine thread's event loop.
+ *
+ * One engine thread per agent owns every socket, the schedulers and the
+ * in-flight state.  Callers talk to it through a command queue (woken by an
+ * eventfd) and read results from per-transfer and per-agent queues guarded
+ * by their own mutexes; the engine never calls back into Python.
+ */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/random.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+#define SCRATCH_BYTES (256u << 10) /* drain buffer for payloads nobody may receive */
+
+uint64_t kvl_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* ---- notifications ---- */
+
+void kvl_engine_notify_inbound(kvl_agent *a, const char *peer, const kvl_msg_notify *m)
+{
+    kvl_notif_node *nd = calloc(1, sizeof *nd);
+    if (!nd)
+        return;
+    snprintf(nd->n.peer, sizeof nd->n.peer, "%s", peer);
+    nd->n.xfer_id = m->xfer;
+    nd->n.op = m->op;
+    nd->n.tag_len = m->tag_len;
+    memcpy(nd->n.tag, m->tag, m->tag_len);
+    pthread_mutex_lock(&a->notif_mu);
+    if (a->notif_tail)
+        a->notif_tail->next = nd;
+    else
+        a->notif_head = nd;
+    a->notif_tail = nd;
+    pthread_cond_broadcast(&a->notif_cv);
+    pthread_mutex_unlock(&a->notif_mu);
+}
+
+kvl_err kvl_next_notification(kvl_agent *a, uint32_t timeout_ms, kvl_notification *out)
+{
+    kvl_clear_error();
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    ts.tv_sec += timeout_ms / 1000;
+    ts.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+    if (ts.tv_nsec >= 1000000000L) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000L;
+    }
+    pthread_mutex_lock(&a->notif_mu);
+    int rc = 0;
+    while (!a->notif_head && rc == 0 && !atomic_load(&a->stopping))
+        rc = pthread_cond_timedwait(&a->notif_cv, &a->notif_mu, &ts);
+    kvl_notif_node *nd = a->notif_head;
+    if (nd) {
+        a->notif_head = nd->next;
+        if (!a->notif_head)
+            a->notif_tail = NULL;
+    }
+    pthread_mutex_unlock(&a->notif_mu);
+    if (!nd)
+        return atomic_load(&a->stopping)
+                   ? kvl_fail(KVL_ERR_CLOSED, "the agent is closed")
+                   : kvl_fail(KVL_ERR_TIMEOUT, "no notification within %u ms", timeout_ms);
+    *out = nd->n;
+    free(nd);
+    return KVL_OK;
+}
+
+/* ---- path snapshots ---- */
+
+void kvl_engine_snapshot_paths(kvl_agent *a)
+{
+    size_t n = 0;
+    for (kvl_peer *p = a->eng_peers; p; p = p->eng_next)
+        if (!p->replaced)
+            n += p->n_paths;
+    pthread_mutex_lock(&a->stats_mu);
+    if (n > a->cap_snap) {
+        kvl_path_info *ns = realloc(a->snap, n * sizeof *ns);
+        if (!ns) {
+            pthread_mutex_unlock(&a->stats_mu);
+            return;
+        }
+        a->snap = ns;
+        a->cap_snap = n;
+    }
+    size_t k = 0;
+    for (kvl_peer *p = a->eng_peers; p; p = p->eng_next) {
+        if (p->replaced)
+            continue;
+        for (uint32_t i = 0; i < p->n_paths; i++) {
+            kvl_path *pa = &p->paths[i];
+            kvl_path_info *o = &a->snap[k++];
+            memset(o, 0, sizeof *o);
+            snprintf(o->peer, sizeof o->peer, "%s", p->name);
+            o->index = i;
+            o->state = pa->state;
+            snprintf(o->local_addr, sizeof o->local_addr, "%s", pa->local);
+            snprintf(o->remote_addr, sizeof o->remote_addr, "%s", pa->remote);
+            if (pa->conn) {
+                o->bytes_sent = kvl_conn_bytes_sent(pa->conn);
+                o->bytes_recv = kvl_conn_bytes_recv(pa->conn);
+                o->rtt_us = kvl_conn_rtt_us(pa->conn);
+            }
+            o->chunks_done = pa->chunks_done;
+            o->inflight_bytes = pa->inflight_bytes;
+            o->est_gbps = pa->bw_Bps / 1e9;
+            snprintf(o->last_error, sizeof o->last_error, "%s", pa->last_error);
+        }
+    }
+    a->n_snap = k;
+    pthread_mutex_unlock(&a->stats_mu);
+}
+
+kvl_err kvl_paths(kvl_agent *a, kvl_path_info *out, size_t cap, size_t *n)
+{
+    kvl_clear_error();
+    if (atomic_load(&a->closed))
+        return kvl_fail(KVL_ERR_CLOSED, "the agent is closed");
+    pthread_mutex_lock(&a->stats_mu);
+    for (size_t i = 0; i < a->n_snap && i < cap; i++)
+        out[i] = a->snap[i];
+    *n = a->n_snap;
+    pthread_mutex_unlock(&a->stats_mu);
+    return KVL_OK;
+}
+
+/* ---- engine loop ---- */
+
+static void adopt_peer(kvl_agent *a, kvl_peer *p)
+{
+    kvl_conn *c = kvl_conn_new(a, p->ctrl_fd, 0);
+    if (c)
+        kvl_conn_bind_outbound(c, p, -1);
+    else
+        close(p->ctrl_fd);
+    p->ctrl = c;
+    p->ctrl_fd = -1;
+    for (uint32_t i = 0; i < p->n_paths; i++) {
+        kvl_path *pa = &p->paths[i];
+        if (pa->fd < 0)
+            continue;
+        c = kvl_conn_new(a, pa->fd, 0);
+        if (!c) {
+            close(pa->fd);
+            pa->state = KVL_PATH_DOWN;
+            snprintf(pa->last_error, sizeof pa->last_error, "engine: out of memory");
+        } else {
+            kvl_conn_bind_outbound(c, p, (int)i);
+            pa->conn = c;
+        }
+        pa->fd = -1;
+    }
+    p->adopted = 1;
+    p->eng_next = a->eng_peers;
+    a->eng_peers = p;
+    kvl_engine_snapshot_paths(a);
+}
+
+static void run_commands(kvl_agent *a)
+{
+    pthread_mutex_lock(&a->mu);
+    kvl_cmd *cmd = a->cmd_head;
+    a->cmd_head = a->cmd_tail = NULL;
+    pthread_mutex_unlock(&a->mu);
+    while (cmd) {
+        kvl_cmd *next = cmd->next;
+        kvl_peer *p = cmd->peer;
+        if (cmd->type == KVL_CMD_ADOPT_PEER) {
+            adopt_peer(a, p);
+        } else if (cmd->type == KVL_CMD_SUBMIT) {
+            kvl_xfer *x = cmd->xfer;
+            p = x->peer;
+            x->next_active = NULL;
+            if (p->active_tail)
+                p->active_tail->next_active = x;
+            else
+                p->active = x;
+            p->active_tail = x;
+            int usable = 0;
+            for (uint32_t i = 0; i < p->n_paths; i++)
+                usable |= p->paths[i].conn && p->paths[i].state != KVL_PATH_DOWN;
+            if (!usable)
+                kvl_sched_fail(x, KVL_ERR_CONN_LOST, "peer '%s': every path is down (%s)",
+                               p->name, p->paths[0].last_error);
+        } else if (cmd->type == KVL_CMD_REFRESH) {
+            kvl_buf b = {0};
+            kvl_frame_start(&b);
+            kvl_frame_finish(&b, KVL_F_REGIONS_REQ, 0);
+            if (!p->ctrl || kvl_conn_send_frame(p->ctrl, &b) != 0) {
+                pthread_mutex_lock(&p->mu);
+                p->refresh_pending = 0; /* the waiter gives up now */
+                pthread_cond_broadcast(&p->cv);
+                pthread_mutex_unlock(&p->mu);
+            }
+        }
+        free(cmd);
+        cmd = next;
+    }
+}
+
+static void *engine_main(void *arg)
+{
+    kvl_agent *a = arg;
+    struct epoll_event evs[64];
+    uint64_t interval = (uint64_t)a->cfg.monitor_interval_ms * 1000000ull;
+    a->next_tick_ns = kvl_now_ns() + interval;
+    while (!atomic_load(&a->stopping)) {
+        uint64_t now = kvl_now_ns();
+        int timeout = now >= a->next_tick_ns ? 0 : (int)((a->next_tick_ns - now) / 1000000 + 1);
+        int n = epoll_wait(a->epfd, evs, 64, timeout);
+        for (int i = 0; i < n; i++) {
+            if (evs[i].data.ptr == NULL) {
+                uint64_t v;
+                ssize_t rc = read(a->wakefd, &v, sizeof v);
+                (void)rc;
+                run_commands(a);
+            } else {
+                kvl_conn_on_event(evs[i].data.ptr, evs[i].events);
+            }
+        }
+        now = kvl_now_ns();
+        if (now >= a->next_tick_ns) {
+            kvl_sched_expire(a, now);
+            kvl_conn_expire(a, now);
+            kvl_engine_snapshot_paths(a);
+            a->next_tick_ns = now + interval;
+        }
+        for (kvl_peer *p = a->eng_peers; p; p = p->eng_next)
+            if (p->active)
+                kvl_sched_dispatch(p);
+        kvl_sched_reap(a);
+        kvl_conn_reap(a);
+    }
+    return NULL;
+}
+
+/* ---- agent lifecycle ---- */
+
+static kvl_err check_config(const kvl_config *cfg)
+{
+    if (!cfg->name || !cfg->name[0] || strlen(cfg->name) >= KVL_NAME_MAX)
+        return kvl_fail(KVL_ERR_INVALID_ARG, "config.name must be 1..%d bytes", KVL_NAME_MAX - 1);
+    if (!cfg->addrs || cfg->n_addrs == 0 || cfg->n_addrs > KVL_MAX_PATHS)
+        return kvl_fail(KVL_ERR_INVALID_ARG, "config.addrs must list 1..%d addresses",
+                        KVL_MAX_PATHS);
+    for (size_t i = 0; i < cfg->n_addrs; i++) {
+        struct in_addr ia;
+        if (!cfg->addrs[i] || inet_pton(AF_INET, cfg->addrs[i], &ia) != 1)
+            return kvl_fail(KVL_ERR_INVALID_ARG, "config.addrs[%zu] '%s' is not an IPv4 address",
+                            i, cfg->addrs[i] ? cfg->addrs[i] : "(null)");
+    }
+    if (cfg->chunk_bytes < 4096 || cfg->chunk_bytes > KVL_MAX_CHUNK)
+        return kvl_fail(KVL_ERR_INVALID_ARG, "config.chunk_bytes must be 4 KiB..1 GiB");
+    if (cfg->min_chunk_bytes == 0 || cfg->min_chunk_bytes > cfg->chunk_bytes)
+        return kvl_fail(KVL_ERR_INVALID_ARG, "config.min_chunk_bytes must be 1..chunk_bytes");
+    if (!cfg->connect_timeout_ms || !cfg->monitor_interval_ms || !cfg->max_attempts ||
+        !cfg->window_chunks)
+        return kvl_fail(KVL_ERR_INVALID_ARG,
+                        "config: connect_timeout_ms, monitor_interval_ms, max_attempts and "
+                        "window_chunks must be positive");
+    return KVL_OK;
+}
+
+static void agent_free(kvl_agent *a)
+{
+    if (a->epfd >= 0)
+        close(a->epfd);
+    if (a->wakefd >= 0)
+        close(a->wakefd);
+    kvl_regions_destroy(&a->regions);
+    free(a->addrs);
+    free(a->ports);
+    free(a->listeners);
+    free(a->scratch);
+    free(a->snap);
+    pthread_mutex_destroy(&a->mu);
+    pthread_mutex_destroy(&a->notif_mu);
+    pthread_cond_destroy(&a->notif_cv);
+    pthread_mutex_destroy(&a->stats_mu);
+    free(a);
+}
+
+kvl_err kvl_agent_create(const kvl_config *cfg, kvl_agent **out)
+{
+    kvl_clear_error();
+    if (!cfg || !out)
+        return kvl_fail(KVL_ERR_INVALID_ARG, "agent_create: NULL argument");
+    kvl_err e = check_config(cfg);
+    if (e)
+        return e;
+    kvl_agent *a = calloc(1, sizeof *a);
+    if (!a)
+        return kvl_fail(KVL_ERR_NOMEM, "agent_create: out of memory");
+    a->epfd = a->wakefd = -1;
+    pthread_mutex_init(&a->mu, NULL);
+    pthread_mutex_init(&a->notif_mu, NULL);
+    pthread_mutex_init(&a->stats_mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&a->notif_cv, &ca);
+    pthread_condattr_destroy(&ca);
+    kvl_regions_init(&a->regions);
+    a->cfg = *cfg;
+    a->cfg.name = a->name;
+    a->cfg.addrs = NULL;
+    snprintf(a->name, sizeof a->name, "%s", cfg->name);
+    a->tp = &kvl_tcp_ops;
+    a->n_addrs = cfg->n_addrs;
+    a->addrs = calloc(cfg->n_addrs, sizeof *a->addrs);
+    a->ports = calloc(cfg->n_addrs, sizeof *a->ports);
+    a->listeners = calloc(cfg->n_addrs, sizeof *a->listeners);
+    a->scratch_len = SCRATCH_BYTES;
+    a->scratch = malloc(a->scratch_len);
+    if (!a->addrs || !a->ports || !a->listeners || !a->scratch) {
+        agent_free(a);
+        return kvl_fail(KVL_ERR_NOMEM, "agent_create: out of memory");
+    }
+    if (getrandom(&a->instance, sizeof a->instance, 0) != sizeof a->instance)
+        a->instance = kvl_now_ns() ^ ((uint64_t)getpid() << 32);
+    a->epfd = epoll_create1(EPOLL_CLOEXEC);
+    a->wakefd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (a->epfd < 0 || a->wakefd < 0) {
+        e = kvl_fail_errno("agent_create: epoll/eventfd");
+        agent_free(a);
+        return e;
+    }
+    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = NULL};
+    epoll_ctl(a->epfd, EPOLL_CTL_ADD, a->wakefd, &ev);
+    for (size_t i = 0; i < cfg->n_addrs; i++) {
+        snprintf(a->addrs[i], sizeof a->addrs[i], "%s", cfg->addrs[i]);
+        uint16_t port = cfg->port;
+        int fd;
+        if ((e = a->tp->listen(a->addrs[i], &port, &fd)) == KVL_OK) {
+            a->ports[i] = port;
+            a->listeners[i] = kvl_conn_new(a, fd, 1);
+            if (!a->listeners[i]) {
+                close(fd);
+                e = kvl_fail(KVL_ERR_NOMEM, "agent_create: out of memory");
+            }
+        }
+        if (e) {
+            kvl_conn_close_all(a);
+            agent_free(a);
+            return e;
+        }
+    }
+    if (pthread_create(&a->thread, NULL, engine_main, a) != 0) {
+        e = kvl_fail(KVL_ERR_SYSTEM, "agent_create: cannot start the engine thread");
+        kvl_conn_close_all(a);
+        agent_free(a);
+        return e;
+    }
+    a->thread_started = 1;
+    *out = a;
+    return KVL_OK;
+}
+
+static void fail_and_drop(kvl_xfer *x)
+{
+    kvl_xfer_set_failed(x, KVL_ERR_CLOSED, "the agent was closed while the transfer ran");
+    kvl_xfer_release(x); /* the engine's reference */
+}
+
+kvl_err kvl_agent_close(kvl_agent *a)
+{
+    kvl_clear_error();
+    if (!a)
+        return KVL_OK;
+    atomic_store(&a->closed, 1);
+    atomic_store(&a->stopping, 1);
+    uint64_t one = 1;
+    ssize_t rc = write(a->wakefd, &one, sizeof one);
+    (void)rc;
+    if (a->thread_started)
+        pthread_join(a->thread, NULL);
+    pthread_mutex_lock(&a->notif_mu);
+    pthread_cond_broadcast(&a->notif_cv);
+    pthread_mutex_unlock(&a->notif_mu);
+    /* the engine is gone: everything below is single-threaded */
+    kvl_conn_close_all(a);
+    for (kvl_cmd *cmd = a->cmd_head, *next; cmd; cmd = next) {
+        next = cmd->next;
+        if (cmd->type == KVL_CMD_SUBMIT)
+            fail_and_drop(cmd->xfer);
+        free(cmd);
+    }
+    for (kvl_peer *p = a->peers, *next; p; p = next) {
+        next = p->next;
+        for (kvl_xfer *x = p->active, *xn; x; x = xn) {
+            xn = x->next_active;
+            x->n_held = 0; /* the regions are freed with the agent */
+            fail_and_drop(x);
+        }
+        if (!p->adopted) {
+            if (p->ctrl_fd >= 0)
+                close(p->ctrl_fd);
+            for (uint32_t i = 0; i < p->n_paths; i++)
+                if (p->paths[i].fd >= 0)
+                    close(p->paths[i].fd);
+        }
+        pthread_mutex_destroy(&p->mu);
+        pthread_cond_destroy(&p->cv);
+        free(p->regions);
+        free(p);
+    }
+    for (kvl_inbound *ib = a->inbound, *next; ib; ib = next) {
+        next = ib->next;
+        free(ib);
+    }
+    for (kvl_notif_node *nd = a->notif_head, *next; nd; nd = next) {
+        next = nd->next;
+        free(nd);
+    }
+    agent_free(a);
+    return KVL_OK;
+}
+
+kvl_err kvl_agent_n_addrs(kvl_agent *a, size_t *n)
+{
+    *n = a->n_addrs;
+    return KVL_OK;
+}
+
+kvl_err kvl_agent_addr(kvl_agent *a, size_t i, char *host, uint16_t *port)
+{
+    kvl_clear_error();
+    if (i >= a->n_addrs)
+        return kvl_fail(KVL_ERR_INVALID_ARG, "address index %zu out of range", i);
+    snprintf(host, 48, "%s", a->addrs[i]);
+    *port = a->ports[i];
+    return KVL_OK;
+}
+
+kvl_err kvl_agent_instance(kvl_agent *a, uint64_t *id)
+{
+    *id = a->instance;
+    return KVL_OK;
+}

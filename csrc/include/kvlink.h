@@ -1,0 +1,343 @@
+/*
+ * kvlink.h: the one public header of the kvlink C core.
+ *
+ * This file is also the cffi cdef source (kvlink/_ffi_build.py strips the
+ * preprocessor lines), so it holds only what cffi can parse: plain structs,
+ * enums with explicit values and prototypes.  No macros carry meaning here.
+ *
+ * Conventions (every prototype below follows them):
+ *  - Every function returns a kvl_err (KVL_OK == 0) and gives results through
+ *    out-parameters.  On failure a message a person can act on is available
+ *    from kvl_last_error() in the calling thread until its next kvlink call.
+ *  - "Blocks" means the call may sleep; every blocking call takes a timeout.
+ *  - "Thread-safe" means any thread may call it concurrently with the engine
+ *    and other callers on the same object.
+ *  - Ownership: pointers passed in are borrowed for the duration of the call
+ *    unless the comment says otherwise; pointers returned are owned by the
+ *    library and valid for the lifetime stated.
+ */
+#ifndef KVLINK_H
+#define KVLINK_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Error codes: stable, never reused.  Keep kvlink/_errors.py in step. */
+typedef enum kvl_err {
+    KVL_OK = 0,
+    KVL_ERR_INVALID_ARG = 1,     /* a caller argument is wrong (message names it) */
+    KVL_ERR_NOMEM = 2,           /* allocation failed */
+    KVL_ERR_SYSTEM = 3,          /* a system call failed; errno in the message */
+    KVL_ERR_CLOSED = 4,          /* the agent was closed */
+    KVL_ERR_TIMEOUT = 5,         /* a wait ran out of time (the operation goes on) */
+    KVL_ERR_UNKNOWN_PEER = 6,    /* no peer by that name */
+    KVL_ERR_PEER_EXISTS = 7,     /* a different agent already uses that peer name */
+    KVL_ERR_UNREACHABLE = 8,     /* could not connect to any address of the peer */
+    KVL_ERR_HANDSHAKE = 9,       /* peer speaks another protocol version or refused us */
+    KVL_ERR_DUPLICATE_NAME = 10, /* two live agents share one name */
+    KVL_ERR_UNKNOWN_REGION = 11, /* region id not registered on that side */
+    KVL_ERR_OUT_OF_BOUNDS = 12,  /* a segment reaches outside its region */
+    KVL_ERR_ACCESS_DENIED = 13,  /* region lacks remote_read / remote_write */
+    KVL_ERR_BUSY = 14,           /* region still used by a transfer in flight */
+    KVL_ERR_CONN_LOST = 15,      /* every path to the peer failed mid-transfer */
+    KVL_ERR_CHECKSUM = 16,       /* payload failed crc32c more times than allowed */
+    KVL_ERR_PROTOCOL = 17,       /* malformed frame */
+    KVL_ERR_END = 18,            /* no more events: the transfer has finished */
+    KVL_ERR_DEADLINE = 19        /* the transfer's own deadline passed */
+} kvl_err;
+
+typedef enum kvl_op {
+    KVL_OP_PUSH = 1, /* local src -> remote dst (remote needs remote_write) */
+    KVL_OP_PULL = 2  /* remote src -> local dst (remote needs remote_read)  */
+} kvl_op;
+
+typedef enum kvl_rights {
+    KVL_REMOTE_READ = 1,
+    KVL_REMOTE_WRITE = 2
+} kvl_rights;
+
+typedef enum kvl_mem {
+    KVL_MEM_HOST = 0,
+    KVL_MEM_CUDA = 1
+} kvl_mem;
+
+typedef enum kvl_xfer_state {
+    KVL_XFER_RUNNING = 0,
+    KVL_XFER_DONE = 1,
+    KVL_XFER_FAILED = 2
+} kvl_xfer_state;
+
+typedef enum kvl_path_state {
+    KVL_PATH_UP = 0,
+    KVL_PATH_DEGRADED = 1,
+    KVL_PATH_DOWN = 2,
+    KVL_PATH_PROBING = 3
+} kvl_path_state;
+
+/* Engine configuration.  Python builds and validates it (kvlink.Config);
+ * the core reads no environment variables.  Borrowed during kvl_agent_create. */
+typedef struct kvl_config {
+    const char *name;            /* agent name, 1..63 bytes, unique among peers */
+    const char *const *addrs;    /* IPv4 addresses to listen on and send from: one per NIC */
+    size_t n_addrs;              /* 1..64 */
+    uint16_t port;               /* listen port on every address; 0 = ephemeral */
+    uint64_t chunk_bytes;        /* upper bound of a chunk */
+    uint64_t min_chunk_bytes;    /* floor when small transfers are split across paths */
+    uint32_t connect_timeout_ms; /* per connect + handshake */
+    uint32_t monitor_interval_ms;/* engine tick: deadlines, stats, handshake expiry */
+    uint32_t max_attempts;       /* sends of one chunk before the transfer fails */
+    uint32_t window_chunks;      /* chunks in flight per path */
+    uint64_t window_bytes;       /* or bytes in flight per path, whichever admits more */
+    int32_t sock_buf_bytes;      /* SO_SNDBUF/SO_RCVBUF; 0 keeps kernel autotuning */
+} kvl_config;
+
+/* One contiguous byte range.  Region ids are those of the side that owns the
+ * memory: for a push src is local and dst remote, for a pull the reverse. */
+typedef struct kvl_segment {
+    uint64_t src_region;
+    uint64_t src_offset;
+    uint64_t dst_region;
+    uint64_t dst_offset;
+    uint64_t len;
+    uint32_t layer;   /* layer this range belongs to (0 if not layered) */
+    uint32_t _pad;
+} kvl_segment;
+
+/* A region as the other side exposes it (from the handshake). */
+typedef struct kvl_region_info {
+    uint64_t id;
+    uint64_t size;
+    uint32_t rights;  /* kvl_rights bits */
+    uint32_t mem;     /* kvl_mem */
+    char name[64];
+} kvl_region_info;
+
+/* A chunk that finished, in completion order. */
+typedef struct kvl_chunk_event {
+    uint32_t chunk;        /* index in the plan */
+    uint32_t path;         /* path index that delivered it */
+    uint64_t bytes;
+    uint32_t layer_first;  /* layers this chunk completed: [first, first+count) */
+    uint32_t layer_count;
+    uint64_t t_ns;         /* CLOCK_MONOTONIC time of verification */
+} kvl_chunk_event;
+
+typedef struct kvl_xfer_info {
+    uint64_t id;
+    uint32_t state;        /* kvl_xfer_state */
+    uint32_t err;          /* kvl_err when FAILED */
+    uint64_t bytes_total;
+    uint64_t bytes_done;
+    uint32_t chunks_total;
+    uint32_t chunks_done;
+    uint32_t layers;       /* number of layers (max layer + 1) */
+    uint32_t retries;      /* chunk sends beyond the first */
+    uint64_t t_submit_ns;
+    uint64_t t_first_byte_ns; /* first chunk verified; 0 if none yet */
+    uint64_t t_done_ns;
+    char message[512];     /* error text when FAILED */
+} kvl_xfer_info;
+
+typedef struct kvl_path_info {
+    char peer[64];
+    uint32_t index;
+    uint32_t state;        /* kvl_path_state */
+    char local_addr[48];
+    char remote_addr[48];
+    uint64_t bytes_sent;   /* payload bytes we sent on this path */
+    uint64_t bytes_recv;   /* payload bytes we received on this path */
+    uint64_t chunks_done;  /* chunks this agent initiated that completed here */
+    uint64_t inflight_bytes;
+    double est_gbps;       /* EWMA of measured chunk service rate */
+    double rtt_us;         /* smoothed RTT from TCP_INFO */
+    char last_error[160];
+} kvl_path_info;
+
+typedef struct kvl_notification {
+    char peer[64];
+    uint64_t xfer_id;      /* the initiator's transfer id */
+    uint32_t op;           /* kvl_op of the transfer, as the initiator saw it */
+    uint32_t tag_len;
+    uint8_t tag[4096];
+} kvl_notification;
+
+typedef struct kvl_agent kvl_agent;
+typedef struct kvl_peer kvl_peer;
+typedef struct kvl_xfer kvl_xfer;
+
+/* ---- errors ---------------------------------------------------------- */
+
+/* Text for the last error in this thread; owned by the library, valid until
+ * the thread's next kvlink call.  Never NULL.  Thread-safe, does not block. */
+const char *kvl_last_error(void);
+
+/* Static name of an error code ("KVL_ERR_TIMEOUT").  Never NULL. */
+const char *kvl_err_name(int err);
+
+/* ---- integrity -------------------------------------------------------- */
+
+/* crc32c (Castagnoli) of buf, continuing from crc (pass 0 to start).  Uses
+ * the CPU's crc32 instruction when present.  Thread-safe, does not block. */
+uint32_t kvl_crc32c(uint32_t crc, const void *buf, size_t len);
+
+/* 1 when kvl_crc32c runs on a hardware instruction, 0 for the table code. */
+int kvl_crc32c_hw(void);
+
+/* ---- planner ----------------------------------------------------------- */
+
+/* One piece of a chunk: bytes [seg_offset, seg_offset+len) of segment seg. */
+typedef struct kvl_piece {
+    uint64_t seg;
+    uint64_t seg_offset;
+    uint64_t len;
+} kvl_piece;
+
+typedef struct kvl_chunk {
+    uint64_t first_piece;  /* index into the piece array */
+    uint32_t n_pieces;
+    uint32_t layer_first;  /* lowest and highest layer it carries bytes of */
+    uint32_t layer_last;
+    uint32_t _pad;
+    uint64_t bytes;
+} kvl_chunk;
+
+typedef struct kvl_plan {
+    kvl_chunk *chunks;     /* owned by the plan */
+    size_t n_chunks;
+    kvl_piece *pieces;     /* owned by the plan */
+    size_t n_pieces;
+    uint32_t *order;       /* segment indices in layer-major order; owned */
+    uint64_t chunk_target; /* the chunk size the planner settled on */
+    uint32_t n_layers;
+} kvl_plan;
+
+/* Splits segs into chunks of at most chunk_bytes, layer-major (stable by
+ * layer), shrinking the chunk size for small transfers so each of n_paths
+ * paths gets several chunks but never below min_chunk_bytes, and never more
+ * than max_pieces pieces per chunk.  Zero-length segments are rejected.
+ * On success *out owns its arrays until kvl_plan_free.  Pure function:
+ * thread-safe, does not block. */
+kvl_err kvl_plan_make(const kvl_segment *segs, size_t n_segs, uint32_t n_paths,
+                      uint64_t chunk_bytes, uint64_t min_chunk_bytes,
+                      uint32_t max_pieces, kvl_plan *out);
+
+/* Frees what kvl_plan_make allocated; safe on a zeroed plan. */
+void kvl_plan_free(kvl_plan *plan);
+
+/* ---- agent -------------------------------------------------------------- */
+
+/* Creates an agent: binds a listener on every address in cfg and starts the
+ * engine thread.  *out is owned by the caller until kvl_agent_close.
+ * Thread-safe, blocks briefly (bind/listen). */
+kvl_err kvl_agent_create(const kvl_config *cfg, kvl_agent **out);
+
+/* Stops the engine, fails every running transfer with KVL_ERR_CLOSED,
+ * closes every socket and frees the agent.  Transfer handles stay valid
+ * until kvl_xfer_release.  Not thread-safe against other calls on the same
+ * agent: the caller serialises close with its own use.  Blocks until the
+ * engine thread has exited. */
+kvl_err kvl_agent_close(kvl_agent *agent);
+
+/* Number of listening addresses, and address i with its bound port.
+ * host must hold 48 bytes.  Thread-safe, does not block. */
+kvl_err kvl_agent_n_addrs(kvl_agent *agent, size_t *n);
+kvl_err kvl_agent_addr(kvl_agent *agent, size_t i, char *host, uint16_t *port);
+
+/* Random 64-bit id of this agent instance (a restarted agent gets a new
+ * one), sent in every handshake.  Thread-safe, does not block. */
+kvl_err kvl_agent_instance(kvl_agent *agent, uint64_t *id);
+
+/* ---- regions ------------------------------------------------------------- */
+
+/* Registers [ptr, ptr+len) under a new id.  rights is a kvl_rights mask;
+ * name (may be NULL or "", at most 63 bytes) lets peers find the region by
+ * name.  The memory must stay valid until kvl_region_deregister returns
+ * KVL_OK or the agent is closed.  Thread-safe, does not block. */
+kvl_err kvl_region_register(kvl_agent *agent, void *ptr, uint64_t len,
+                            uint32_t rights, uint32_t mem, const char *name,
+                            uint64_t *id);
+
+/* Removes a region.  Fails with KVL_ERR_BUSY while a transfer or a frame in
+ * flight still uses it (nothing is removed then).  Thread-safe. */
+kvl_err kvl_region_deregister(kvl_agent *agent, uint64_t id);
+
+/* ---- peers ---------------------------------------------------------------- */
+
+/* Connects to a peer: a control connection and one data connection per
+ * path, each with the versioned handshake, pairing our address i with the
+ * peer address on the same /24 (else by index).  hosts/ports describe the
+ * peer's listeners (from its metadata).  instance is the peer's instance id
+ * from its metadata (0 = accept any).  Adding a name that is already a peer
+ * with the same instance returns that peer; with another instance it fails
+ * with KVL_ERR_PEER_EXISTS.  *out is owned by the agent (valid until close).
+ * Blocks up to connect_timeout_ms per connection.  Thread-safe. */
+kvl_err kvl_peer_connect(kvl_agent *agent, const char *name, uint64_t instance,
+                         const char *const *hosts, const uint16_t *ports,
+                         size_t n, kvl_peer **out);
+
+/* Looks a connected peer up by name.  Thread-safe, does not block. */
+kvl_err kvl_peer_find(kvl_agent *agent, const char *name, kvl_peer **out);
+
+/* Copies up to cap of the peer's exposed regions (as of the last handshake
+ * or refresh) into out; *n gets the total count.  Thread-safe. */
+kvl_err kvl_peer_regions(kvl_peer *peer, kvl_region_info *out, size_t cap,
+                         size_t *n);
+
+/* Asks the peer for its current region table over the control connection.
+ * Blocks up to timeout_ms.  Thread-safe. */
+kvl_err kvl_peer_refresh(kvl_peer *peer, uint32_t timeout_ms);
+
+/* ---- transfers ----------------------------------------------------------- */
+
+/* Validates segs against local regions and the peer's exposed regions
+ * (bounds, rights), plans chunks and queues the transfer.  Nothing is sent
+ * when validation fails.  notify (may be NULL, at most 4096 bytes) is
+ * delivered to the peer once, after the last chunk is verified.
+ * timeout_ms is the transfer's deadline (0 = none).  *out is owned by the
+ * caller until kvl_xfer_release.  Thread-safe, does not block. */
+kvl_err kvl_xfer_submit(kvl_agent *agent, kvl_peer *peer, int op,
+                        const kvl_segment *segs, size_t n_segs,
+                        const void *notify, size_t notify_len,
+                        uint32_t timeout_ms, kvl_xfer **out);
+
+/* Waits until the transfer finishes or timeout_ms passes.  Returns KVL_OK
+ * when done, the transfer's error when failed, KVL_ERR_TIMEOUT if still
+ * running.  Blocks (call with the GIL released).  Thread-safe. */
+kvl_err kvl_xfer_wait(kvl_xfer *x, uint32_t timeout_ms);
+
+/* Waits until every chunk carrying bytes of layer is verified.  Returns as
+ * kvl_xfer_wait; KVL_ERR_INVALID_ARG for a layer the transfer lacks. */
+kvl_err kvl_xfer_wait_layer(kvl_xfer *x, uint32_t layer, uint32_t timeout_ms);
+
+/* Takes the next chunk completion in completion order.  KVL_ERR_END once all
+ * events are taken and the transfer has finished (or failed: then the
+ * transfer's error is returned instead).  Blocks up to timeout_ms. */
+kvl_err kvl_xfer_next_event(kvl_xfer *x, uint32_t timeout_ms,
+                            kvl_chunk_event *ev);
+
+/* Snapshot of progress and error.  Thread-safe, does not block. */
+kvl_err kvl_xfer_info_get(kvl_xfer *x, kvl_xfer_info *out);
+
+/* Drops the caller's reference; the transfer goes on if still running.
+ * x must not be used afterwards.  Thread-safe. */
+void kvl_xfer_release(kvl_xfer *x);
+
+/* ---- observation --------------------------------------------------------- */
+
+/* Takes the next inbound notification.  Blocks up to timeout_ms; returns
+ * KVL_ERR_TIMEOUT when none came.  Thread-safe. */
+kvl_err kvl_next_notification(kvl_agent *agent, uint32_t timeout_ms,
+                              kvl_notification *out);
+
+/* Copies up to cap path snapshots (refreshed every monitor tick and on each
+ * chunk) into out; *n gets the total.  Thread-safe, does not block. */
+kvl_err kvl_paths(kvl_agent *agent, kvl_path_info *out, size_t cap, size_t *n);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KVLINK_H */

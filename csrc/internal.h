@@ -1,0 +1,385 @@
+/* internal.h: declarations shared by the C core's files; not installed. */
+#ifndef KVLINK_INTERNAL_H
+#define KVLINK_INTERNAL_H
+
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* accept4, TCP_USER_TIMEOUT, getrandom */
+#endif
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <sys/uio.h>
+
+#include "kvlink.h"
+
+#define KVL_NAME_MAX 64          /* agent and region names, with the NUL */
+#define KVL_MAX_PATHS 64
+#define KVL_MAX_PIECES 8192      /* pieces per chunk: bounds a frame body to 192 KiB */
+#define KVL_MAX_REGIONS 8192     /* regions per agent: bounds the region table frame */
+#define KVL_MAX_TAG 4096
+#define KVL_MAX_CHUNK (1ull << 30)
+
+/* ---- errors.c ---- */
+kvl_err kvl_fail(kvl_err err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+kvl_err kvl_fail_errno(const char *what);
+void kvl_clear_error(void);
+
+/* ---- time (engine.c) ---- */
+uint64_t kvl_now_ns(void);
+
+/* ---- wire.c: frames on the wire (docs/wire-protocol.md) ----
+ * Every frame: a 24-byte header, body_len bytes of body, then payload_len
+ * bytes of payload followed by a 4-byte crc32c trailer when payload_len > 0.
+ * All integers little-endian. */
+#define KVL_MAGIC 0x4b4c564bu /* "KVLK" */
+#define KVL_PROTO_VERSION 1
+#define KVL_HDR_BYTES 24
+#define KVL_MAX_BODY (1u << 20)
+
+enum kvl_frame_type {
+    KVL_F_HELLO = 1,       /* initiator -> listener: who I am, which connection this is */
+    KVL_F_HELLO_ACK = 2,   /* listener -> initiator: accepted or why not, region table */
+    KVL_F_DATA = 3,        /* push: chunk header (destination pieces) + payload */
+    KVL_F_ACK = 4,         /* push: chunk verified and placed, or why not */
+    KVL_F_READ_REQ = 5,    /* pull: send me these source pieces */
+    KVL_F_READ_RESP = 6,   /* pull: status + payload */
+    KVL_F_NOTIFY = 7,      /* transfer finished: the caller's tag */
+    KVL_F_REGIONS_REQ = 8, /* send me your region table */
+    KVL_F_REGIONS = 9,     /* region table */
+    KVL_F_TYPE_MAX = 9
+};
+
+enum kvl_conn_kind { KVL_CONN_CONTROL = 0, KVL_CONN_DATA = 1 };
+
+typedef struct kvl_frame_hdr {
+    uint8_t type;
+    uint16_t flags;
+    uint32_t body_len;
+    uint32_t body_crc;
+    uint64_t payload_len;
+} kvl_frame_hdr;
+
+/* Growable byte buffer for building frames.  oom latches allocation failure. */
+typedef struct kvl_buf {
+    uint8_t *p;
+    size_t len, cap;
+    int oom;
+} kvl_buf;
+
+typedef struct kvl_wire_piece {
+    uint64_t region, offset, len;
+} kvl_wire_piece;
+#define KVL_WIRE_PIECE_BYTES 24
+#define KVL_WIRE_REGION_BYTES 88
+
+typedef struct kvl_msg_hello {
+    uint64_t instance;
+    uint8_t kind;   /* kvl_conn_kind */
+    uint16_t path;  /* path index for data connections */
+    char name[KVL_NAME_MAX];
+} kvl_msg_hello;
+
+/* HELLO_ACK and REGIONS share the region table encoding. */
+typedef struct kvl_msg_hello_ack {
+    uint32_t status; /* kvl_err */
+    uint64_t instance;
+    char name[KVL_NAME_MAX];
+    char msg[256];
+    uint32_t n_regions;
+    const uint8_t *regions; /* n_regions * KVL_WIRE_REGION_BYTES, inside the body */
+} kvl_msg_hello_ack;
+
+/* DATA and READ_REQ */
+typedef struct kvl_msg_chunk {
+    uint64_t xfer;
+    uint32_t chunk, attempt, n_pieces;
+    const uint8_t *pieces; /* n_pieces * KVL_WIRE_PIECE_BYTES, inside the body */
+} kvl_msg_chunk;
+
+/* ACK and READ_RESP */
+typedef struct kvl_msg_status {
+    uint64_t xfer;
+    uint32_t chunk, attempt, status;
+    char msg[256];
+} kvl_msg_status;
+
+typedef struct kvl_msg_notify {
+    uint64_t xfer;
+    uint32_t op, tag_len;
+    const uint8_t *tag; /* inside the body */
+} kvl_msg_notify;
+
+/* Header: decode checks magic, version, type and the body/payload bounds. */
+void kvl_hdr_encode(uint8_t out[KVL_HDR_BYTES], const kvl_frame_hdr *h);
+kvl_err kvl_hdr_decode(const uint8_t in[KVL_HDR_BYTES], kvl_frame_hdr *h);
+
+/* Frame builders: start reserves the header, finish fills it in (body crc
+ * included).  Check b->oom after finishing. */
+void kvl_frame_start(kvl_buf *b);
+void kvl_frame_finish(kvl_buf *b, uint8_t type, uint64_t payload_len);
+void kvl_buf_free(kvl_buf *b);
+
+void kvl_enc_hello(kvl_buf *b, const kvl_msg_hello *m);
+void kvl_enc_hello_ack(kvl_buf *b, uint32_t status, uint64_t instance, const char *name,
+                       const char *msg, const kvl_region_info *regions, size_t n_regions);
+void kvl_enc_chunk(kvl_buf *b, uint64_t xfer, uint32_t chunk, uint32_t attempt,
+                   uint32_t n_pieces); /* pieces follow with kvl_enc_piece */
+void kvl_enc_piece(kvl_buf *b, const kvl_wire_piece *p);
+void kvl_enc_status(kvl_buf *b, const kvl_msg_status *m);
+void kvl_enc_notify(kvl_buf *b, uint64_t xfer, uint32_t op, const void *tag, uint32_t len);
+
+/* Body decoders: every length is checked against the body; any mismatch
+ * is KVL_ERR_PROTOCOL with a message.  Outputs may point into body. */
+kvl_err kvl_dec_hello(const uint8_t *body, size_t len, kvl_msg_hello *m);
+kvl_err kvl_dec_hello_ack(const uint8_t *body, size_t len, kvl_msg_hello_ack *m);
+kvl_err kvl_dec_chunk(const uint8_t *body, size_t len, kvl_msg_chunk *m);
+kvl_err kvl_dec_status(const uint8_t *body, size_t len, kvl_msg_status *m);
+kvl_err kvl_dec_notify(const uint8_t *body, size_t len, kvl_msg_notify *m);
+void kvl_dec_piece(const kvl_msg_chunk *m, uint32_t i, kvl_wire_piece *p);
+void kvl_dec_region(const uint8_t *table, uint32_t i, kvl_region_info *r);
+
+/* ---- transport/tcp/tcp.c: socket plumbing behind the transport ops ---- */
+typedef struct kvl_transport_ops {
+    const char *name;
+    /* Listening socket on host:*port (0 = ephemeral; the bound port is
+     * written back).  Non-blocking. */
+    kvl_err (*listen)(const char *host, uint16_t *port, int *fd);
+    /* Connects from local host to remote host:port within timeout_ms;
+     * returns a blocking socket with data-path options applied. */
+    kvl_err (*connect)(const char *local, const char *remote, uint16_t port,
+                       uint32_t timeout_ms, int sock_buf, int *fd);
+    /* Applies data-path options to an accepted socket. */
+    kvl_err (*tune)(int fd, int sock_buf);
+    /* Smoothed RTT in microseconds (0 if unknown). */
+    double (*rtt_us)(int fd);
+} kvl_transport_ops;
+extern const kvl_transport_ops kvl_tcp_ops;
+
+/* Blocking helpers used by the handshake (caller thread, not the engine). */
+kvl_err kvl_sock_send_all(int fd, const void *buf, size_t len, uint64_t deadline_ns);
+kvl_err kvl_sock_recv_all(int fd, void *buf, size_t len, uint64_t deadline_ns);
+kvl_err kvl_sock_nonblock(int fd, int on);
+
+/* ---- region.c ---- */
+#define KVL_LOCAL_READONLY 0x100u /* rights bit: our own memory may not be written */
+
+typedef struct kvl_region {
+    uint64_t id;
+    uint8_t *base;
+    uint64_t size;
+    uint32_t rights;
+    uint32_t mem;
+    char name[KVL_NAME_MAX];
+    int refs; /* transfers / frames using it; under regions_mu */
+} kvl_region;
+
+typedef struct kvl_regions {
+    pthread_mutex_t mu;
+    kvl_region **v; /* sorted by id (ids only grow) */
+    size_t n, cap;
+    uint64_t next_id;
+} kvl_regions;
+
+void kvl_regions_init(kvl_regions *t);
+void kvl_regions_destroy(kvl_regions *t);
+/* Finds and references the region holding [off, off+len) with the rights
+ * bits required; on failure returns the specific code and message naming
+ * what (a prefix, e.g. "segments[3].dst") and which side ("this agent"). */
+kvl_err kvl_regions_acquire(kvl_regions *t, uint64_t id, uint64_t off, uint64_t len,
+                            uint32_t need, const char *what, kvl_region **out);
+void kvl_regions_release(kvl_regions *t, kvl_region *r);
+/* Snapshot of the table in wire form for handshakes; caller frees *out. */
+kvl_err kvl_regions_snapshot(kvl_regions *t, kvl_region_info **out, size_t *n);
+
+/* ---- engine structures ---- */
+typedef struct kvl_conn kvl_conn;
+typedef struct kvl_out kvl_out;
+
+typedef struct kvl_path {
+    uint32_t index;
+    kvl_conn *conn;
+    int fd;                    /* socket waiting for the engine to adopt it, or -1 */
+    uint32_t state;            /* kvl_path_state */
+    char local[48], remote[48];
+    uint64_t inflight_bytes;
+    uint32_t inflight_chunks;
+    double bw_Bps;             /* EWMA of chunk service rate; 0 = no sample yet */
+    uint64_t t_last_done_ns;   /* end of the previous chunk's service on this path */
+    uint64_t chunks_done;
+    char last_error[160];
+} kvl_path;
+
+struct kvl_peer {
+    kvl_agent *agent;
+    char name[KVL_NAME_MAX];
+    uint64_t instance;
+    kvl_conn *ctrl;
+    int ctrl_fd;               /* control socket until adoption */
+    kvl_path paths[KVL_MAX_PATHS];
+    uint32_t n_paths;
+    int adopted;               /* engine has taken the connections over */
+    int replaced;              /* a newer peer of the same name took over */
+    struct kvl_xfer *active;   /* running transfers, FIFO (engine-owned) */
+    struct kvl_xfer *active_tail;
+    /* remote region table: written by handshake / refresh, read by submit */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    kvl_region_info *regions;
+    size_t n_regions;
+    uint64_t regions_gen;
+    int refresh_pending;
+    struct kvl_peer *next;     /* callers' list, under agent->mu */
+    struct kvl_peer *eng_next; /* engine's list, engine thread only */
+};
+
+struct kvl_xfer {
+    atomic_int refs;           /* one for the caller, one for the engine */
+    uint64_t id;
+    int op;
+    kvl_peer *peer;
+    kvl_agent *agent;
+    kvl_segment *segs;
+    size_t n_segs;
+    kvl_plan plan;
+    uint8_t **local_ptr;       /* per segment: our side's address of its first byte */
+    kvl_region **held;         /* local regions referenced until retirement */
+    size_t n_held;
+    uint8_t *notify;
+    uint32_t notify_len;
+    uint64_t deadline_ns;
+    /* engine-owned scheduling state */
+    uint8_t *cstate;           /* per chunk: KVL_CHUNK_* */
+    uint32_t *attempt;         /* per chunk: sends so far */
+    uint8_t *cpath;            /* per chunk: path of the attempt in flight */
+    uint64_t *t_sent_ns;
+    uint32_t next_chunk;       /* next never-sent chunk */
+    uint32_t *retry;           /* chunks to resend first */
+    uint32_t n_retry;
+    uint32_t *layer_left;      /* chunks not yet verified, per layer */
+    int io_refs;               /* frames / receives touching this transfer's memory */
+    int retired;
+    struct kvl_xfer *next_active;
+    struct kvl_xfer *next_all;
+    /* shared with callers: under mu */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    kvl_xfer_info info;
+    uint8_t *layer_done;
+    kvl_chunk_event *events;
+    uint32_t n_events, ev_read;
+};
+
+enum { KVL_CHUNK_PENDING = 0, KVL_CHUNK_INFLIGHT = 1, KVL_CHUNK_DONE = 2 };
+
+/* Inbound identities seen in handshakes, for duplicate-name detection. */
+typedef struct kvl_inbound {
+    char name[KVL_NAME_MAX];
+    uint64_t instance;
+    int conns;
+    struct kvl_inbound *next;
+} kvl_inbound;
+
+typedef struct kvl_notif_node {
+    kvl_notification n;
+    struct kvl_notif_node *next;
+} kvl_notif_node;
+
+typedef struct kvl_cmd {
+    int type;
+    kvl_peer *peer;
+    kvl_xfer *xfer;
+    struct kvl_cmd *next;
+} kvl_cmd;
+enum { KVL_CMD_ADOPT_PEER = 1, KVL_CMD_SUBMIT = 2, KVL_CMD_REFRESH = 3 };
+
+struct kvl_agent {
+    kvl_config cfg;            /* addrs copied below */
+    char name[KVL_NAME_MAX];
+    char (*addrs)[48];
+    uint16_t *ports;
+    size_t n_addrs;
+    uint64_t instance;
+    const kvl_transport_ops *tp;
+    kvl_regions regions;
+    int epfd, wakefd;
+    kvl_conn **listeners;
+    pthread_t thread;
+    int thread_started;
+    atomic_int stopping;
+    atomic_int closed;
+    /* command queue: callers -> engine */
+    pthread_mutex_t mu;        /* cmds, peers list, xfer ids */
+    kvl_cmd *cmd_head, *cmd_tail;
+    kvl_peer *peers;
+    uint64_t next_xfer_id;
+    /* engine-owned */
+    kvl_peer *eng_peers;       /* peers adopted by the engine */
+    kvl_conn *conns;           /* every live connection */
+    kvl_conn *dead;            /* closed this iteration; freed at its end */
+    kvl_xfer *all_xfers;
+    kvl_inbound *inbound;
+    uint8_t *scratch;          /* sink for payload bytes that must be drained */
+    size_t scratch_len;
+    uint64_t next_tick_ns;
+    /* notifications: engine -> callers */
+    pthread_mutex_t notif_mu;
+    pthread_cond_t notif_cv;
+    kvl_notif_node *notif_head, *notif_tail;
+    /* path snapshots for kvl_paths */
+    pthread_mutex_t stats_mu;
+    kvl_path_info *snap;
+    size_t n_snap, cap_snap;
+};
+
+/* ---- conn.c: per-connection receive / send state machines ---- */
+kvl_conn *kvl_conn_new(kvl_agent *a, int fd, int listener);
+void kvl_conn_on_event(kvl_conn *c, uint32_t events);
+void kvl_conn_fail(kvl_conn *c, kvl_err err, const char *why);
+int kvl_conn_is_dead(const kvl_conn *c);
+void kvl_conn_free(kvl_conn *c);
+/* Frees connections failed during this engine iteration. */
+void kvl_conn_reap(kvl_agent *a);
+/* Teardown (engine stopped): frees every connection without callbacks. */
+void kvl_conn_close_all(kvl_agent *a);
+/* Queues a control frame (buf is taken over).  Returns 0, or -1 if dead. */
+int kvl_conn_send_frame(kvl_conn *c, kvl_buf *buf);
+/* Queues a DATA frame for chunk ci of x (push). */
+int kvl_conn_send_chunk(kvl_conn *c, kvl_xfer *x, uint32_t ci);
+void kvl_conn_bind_outbound(kvl_conn *c, kvl_peer *p, int path);
+void kvl_conn_expire(kvl_agent *a, uint64_t now);
+double kvl_conn_rtt_us(const kvl_conn *c);
+uint64_t kvl_conn_bytes_sent(const kvl_conn *c);
+uint64_t kvl_conn_bytes_recv(const kvl_conn *c);
+
+/* ---- xfer.c ---- */
+/* Chunk ci verified: progress, layer and event bookkeeping, wakes waiters. */
+void kvl_xfer_chunk_done(kvl_xfer *x, uint32_t ci, uint32_t path, uint64_t now);
+/* Marks the transfer failed (first error wins) and wakes waiters. */
+void kvl_xfer_set_failed(kvl_xfer *x, kvl_err err, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+int kvl_xfer_running(kvl_xfer *x);
+void kvl_xfer_ref(kvl_xfer *x);
+
+/* ---- sched.c: dispatch and path scoring ---- */
+void kvl_sched_dispatch(kvl_peer *p);
+void kvl_sched_on_chunk_done(kvl_peer *p, kvl_xfer *x, uint32_t ci, uint64_t now);
+/* A chunk failed on its path (checksum, or the path went down): requeue it
+ * or fail the transfer when it ran out of attempts. */
+void kvl_sched_requeue(kvl_peer *p, kvl_xfer *x, uint32_t ci, const char *why);
+void kvl_sched_path_down(kvl_peer *p, uint32_t path, const char *why);
+/* Fails a running transfer from the engine: drops its chunks' in-flight
+ * accounting, records the error and wakes waiters. */
+void kvl_sched_fail(kvl_xfer *x, kvl_err err, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+void kvl_sched_expire(kvl_agent *a, uint64_t now);
+/* Releases finished transfers' resources once no I/O touches them.  Runs at
+ * the end of each engine iteration, so handlers never see a freed transfer. */
+void kvl_sched_reap(kvl_agent *a);
+kvl_xfer *kvl_sched_find_xfer(kvl_peer *p, uint64_t id);
+
+/* ---- engine.c ---- */
+void kvl_engine_notify_inbound(kvl_agent *a, const char *peer, const kvl_msg_notify *m);
+void kvl_engine_snapshot_paths(kvl_agent *a);
+
+#endif

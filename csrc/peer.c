@@ -1,0 +1,349 @@
+/* peer.c: connecting to a peer (versioned handshake on every connection)
+ * and the peer's region table.
+ *
+ * Connecting runs in the caller's thread with blocking sockets and
+ * deadlines; once every connection is up the engine adopts them through
+ * the command queue.
+ */
+#include <arpa/inet.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+/* Remote address index for local address i: the one on the same /24
+ * (rail-aligned NICs), else by index. */
+static size_t pair_remote(const char *local, const char *const *hosts, size_t n, size_t i)
+{
+    struct in_addr la, ra;
+    if (inet_pton(AF_INET, local, &la) == 1 && (ntohl(la.s_addr) >> 24) != 127) {
+        for (size_t j = 0; j < n; j++)
+            if (inet_pton(AF_INET, hosts[j], &ra) == 1 &&
+                (ntohl(la.s_addr) >> 8) == (ntohl(ra.s_addr) >> 8))
+                return j;
+    }
+    return i % n;
+}
+
+/* HELLO on fd, then the HELLO_ACK.  Fills *ack; on a control connection the
+ * region table is copied into p. */
+static kvl_err handshake(kvl_agent *a, kvl_peer *p, int fd, int kind, uint16_t path,
+                         const char *where, uint64_t deadline)
+{
+    kvl_msg_hello m = {.instance = a->instance, .kind = (uint8_t)kind, .path = path};
+    strcpy(m.name, a->name);
+    kvl_buf b = {0};
+    kvl_frame_start(&b);
+    kvl_enc_hello(&b, &m);
+    kvl_frame_finish(&b, KVL_F_HELLO, 0);
+    if (b.oom)
+        return kvl_fail(KVL_ERR_NOMEM, "handshake: out of memory");
+    kvl_err e = kvl_sock_send_all(fd, b.p, b.len, deadline);
+    kvl_buf_free(&b);
+    uint8_t hdr[KVL_HDR_BYTES];
+    kvl_frame_hdr h;
+    if (!e)
+        e = kvl_sock_recv_all(fd, hdr, sizeof hdr, deadline);
+    if (e)
+        return kvl_fail(e == KVL_ERR_TIMEOUT ? KVL_ERR_UNREACHABLE : e,
+                        "handshake with peer '%s' at %s: %s", p->name, where, kvl_last_error());
+    if ((e = kvl_hdr_decode(hdr, &h)))
+        return kvl_fail(e == KVL_ERR_HANDSHAKE ? e : KVL_ERR_HANDSHAKE,
+                        "handshake with '%s' at %s: %s (is a kvlink agent listening there?)",
+                        p->name, where, kvl_last_error());
+    if (h.type != KVL_F_HELLO_ACK)
+        return kvl_fail(KVL_ERR_HANDSHAKE, "handshake with '%s' at %s: answer is frame type %u",
+                        p->name, where, h.type);
+    uint8_t *body = malloc(h.body_len ? h.body_len : 1);
+    if (!body)
+        return kvl_fail(KVL_ERR_NOMEM, "handshake: out of memory");
+    e = kvl_sock_recv_all(fd, body, h.body_len, deadline);
+    kvl_msg_hello_ack ack;
+    if (!e && kvl_crc32c(0, body, h.body_len) != h.body_crc)
+        e = kvl_fail(KVL_ERR_HANDSHAKE, "HELLO_ACK body failed its crc32c check");
+    if (!e)
+        e = kvl_dec_hello_ack(body, h.body_len, &ack);
+    if (e) {
+        free(body);
+        return kvl_fail(KVL_ERR_HANDSHAKE, "handshake with '%s' at %s: %s", p->name, where,
+                        kvl_last_error());
+    }
+    if (ack.status != KVL_OK) {
+        free(body);
+        kvl_err st = ack.status <= KVL_ERR_DEADLINE ? ack.status : KVL_ERR_HANDSHAKE;
+        return kvl_fail(st, "peer at %s refused the connection: %s", where, ack.msg);
+    }
+    if (strcmp(ack.name, p->name) != 0) {
+        free(body);
+        return kvl_fail(KVL_ERR_HANDSHAKE,
+                        "the agent at %s is named '%s', not '%s': the peer metadata is stale or "
+                        "wrong",
+                        where, ack.name, p->name);
+    }
+    if (p->instance && ack.instance != p->instance) {
+        free(body);
+        return kvl_fail(KVL_ERR_HANDSHAKE,
+                        "the agent '%s' at %s is instance %016llx, the metadata names %016llx: "
+                        "the peer restarted; fetch its metadata again",
+                        p->name, where, (unsigned long long)ack.instance,
+                        (unsigned long long)p->instance);
+    }
+    p->instance = ack.instance;
+    if (kind == KVL_CONN_CONTROL) {
+        kvl_region_info *tab = calloc(ack.n_regions ? ack.n_regions : 1, sizeof *tab);
+        if (!tab) {
+            free(body);
+            return kvl_fail(KVL_ERR_NOMEM, "handshake: out of memory");
+        }
+        for (uint32_t i = 0; i < ack.n_regions; i++)
+            kvl_dec_region(ack.regions, i, &tab[i]);
+        pthread_mutex_lock(&p->mu);
+        free(p->regions);
+        p->regions = tab;
+        p->n_regions = ack.n_regions;
+        p->regions_gen++;
+        pthread_mutex_unlock(&p->mu);
+    }
+    free(body);
+    return KVL_OK;
+}
+
+static kvl_err open_conn(kvl_agent *a, kvl_peer *p, const char *local, const char *host,
+                         uint16_t port, int kind, uint16_t path, int *fd)
+{
+    char where[80];
+    snprintf(where, sizeof where, "%s:%u", host, port);
+    uint64_t deadline = kvl_now_ns() + (uint64_t)a->cfg.connect_timeout_ms * 1000000ull;
+    kvl_err e = a->tp->connect(local, host, port, a->cfg.connect_timeout_ms,
+                               a->cfg.sock_buf_bytes, fd);
+    if (e)
+        return kvl_fail(e, "peer '%s': %s", p->name, kvl_last_error());
+    if ((e = handshake(a, p, *fd, kind, path, where, deadline))) {
+        close(*fd);
+        *fd = -1;
+    }
+    return e;
+}
+
+static void peer_free(kvl_peer *p)
+{
+    pthread_mutex_destroy(&p->mu);
+    pthread_cond_destroy(&p->cv);
+    free(p->regions);
+    free(p);
+}
+
+static int any_path_up(kvl_peer *p)
+{
+    for (uint32_t i = 0; i < p->n_paths; i++)
+        if (p->paths[i].state != KVL_PATH_DOWN)
+            return 1;
+    return 0;
+}
+
+kvl_err kvl_peer_connect(kvl_agent *a, const char *name, uint64_t instance,
+                         const char *const *hosts, const uint16_t *ports, size_t n,
+                         kvl_peer **out)
+{
+    kvl_clear_error();
+    if (!a || !name || !hosts || !ports || !out)
+        return kvl_fail(KVL_ERR_INVALID_ARG, "add_peer: NULL argument");
+    if (atomic_load(&a->closed))
+        return kvl_fail(KVL_ERR_CLOSED, "add_peer: the agent is closed");
+    if (!name[0] || strlen(name) >= KVL_NAME_MAX)
+        return kvl_fail(KVL_ERR_INVALID_ARG, "peer name must be 1..%d bytes", KVL_NAME_MAX - 1);
+    if (strcmp(name, a->name) == 0)
+        return kvl_fail(KVL_ERR_DUPLICATE_NAME,
+                        "peer name '%s' is this agent's own name: every agent needs a unique "
+                        "name",
+                        name);
+    if (n == 0 || n > KVL_MAX_PATHS)
+        return kvl_fail(KVL_ERR_INVALID_ARG, "peer '%s' metadata lists %zu addresses (1..%d)",
+                        name, n, KVL_MAX_PATHS);
+
+    pthread_mutex_lock(&a->mu);
+    kvl_peer *old = NULL;
+    for (kvl_peer *q = a->peers; q; q = q->next)
+        if (!q->replaced && strcmp(q->name, name) == 0)
+            old = q;
+    if (old && any_path_up(old)) {
+        pthread_mutex_unlock(&a->mu);
+        if (instance == 0 || instance == old->instance) {
+            *out = old;
+            return KVL_OK;
+        }
+        return kvl_fail(KVL_ERR_PEER_EXISTS,
+                        "peer '%s' is already connected as instance %016llx and this metadata "
+                        "names instance %016llx: two live agents share the name",
+                        name, (unsigned long long)old->instance, (unsigned long long)instance);
+    }
+    pthread_mutex_unlock(&a->mu);
+
+    kvl_peer *p = calloc(1, sizeof *p);
+    if (!p)
+        return kvl_fail(KVL_ERR_NOMEM, "add_peer: out of memory");
+    p->agent = a;
+    strcpy(p->name, name);
+    p->instance = instance;
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&p->cv, &ca);
+    pthread_condattr_destroy(&ca);
+
+    int ctrl_fd = -1;
+    int fds[KVL_MAX_PATHS];
+    size_t j0 = pair_remote(a->addrs[0], hosts, n, 0);
+    kvl_err e = open_conn(a, p, a->addrs[0], hosts[j0], ports[j0], KVL_CONN_CONTROL, 0, &ctrl_fd);
+    if (e) {
+        peer_free(p);
+        return e;
+    }
+    p->n_paths = (uint32_t)a->n_addrs;
+    int up = 0;
+    for (uint32_t i = 0; i < p->n_paths; i++) {
+        kvl_path *pa = &p->paths[i];
+        size_t j = pair_remote(a->addrs[i], hosts, n, i);
+        pa->index = i;
+        snprintf(pa->local, sizeof pa->local, "%s", a->addrs[i]);
+        snprintf(pa->remote, sizeof pa->remote, "%s:%u", hosts[j], ports[j]);
+        fds[i] = -1;
+        e = open_conn(a, p, a->addrs[i], hosts[j], ports[j], KVL_CONN_DATA, (uint16_t)i, &fds[i]);
+        if (e == KVL_ERR_DUPLICATE_NAME || e == KVL_ERR_HANDSHAKE)
+            break; /* the peer refuses us: no point trying the other paths */
+        if (e) {
+            pa->state = KVL_PATH_DOWN;
+            snprintf(pa->last_error, sizeof pa->last_error, "%s", kvl_last_error());
+        } else {
+            up++;
+        }
+    }
+    if (e == KVL_ERR_DUPLICATE_NAME || e == KVL_ERR_HANDSHAKE || !up) {
+        if (!e)
+            e = kvl_fail(KVL_ERR_UNREACHABLE, "peer '%s': no data path connected; path 0: %s",
+                         name, p->paths[0].last_error);
+        char msg[1024];
+        snprintf(msg, sizeof msg, "%s", kvl_last_error());
+        close(ctrl_fd);
+        for (uint32_t i = 0; i < p->n_paths; i++)
+            if (fds[i] >= 0)
+                close(fds[i]);
+        peer_free(p);
+        return kvl_fail(e, "%s", msg);
+    }
+
+    kvl_cmd *cmd = calloc(1, sizeof *cmd);
+    if (!cmd) {
+        close(ctrl_fd);
+        for (uint32_t i = 0; i < p->n_paths; i++)
+            if (fds[i] >= 0)
+                close(fds[i]);
+        peer_free(p);
+        return kvl_fail(KVL_ERR_NOMEM, "add_peer: out of memory");
+    }
+    /* the engine adopts the sockets when it takes the command */
+    kvl_sock_nonblock(ctrl_fd, 1);
+    p->ctrl_fd = ctrl_fd;
+    for (uint32_t i = 0; i < p->n_paths; i++) {
+        if (fds[i] >= 0)
+            kvl_sock_nonblock(fds[i], 1);
+        p->paths[i].fd = fds[i];
+    }
+    cmd->type = KVL_CMD_ADOPT_PEER;
+    cmd->peer = p;
+    pthread_mutex_lock(&a->mu);
+    if (old)
+        old->replaced = 1;
+    p->next = a->peers;
+    a->peers = p;
+    if (a->cmd_tail)
+        a->cmd_tail->next = cmd;
+    else
+        a->cmd_head = cmd;
+    a->cmd_tail = cmd;
+    pthread_mutex_unlock(&a->mu);
+    uint64_t one = 1;
+    ssize_t rc = write(a->wakefd, &one, sizeof one);
+    (void)rc;
+    *out = p;
+    return KVL_OK;
+}
+
+kvl_err kvl_peer_find(kvl_agent *a, const char *name, kvl_peer **out)
+{
+    kvl_clear_error();
+    if (atomic_load(&a->closed))
+        return kvl_fail(KVL_ERR_CLOSED, "the agent is closed");
+    pthread_mutex_lock(&a->mu);
+    kvl_peer *p = a->peers;
+    while (p && (p->replaced || strcmp(p->name, name) != 0))
+        p = p->next;
+    pthread_mutex_unlock(&a->mu);
+    if (!p)
+        return kvl_fail(KVL_ERR_UNKNOWN_PEER,
+                        "no peer named '%s': call add_peer() with its metadata first", name);
+    *out = p;
+    return KVL_OK;
+}
+
+kvl_err kvl_peer_regions(kvl_peer *p, kvl_region_info *out, size_t cap, size_t *n)
+{
+    kvl_clear_error();
+    pthread_mutex_lock(&p->mu);
+    for (size_t i = 0; i < p->n_regions && i < cap; i++)
+        out[i] = p->regions[i];
+    *n = p->n_regions;
+    pthread_mutex_unlock(&p->mu);
+    return KVL_OK;
+}
+
+kvl_err kvl_peer_refresh(kvl_peer *p, uint32_t timeout_ms)
+{
+    kvl_clear_error();
+    kvl_agent *a = p->agent;
+    if (atomic_load(&a->closed))
+        return kvl_fail(KVL_ERR_CLOSED, "the agent is closed");
+    kvl_cmd *cmd = calloc(1, sizeof *cmd);
+    if (!cmd)
+        return kvl_fail(KVL_ERR_NOMEM, "refresh: out of memory");
+    pthread_mutex_lock(&p->mu);
+    uint64_t gen = p->regions_gen;
+    p->refresh_pending = 1;
+    pthread_mutex_unlock(&p->mu);
+    cmd->type = KVL_CMD_REFRESH;
+    cmd->peer = p;
+    pthread_mutex_lock(&a->mu);
+    if (a->cmd_tail)
+        a->cmd_tail->next = cmd;
+    else
+        a->cmd_head = cmd;
+    a->cmd_tail = cmd;
+    pthread_mutex_unlock(&a->mu);
+    uint64_t one = 1;
+    ssize_t rc = write(a->wakefd, &one, sizeof one);
+    (void)rc;
+
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    ts.tv_sec += timeout_ms / 1000;
+    ts.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+    if (ts.tv_nsec >= 1000000000L) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000L;
+    }
+    pthread_mutex_lock(&p->mu);
+    int rcw = 0;
+    while (p->regions_gen == gen && p->refresh_pending && rcw == 0)
+        rcw = pthread_cond_timedwait(&p->cv, &p->mu, &ts);
+    int ok = p->regions_gen != gen;
+    pthread_mutex_unlock(&p->mu);
+    if (!ok)
+        return kvl_fail(KVL_ERR_UNREACHABLE,
+                        "peer '%s' did not send its region table within %u ms", p->name,
+                        timeout_ms);
+    return KVL_OK;
+}

@@ -1,0 +1,269 @@
+/* sched.c: which chunk goes on which path, and what happens when one fails.
+ *
+ * Each path keeps an EWMA of its measured chunk service rate.  The next
+ * chunk in plan order goes to the path with the earliest predicted finish,
+ *     (bytes already in flight there + chunk bytes) / rate + rtt,
+ * provided that path's window has room; otherwise the chunk waits for it
+ * rather than going to a path predicted to finish later.  Runs on the engine
+ * thread only.
+ */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+#define EWMA_NEW 0.3           /* weight of a new rate sample: adapts in ~3 chunks */
+#define DEFAULT_BPS 1e9        /* prior for a path without samples: ties go by load */
+
+static int path_usable(const kvl_path *pa)
+{
+    return pa->conn && !kvl_conn_is_dead(pa->conn) &&
+           (pa->state == KVL_PATH_UP || pa->state == KVL_PATH_DEGRADED);
+}
+
+kvl_xfer *kvl_sched_find_xfer(kvl_peer *p, uint64_t id)
+{
+    for (kvl_xfer *x = p->active; x; x = x->next_active)
+        if (x->id == id)
+            return x;
+    return NULL;
+}
+
+/* Next chunk to send for this peer: retries first, then plan order, FIFO
+ * over transfers (the oldest request finishes first). */
+static kvl_xfer *next_chunk(kvl_peer *p, uint32_t *ci)
+{
+    for (kvl_xfer *x = p->active; x; x = x->next_active) {
+        if (!kvl_xfer_running(x))
+            continue;
+        if (x->n_retry) {
+            *ci = x->retry[0];
+            return x;
+        }
+        if (x->next_chunk < x->plan.n_chunks) {
+            *ci = x->next_chunk;
+            return x;
+        }
+    }
+    return NULL;
+}
+
+static void take_chunk(kvl_xfer *x, uint32_t ci)
+{
+    if (x->n_retry && x->retry[0] == ci) {
+        memmove(x->retry, x->retry + 1, (x->n_retry - 1) * sizeof *x->retry);
+        x->n_retry--;
+    } else {
+        x->next_chunk++;
+    }
+}
+
+static double predict_s(const kvl_path *pa, uint64_t bytes, double prior)
+{
+    double bw = pa->bw_Bps > 0 ? pa->bw_Bps : prior;
+    double rtt = pa->conn ? kvl_conn_rtt_us(pa->conn) * 1e-6 : 0;
+    return (double)(pa->inflight_bytes + bytes) / bw + rtt;
+}
+
+void kvl_sched_dispatch(kvl_peer *p)
+{
+    kvl_agent *a = p->agent;
+    for (;;) {
+        uint32_t ci;
+        kvl_xfer *x = next_chunk(p, &ci);
+        if (!x)
+            return;
+        double sum = 0;
+        int known = 0;
+        for (uint32_t i = 0; i < p->n_paths; i++)
+            if (path_usable(&p->paths[i]) && p->paths[i].bw_Bps > 0) {
+                sum += p->paths[i].bw_Bps;
+                known++;
+            }
+        double prior = known ? sum / known : DEFAULT_BPS;
+        uint64_t bytes = x->plan.chunks[ci].bytes;
+        kvl_path *best = NULL;
+        double best_t = 0;
+        for (uint32_t i = 0; i < p->n_paths; i++) {
+            kvl_path *pa = &p->paths[i];
+            if (!path_usable(pa))
+                continue;
+            double t = predict_s(pa, bytes, prior);
+            if (!best || t < best_t) {
+                best = pa;
+                best_t = t;
+            }
+        }
+        if (!best)
+            return; /* kvl_sched_path_down already failed what it had to */
+        if (best->inflight_chunks >= a->cfg.window_chunks &&
+            best->inflight_bytes >= a->cfg.window_bytes)
+            return;
+        take_chunk(x, ci);
+        x->attempt[ci]++;
+        x->cpath[ci] = (uint8_t)best->index;
+        x->cstate[ci] = KVL_CHUNK_INFLIGHT;
+        x->t_sent_ns[ci] = kvl_now_ns();
+        best->inflight_bytes += bytes;
+        best->inflight_chunks++;
+        if (x->attempt[ci] > 1) {
+            pthread_mutex_lock(&x->mu);
+            x->info.retries++;
+            pthread_mutex_unlock(&x->mu);
+        }
+        if (kvl_conn_send_chunk(best->conn, x, ci) != 0) {
+            kvl_sched_fail(x, KVL_ERR_NOMEM, "out of memory queueing chunk %u", ci);
+            return;
+        }
+    }
+}
+
+/* Drops chunk ci's in-flight accounting on its path. */
+static void unaccount(kvl_peer *p, kvl_xfer *x, uint32_t ci)
+{
+    if (x->cstate[ci] != KVL_CHUNK_INFLIGHT)
+        return;
+    kvl_path *pa = &p->paths[x->cpath[ci]];
+    uint64_t bytes = x->plan.chunks[ci].bytes;
+    pa->inflight_bytes = pa->inflight_bytes >= bytes ? pa->inflight_bytes - bytes : 0;
+    if (pa->inflight_chunks)
+        pa->inflight_chunks--;
+    x->cstate[ci] = KVL_CHUNK_PENDING;
+}
+
+static void send_notify(kvl_peer *p, kvl_xfer *x)
+{
+    kvl_conn *c = p->ctrl && !kvl_conn_is_dead(p->ctrl) ? p->ctrl : NULL;
+    for (uint32_t i = 0; !c && i < p->n_paths; i++)
+        if (path_usable(&p->paths[i]))
+            c = p->paths[i].conn;
+    if (!c)
+        return; /* nobody left to tell; the peer is gone */
+    kvl_buf b = {0};
+    kvl_frame_start(&b);
+    kvl_enc_notify(&b, x->id, (uint32_t)x->op, x->notify, x->notify_len);
+    kvl_frame_finish(&b, KVL_F_NOTIFY, 0);
+    kvl_conn_send_frame(c, &b);
+}
+
+void kvl_sched_on_chunk_done(kvl_peer *p, kvl_xfer *x, uint32_t ci, uint64_t now)
+{
+    kvl_path *pa = &p->paths[x->cpath[ci]];
+    unaccount(p, x, ci);
+    x->cstate[ci] = KVL_CHUNK_DONE;
+    uint64_t start = x->t_sent_ns[ci] > pa->t_last_done_ns ? x->t_sent_ns[ci] : pa->t_last_done_ns;
+    if (now > start) {
+        double sample = (double)x->plan.chunks[ci].bytes * 1e9 / (double)(now - start);
+        pa->bw_Bps = pa->bw_Bps > 0 ? (1 - EWMA_NEW) * pa->bw_Bps + EWMA_NEW * sample : sample;
+    }
+    pa->t_last_done_ns = now;
+    pa->chunks_done++;
+    kvl_xfer_chunk_done(x, ci, pa->index, now);
+    if (!kvl_xfer_running(x)) {
+        if (x->notify)
+            send_notify(p, x);
+        kvl_engine_snapshot_paths(p->agent);
+    }
+}
+
+void kvl_sched_fail(kvl_xfer *x, kvl_err err, const char *fmt, ...)
+{
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    for (uint32_t ci = 0; ci < x->plan.n_chunks; ci++)
+        unaccount(x->peer, x, ci);
+    kvl_xfer_set_failed(x, err, "%s", msg);
+}
+
+void kvl_sched_requeue(kvl_peer *p, kvl_xfer *x, uint32_t ci, const char *why)
+{
+    unaccount(p, x, ci);
+    if (x->attempt[ci] >= p->agent->cfg.max_attempts) {
+        kvl_sched_fail(x, KVL_ERR_CHECKSUM, "chunk %u to peer '%s' failed %u times; last: %s", ci,
+                       p->name, x->attempt[ci], why);
+        return;
+    }
+    x->retry[x->n_retry++] = ci;
+}
+
+void kvl_sched_path_down(kvl_peer *p, uint32_t path, const char *why)
+{
+    kvl_path *pa = &p->paths[path];
+    pa->state = KVL_PATH_DOWN;
+    pa->conn = NULL;
+    snprintf(pa->last_error, sizeof pa->last_error, "%s", why);
+    for (kvl_xfer *x = p->active; x; x = x->next_active) {
+        /* requeue may fail x; reaping waits for the iteration's end */
+        for (uint32_t ci = 0; ci < x->plan.n_chunks && kvl_xfer_running(x); ci++)
+            if (x->cstate[ci] == KVL_CHUNK_INFLIGHT && x->cpath[ci] == path)
+                kvl_sched_requeue(p, x, ci, why);
+    }
+    pa->inflight_bytes = 0;
+    pa->inflight_chunks = 0;
+    for (uint32_t i = 0; i < p->n_paths; i++)
+        if (path_usable(&p->paths[i]))
+            goto done;
+    /* every path is down: fail what is running, naming each path's error */
+    char msg[512];
+    size_t off = (size_t)snprintf(msg, sizeof msg, "peer '%s': all %u path(s) are down", p->name,
+                                  p->n_paths);
+    for (uint32_t i = 0; i < p->n_paths && off < sizeof msg; i++)
+        off += (size_t)snprintf(msg + off, sizeof msg - off, "; path %u %s->%s: %s", i,
+                                p->paths[i].local, p->paths[i].remote, p->paths[i].last_error);
+    for (kvl_xfer *x = p->active, *next; x; x = next) {
+        next = x->next_active;
+        if (kvl_xfer_running(x))
+            kvl_sched_fail(x, KVL_ERR_CONN_LOST, "%s", msg);
+    }
+done:
+    kvl_engine_snapshot_paths(p->agent);
+}
+
+void kvl_sched_expire(kvl_agent *a, uint64_t now)
+{
+    for (kvl_peer *p = a->eng_peers; p; p = p->eng_next) {
+        for (kvl_xfer *x = p->active, *next; x; x = next) {
+            next = x->next_active;
+            if (kvl_xfer_running(x) && x->deadline_ns && now > x->deadline_ns)
+                kvl_sched_fail(x, KVL_ERR_DEADLINE,
+                               "transfer %llu to peer '%s' missed its deadline "
+                               "(%u of %u chunks verified)",
+                               (unsigned long long)x->id, p->name, x->info.chunks_done,
+                               x->info.chunks_total);
+        }
+    }
+}
+
+static void retire(kvl_peer *p, kvl_xfer *x, kvl_xfer *prev)
+{
+    if (prev)
+        prev->next_active = x->next_active;
+    else
+        p->active = x->next_active;
+    if (p->active_tail == x)
+        p->active_tail = prev;
+    for (size_t i = 0; i < x->n_held; i++)
+        kvl_regions_release(&p->agent->regions, x->held[i]);
+    x->n_held = 0;
+    x->retired = 1;
+    kvl_xfer_release(x); /* the engine's reference */
+}
+
+void kvl_sched_reap(kvl_agent *a)
+{
+    for (kvl_peer *p = a->eng_peers; p; p = p->eng_next) {
+        kvl_xfer *prev = NULL;
+        for (kvl_xfer *x = p->active, *next; x; x = next) {
+            next = x->next_active;
+            if (!kvl_xfer_running(x) && x->io_refs == 0)
+                retire(p, x, prev);
+            else
+                prev = x;
+        }
+    }
+}

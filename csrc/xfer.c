@@ -1,0 +1,449 @@
+/* xfer.c: transfer objects: validation and planning at submit, progress
+ * bookkeeping shared between the engine (writer) and callers (waiters).
+ *
+ * A transfer carries two references: the caller's handle and the engine's.
+ * The engine drops its own once the transfer has finished and no frame or
+ * receive touches its memory any more (sched.c, kvl_sched_reap).
+ */
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+#define MAX_LAYERS 65536 /* far above any model; bounds per-layer arrays */
+
+enum { LAYER_PENDING = 0, LAYER_DONE = 1, LAYER_ABSENT = 2 };
+
+void kvl_xfer_ref(kvl_xfer *x) { atomic_fetch_add(&x->refs, 1); }
+
+int kvl_xfer_running(kvl_xfer *x)
+{
+    /* written only by the engine thread, which is the only caller */
+    return x->info.state == KVL_XFER_RUNNING;
+}
+
+static void xfer_free(kvl_xfer *x)
+{
+    kvl_plan_free(&x->plan);
+    free(x->segs);
+    free(x->local_ptr);
+    free(x->held);
+    free(x->notify);
+    free(x->cstate);
+    free(x->attempt);
+    free(x->cpath);
+    free(x->t_sent_ns);
+    free(x->retry);
+    free(x->layer_left);
+    free(x->layer_done);
+    free(x->events);
+    pthread_mutex_destroy(&x->mu);
+    pthread_cond_destroy(&x->cv);
+    free(x);
+}
+
+void kvl_xfer_release(kvl_xfer *x)
+{
+    if (x && atomic_fetch_sub(&x->refs, 1) == 1)
+        xfer_free(x);
+}
+
+/* Holds a reference on a local region for the transfer's lifetime, once per
+ * distinct region. */
+static kvl_err hold_local(kvl_agent *a, kvl_xfer *x, uint64_t id, uint64_t off, uint64_t len,
+                          const char *what, kvl_region **out)
+{
+    for (size_t i = x->n_held; i-- > 0;) {
+        kvl_region *r = x->held[i];
+        if (r->id == id) {
+            if (off > r->size || len > r->size - off)
+                return kvl_fail(KVL_ERR_OUT_OF_BOUNDS,
+                                "%s: bytes [%llu, %llu) lie outside local region %llu '%s' of "
+                                "%llu bytes",
+                                what, (unsigned long long)off, (unsigned long long)(off + len),
+                                (unsigned long long)id, r->name, (unsigned long long)r->size);
+            *out = r;
+            return KVL_OK;
+        }
+    }
+    kvl_region *r;
+    kvl_err e = kvl_regions_acquire(&a->regions, id, off, len, 0, what, &r);
+    if (e)
+        return e;
+    x->held[x->n_held++] = r;
+    *out = r;
+    return KVL_OK;
+}
+
+static const kvl_region_info *find_remote(kvl_peer *p, uint64_t id)
+{
+    size_t lo = 0, hi = p->n_regions;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (p->regions[mid].id < id)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < p->n_regions && p->regions[lo].id == id ? &p->regions[lo] : NULL;
+}
+
+/* Checks the remote side of every segment against the peer's region table,
+ * refreshing the table once if a region is unknown (registered after our
+ * handshake). */
+static kvl_err check_remote(kvl_agent *a, kvl_peer *p, int op, const kvl_segment *segs,
+                            size_t n)
+{
+    uint32_t need = op == KVL_OP_PUSH ? KVL_REMOTE_WRITE : KVL_REMOTE_READ;
+    const char *side = op == KVL_OP_PUSH ? "dst" : "src";
+    for (int pass = 0; pass < 2; pass++) {
+        int refresh = 0;
+        pthread_mutex_lock(&p->mu);
+        kvl_err e = KVL_OK;
+        for (size_t i = 0; i < n && !e; i++) {
+            uint64_t id = op == KVL_OP_PUSH ? segs[i].dst_region : segs[i].src_region;
+            uint64_t off = op == KVL_OP_PUSH ? segs[i].dst_offset : segs[i].src_offset;
+            const kvl_region_info *r = find_remote(p, id);
+            if (!r && pass == 0) {
+                refresh = 1;
+                break;
+            }
+            if (!r)
+                e = kvl_fail(KVL_ERR_UNKNOWN_REGION,
+                             "segments[%zu].%s_region: peer '%s' has no region %llu", i, side,
+                             p->name, (unsigned long long)id);
+            else if (off > r->size || segs[i].len > r->size - off)
+                e = kvl_fail(KVL_ERR_OUT_OF_BOUNDS,
+                             "segments[%zu].%s: bytes [%llu, %llu) lie outside peer '%s' "
+                             "region %llu '%s' of %llu bytes",
+                             i, side, (unsigned long long)off,
+                             (unsigned long long)(off + segs[i].len), p->name,
+                             (unsigned long long)id, r->name, (unsigned long long)r->size);
+            else if ((r->rights & need) != need)
+                e = kvl_fail(KVL_ERR_ACCESS_DENIED,
+                             "segments[%zu].%s_region: peer '%s' region %llu '%s' was "
+                             "registered without %s",
+                             i, side, p->name, (unsigned long long)id, r->name,
+                             need == KVL_REMOTE_WRITE ? "remote_write=True"
+                                                      : "remote_read=True");
+        }
+        pthread_mutex_unlock(&p->mu);
+        if (!refresh)
+            return e;
+        kvl_err re = kvl_peer_refresh(p, a->cfg.connect_timeout_ms);
+        if (re)
+            return re;
+    }
+    return KVL_OK;
+}
+
+static kvl_err alloc_state(kvl_xfer *x)
+{
+    size_t nc = x->plan.n_chunks, nl = x->plan.n_layers;
+    x->cstate = calloc(nc, 1);
+    x->attempt = calloc(nc, sizeof *x->attempt);
+    x->cpath = calloc(nc, 1);
+    x->t_sent_ns = calloc(nc, sizeof *x->t_sent_ns);
+    x->retry = calloc(nc, sizeof *x->retry);
+    x->events = calloc(nc, sizeof *x->events);
+    x->layer_left = calloc(nl, sizeof *x->layer_left);
+    x->layer_done = malloc(nl);
+    if (!x->cstate || !x->attempt || !x->cpath || !x->t_sent_ns || !x->retry || !x->events ||
+        !x->layer_left || !x->layer_done)
+        return kvl_fail(KVL_ERR_NOMEM, "submit: out of memory for %zu chunks", nc);
+    for (size_t ci = 0; ci < nc; ci++)
+        for (uint32_t l = x->plan.chunks[ci].layer_first; l <= x->plan.chunks[ci].layer_last; l++)
+            x->layer_left[l]++;
+    for (size_t l = 0; l < nl; l++)
+        x->layer_done[l] = x->layer_left[l] ? LAYER_PENDING : LAYER_ABSENT;
+    return KVL_OK;
+}
+
+static void wake_engine(kvl_agent *a)
+{
+    uint64_t one = 1;
+    ssize_t rc = write(a->wakefd, &one, sizeof one);
+    (void)rc; /* a full eventfd counter still wakes the engine */
+}
+
+kvl_err kvl_xfer_submit(kvl_agent *a, kvl_peer *p, int op, const kvl_segment *segs,
+                        size_t n_segs, const void *notify, size_t notify_len,
+                        uint32_t timeout_ms, kvl_xfer **out)
+{
+    kvl_clear_error();
+    if (!a || !p || !out)
+        return kvl_fail(KVL_ERR_INVALID_ARG, "submit: agent, peer and out must not be NULL");
+    if (atomic_load(&a->closed))
+        return kvl_fail(KVL_ERR_CLOSED, "submit: the agent is closed");
+    if (op != KVL_OP_PUSH && op != KVL_OP_PULL)
+        return kvl_fail(KVL_ERR_INVALID_ARG, "submit: op must be push or pull, not %d", op);
+    if (notify_len > KVL_MAX_TAG || (notify_len && !notify))
+        return kvl_fail(KVL_ERR_INVALID_ARG, "notify: the tag must be at most %d bytes",
+                        KVL_MAX_TAG);
+    if (p->replaced)
+        return kvl_fail(KVL_ERR_UNKNOWN_PEER,
+                        "peer '%s' was replaced by a newer connection; look it up again",
+                        p->name);
+    for (size_t i = 0; i < n_segs; i++)
+        if (segs[i].layer >= MAX_LAYERS)
+            return kvl_fail(KVL_ERR_INVALID_ARG, "segments[%zu].layer %u exceeds the %d limit",
+                            i, segs[i].layer, MAX_LAYERS - 1);
+    int live = 0;
+    for (uint32_t i = 0; i < p->n_paths; i++)
+        live |= p->paths[i].state != KVL_PATH_DOWN; /* racy read: a hint, engine decides */
+    if (!live)
+        return kvl_fail(KVL_ERR_UNREACHABLE,
+                        "peer '%s': every path is down (first: %s); add the peer again once it "
+                        "is back",
+                        p->name, p->paths[0].last_error);
+
+    kvl_xfer *x = calloc(1, sizeof *x);
+    if (!x)
+        return kvl_fail(KVL_ERR_NOMEM, "submit: out of memory");
+    pthread_mutex_init(&x->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&x->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    atomic_init(&x->refs, 2);
+    x->op = op;
+    x->peer = p;
+    x->agent = a;
+    kvl_err e = kvl_plan_make(segs, n_segs, p->n_paths, a->cfg.chunk_bytes,
+                              a->cfg.min_chunk_bytes, KVL_MAX_PIECES, &x->plan);
+    if (e)
+        goto fail;
+    e = KVL_ERR_NOMEM;
+    x->segs = malloc(n_segs * sizeof *x->segs);
+    x->local_ptr = malloc(n_segs * sizeof *x->local_ptr);
+    x->held = malloc(n_segs * sizeof *x->held);
+    if (!x->segs || !x->local_ptr || !x->held) {
+        kvl_fail(e, "submit: out of memory for %zu segments", n_segs);
+        goto fail;
+    }
+    memcpy(x->segs, segs, n_segs * sizeof *segs);
+    x->n_segs = n_segs;
+    for (size_t i = 0; i < n_segs; i++) {
+        char what[64];
+        int push = op == KVL_OP_PUSH;
+        snprintf(what, sizeof what, "segments[%zu].%s", i, push ? "src" : "dst");
+        kvl_region *r = NULL;
+        uint64_t id = push ? segs[i].src_region : segs[i].dst_region;
+        uint64_t off = push ? segs[i].src_offset : segs[i].dst_offset;
+        if ((e = hold_local(a, x, id, off, segs[i].len, what, &r)))
+            goto fail;
+        if (!push && (r->rights & KVL_LOCAL_READONLY)) {
+            e = kvl_fail(KVL_ERR_ACCESS_DENIED,
+                         "%s_region: local region %llu '%s' is read-only memory; pull into a "
+                         "writable buffer",
+                         what, (unsigned long long)id, r->name);
+            goto fail;
+        }
+        x->local_ptr[i] = r->base + off;
+    }
+    if ((e = check_remote(a, p, op, segs, n_segs)))
+        goto fail;
+    if ((e = alloc_state(x)))
+        goto fail;
+    if (notify_len) {
+        x->notify = malloc(notify_len);
+        if (!x->notify) {
+            e = kvl_fail(KVL_ERR_NOMEM, "submit: out of memory");
+            goto fail;
+        }
+        memcpy(x->notify, notify, notify_len);
+        x->notify_len = (uint32_t)notify_len;
+    }
+    kvl_cmd *cmd = calloc(1, sizeof *cmd);
+    if (!cmd) {
+        e = kvl_fail(KVL_ERR_NOMEM, "submit: out of memory");
+        goto fail;
+    }
+    uint64_t now = kvl_now_ns();
+    x->deadline_ns = timeout_ms ? now + (uint64_t)timeout_ms * 1000000ull : 0;
+    x->info.state = KVL_XFER_RUNNING;
+    x->info.bytes_total = 0;
+    for (size_t i = 0; i < n_segs; i++)
+        x->info.bytes_total += segs[i].len;
+    x->info.chunks_total = (uint32_t)x->plan.n_chunks;
+    x->info.layers = x->plan.n_layers;
+    x->info.t_submit_ns = now;
+    cmd->type = KVL_CMD_SUBMIT;
+    cmd->xfer = x;
+    pthread_mutex_lock(&a->mu);
+    x->id = x->info.id = ++a->next_xfer_id;
+    if (a->cmd_tail)
+        a->cmd_tail->next = cmd;
+    else
+        a->cmd_head = cmd;
+    a->cmd_tail = cmd;
+    pthread_mutex_unlock(&a->mu);
+    wake_engine(a);
+    *out = x;
+    return KVL_OK;
+fail:
+    for (size_t i = 0; i < x->n_held; i++)
+        kvl_regions_release(&a->regions, x->held[i]);
+    xfer_free(x);
+    return e;
+}
+
+void kvl_xfer_chunk_done(kvl_xfer *x, uint32_t ci, uint32_t path, uint64_t now)
+{
+    const kvl_chunk *ch = &x->plan.chunks[ci];
+    pthread_mutex_lock(&x->mu);
+    kvl_chunk_event *ev = &x->events[x->n_events++];
+    ev->chunk = ci;
+    ev->path = path;
+    ev->bytes = ch->bytes;
+    ev->t_ns = now;
+    ev->layer_first = 0;
+    ev->layer_count = 0;
+    /* layers strictly inside the chunk close with it; the end layers close
+     * when their other chunks are done, so the closed set is contiguous */
+    for (uint32_t l = ch->layer_first; l <= ch->layer_last; l++) {
+        if (--x->layer_left[l] == 0) {
+            x->layer_done[l] = LAYER_DONE;
+            if (!ev->layer_count)
+                ev->layer_first = l;
+            ev->layer_count++;
+        }
+    }
+    x->info.bytes_done += ch->bytes;
+    x->info.chunks_done++;
+    if (!x->info.t_first_byte_ns)
+        x->info.t_first_byte_ns = now;
+    if (x->info.chunks_done == x->info.chunks_total) {
+        x->info.state = KVL_XFER_DONE;
+        x->info.t_done_ns = now;
+    }
+    pthread_cond_broadcast(&x->cv);
+    pthread_mutex_unlock(&x->mu);
+}
+
+void kvl_xfer_set_failed(kvl_xfer *x, kvl_err err, const char *fmt, ...)
+{
+    pthread_mutex_lock(&x->mu);
+    if (x->info.state == KVL_XFER_RUNNING) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(x->info.message, sizeof x->info.message, fmt, ap);
+        va_end(ap);
+        x->info.state = KVL_XFER_FAILED;
+        x->info.err = (uint32_t)err;
+        x->info.t_done_ns = kvl_now_ns();
+        pthread_cond_broadcast(&x->cv);
+    }
+    pthread_mutex_unlock(&x->mu);
+}
+
+/* Waits on x->cv until pred(x, arg) or the deadline; called with x->mu held.
+ * Returns 0 when pred holds, -1 on timeout. */
+static int wait_until(kvl_xfer *x, int (*pred)(kvl_xfer *, uint32_t), uint32_t arg,
+                      uint32_t timeout_ms)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    ts.tv_sec += timeout_ms / 1000;
+    ts.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+    if (ts.tv_nsec >= 1000000000L) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000L;
+    }
+    while (!pred(x, arg))
+        if (pthread_cond_timedwait(&x->cv, &x->mu, &ts) == ETIMEDOUT)
+            return pred(x, arg) ? 0 : -1;
+    return 0;
+}
+
+static int finished(kvl_xfer *x, uint32_t unused)
+{
+    (void)unused;
+    return x->info.state != KVL_XFER_RUNNING;
+}
+
+static int layer_ready(kvl_xfer *x, uint32_t layer)
+{
+    return x->layer_done[layer] == LAYER_DONE || x->info.state != KVL_XFER_RUNNING;
+}
+
+static int event_ready(kvl_xfer *x, uint32_t unused)
+{
+    (void)unused;
+    return x->ev_read < x->n_events || x->info.state != KVL_XFER_RUNNING;
+}
+
+/* Result of a finished transfer; called with x->mu held. */
+static kvl_err outcome(kvl_xfer *x)
+{
+    if (x->info.state == KVL_XFER_DONE)
+        return KVL_OK;
+    return kvl_fail((kvl_err)x->info.err, "%s", x->info.message);
+}
+
+kvl_err kvl_xfer_wait(kvl_xfer *x, uint32_t timeout_ms)
+{
+    kvl_clear_error();
+    pthread_mutex_lock(&x->mu);
+    kvl_err e = wait_until(x, finished, 0, timeout_ms)
+                    ? kvl_fail(KVL_ERR_TIMEOUT,
+                               "transfer %llu still running after %u ms (%llu of %llu bytes)",
+                               (unsigned long long)x->id, timeout_ms,
+                               (unsigned long long)x->info.bytes_done,
+                               (unsigned long long)x->info.bytes_total)
+                    : outcome(x);
+    pthread_mutex_unlock(&x->mu);
+    return e;
+}
+
+kvl_err kvl_xfer_wait_layer(kvl_xfer *x, uint32_t layer, uint32_t timeout_ms)
+{
+    kvl_clear_error();
+    if (layer >= x->plan.n_layers || x->layer_done[layer] == LAYER_ABSENT)
+        return kvl_fail(KVL_ERR_INVALID_ARG, "layer %u: transfer %llu carries no bytes of it",
+                        layer, (unsigned long long)x->id);
+    pthread_mutex_lock(&x->mu);
+    kvl_err e;
+    if (wait_until(x, layer_ready, layer, timeout_ms))
+        e = kvl_fail(KVL_ERR_TIMEOUT, "layer %u of transfer %llu not ready after %u ms", layer,
+                     (unsigned long long)x->id, timeout_ms);
+    else
+        e = x->layer_done[layer] == LAYER_DONE ? KVL_OK : outcome(x);
+    pthread_mutex_unlock(&x->mu);
+    return e;
+}
+
+kvl_err kvl_xfer_next_event(kvl_xfer *x, uint32_t timeout_ms, kvl_chunk_event *ev)
+{
+    kvl_clear_error();
+    pthread_mutex_lock(&x->mu);
+    kvl_err e;
+    if (wait_until(x, event_ready, 0, timeout_ms))
+        e = kvl_fail(KVL_ERR_TIMEOUT, "no chunk of transfer %llu finished within %u ms",
+                     (unsigned long long)x->id, timeout_ms);
+    else if (x->ev_read < x->n_events) {
+        *ev = x->events[x->ev_read++];
+        e = KVL_OK;
+    } else if (x->info.state == KVL_XFER_DONE)
+        e = kvl_fail(KVL_ERR_END, "all chunk events taken");
+    else
+        e = outcome(x);
+    pthread_mutex_unlock(&x->mu);
+    return e;
+}
+
+kvl_err kvl_xfer_info_get(kvl_xfer *x, kvl_xfer_info *out)
+{
+    kvl_clear_error();
+    pthread_mutex_lock(&x->mu);
+    *out = x->info;
+    pthread_mutex_unlock(&x->mu);
+    return KVL_OK;
+}

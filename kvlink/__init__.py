@@ -1,0 +1,100 @@
+"""kvlink: KV-cache transfer for disaggregated LLM serving.
+
+Moves KV caches between prefill and decode nodes over every NIC at once,
+verifies every byte (crc32c per chunk) and reports per-layer completion so
+the receiver starts on the first layers while the rest is in flight.
+See docs/api.md for a guided tour.
+"""
+
+from __future__ import annotations
+
+from ._agent import (
+    Agent,
+    ChunkEvent,
+    Notification,
+    Op,
+    PathInfo,
+    PathState,
+    Region,
+    RemoteRegion,
+    Transfer,
+    TransferInfo,
+    TransferState,
+)
+from ._config import GiB, KiB, MiB, Config
+from ._errors import (
+    ChecksumError,
+    ClosedError,
+    ConfigError,
+    ConnectionLostError,
+    DuplicateNameError,
+    ErrorCode,
+    HandshakeError,
+    InvalidArgumentError,
+    KvlinkError,
+    NotRegisteredError,
+    OutOfBoundsError,
+    PeerError,
+    PeerUnreachableError,
+    ProtocolError,
+    RegionBusyError,
+    RegistrationError,
+    RemoteAccessError,
+    RemoteRefusedError,
+    SizeMismatchError,
+    TransferAbortedError,
+    TransferError,
+    TransferTimeoutError,
+    UnknownPeerError,
+    UnknownRegionError,
+)
+from ._memory import MemoryType
+from ._segments import SEGMENT_DTYPE, Segment
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SEGMENT_DTYPE",
+    "Agent",
+    "ChecksumError",
+    "ChunkEvent",
+    "ClosedError",
+    "Config",
+    "ConfigError",
+    "ConnectionLostError",
+    "DuplicateNameError",
+    "ErrorCode",
+    "GiB",
+    "HandshakeError",
+    "InvalidArgumentError",
+    "KiB",
+    "KvlinkError",
+    "MemoryType",
+    "MiB",
+    "NotRegisteredError",
+    "Notification",
+    "Op",
+    "OutOfBoundsError",
+    "PathInfo",
+    "PathState",
+    "PeerError",
+    "PeerUnreachableError",
+    "ProtocolError",
+    "Region",
+    "RegionBusyError",
+    "RegistrationError",
+    "RemoteAccessError",
+    "RemoteRefusedError",
+    "RemoteRegion",
+    "Segment",
+    "SizeMismatchError",
+    "Transfer",
+    "TransferAbortedError",
+    "TransferError",
+    "TransferInfo",
+    "TransferState",
+    "TransferTimeoutError",
+    "UnknownPeerError",
+    "UnknownRegionError",
+    "__version__",
+]

@@ -1,0 +1,894 @@
+"""The object API: Agent, Region, Transfer and what they report."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+import numpy as np
+
+from . import _nics
+from ._config import Config
+from ._errors import (
+    ClosedError,
+    DuplicateNameError,
+    ErrorCode,
+    InvalidArgumentError,
+    KvlinkError,
+    NotRegisteredError,
+    OutOfBoundsError,
+    RegistrationError,
+    SizeMismatchError,
+    UnknownRegionError,
+    error_for,
+)
+from ._memory import MemoryType, as_span
+from ._native import check, cstr, ffi, lib
+from ._segments import SEGMENT_DTYPE, as_segment_array
+
+log = logging.getLogger("kvlink")
+
+METADATA_VERSION = 1
+_WAIT_SLICE_S = 0.2  # blocking waits run in slices so Ctrl-C and close() get through
+_MAX_WAIT_MS = 2**31
+
+
+class Op(IntEnum):
+    """Direction of a transfer, from the initiator's point of view."""
+
+    PUSH = 1
+    PULL = 2
+
+
+class TransferState(IntEnum):
+    RUNNING = 0
+    DONE = 1
+    FAILED = 2
+
+
+class PathState(IntEnum):
+    UP = 0
+    DEGRADED = 1
+    DOWN = 2
+    PROBING = 3
+
+
+def _ms(timeout_s: float | None) -> int:
+    if timeout_s is None:
+        return _MAX_WAIT_MS
+    if timeout_s < 0:
+        raise InvalidArgumentError(f"timeout_s: must be >= 0, got {timeout_s}")
+    return min(int(timeout_s * 1000), _MAX_WAIT_MS)
+
+
+@dataclass(frozen=True)
+class Region:
+    """Memory registered with an agent.
+
+    ``id`` is what peers use to address it (with ``name``, if given).
+    """
+
+    id: int
+    address: int
+    nbytes: int
+    remote_read: bool
+    remote_write: bool
+    readonly: bool
+    mem: MemoryType
+    name: str
+    _keepalive: Any = None
+
+    def __repr__(self) -> str:
+        rights = "r" if self.remote_read else "-"
+        rights += "w" if self.remote_write else "-"
+        return f"Region(id={self.id}, name={self.name!r}, nbytes={self.nbytes}, rights={rights})"
+
+
+@dataclass(frozen=True)
+class RemoteRegion:
+    """A region a peer exposes (from its handshake)."""
+
+    peer: str
+    id: int
+    nbytes: int
+    remote_read: bool
+    remote_write: bool
+    mem: MemoryType
+    name: str
+
+
+@dataclass(frozen=True)
+class ChunkEvent:
+    """A verified chunk, in completion order.
+
+    ``layers`` is the range of layers this chunk completed (possibly empty).
+    """
+
+    index: int
+    path: int
+    nbytes: int
+    layers: range
+    t_ns: int
+
+
+@dataclass(frozen=True)
+class TransferInfo:
+    id: int
+    state: TransferState
+    bytes_total: int
+    bytes_done: int
+    chunks_total: int
+    chunks_done: int
+    layers: int
+    retries: int
+    t_submit_ns: int
+    t_first_byte_ns: int
+    t_done_ns: int
+    error_code: ErrorCode
+    message: str
+
+
+@dataclass(frozen=True)
+class Notification:
+    """A peer finished a transfer with us and attached ``tag``."""
+
+    peer: str
+    tag: bytes
+    transfer_id: int
+    op: Op
+
+
+@dataclass(frozen=True)
+class PathInfo:
+    """Live statistics of one path (refreshed every monitor interval)."""
+
+    peer: str
+    index: int
+    state: PathState
+    local: str
+    remote: str
+    bytes_sent: int
+    bytes_recv: int
+    chunks_done: int
+    inflight_bytes: int
+    est_gbps: float  # GB/s (bytes), EWMA of measured chunk service rate
+    rtt_us: float
+    last_error: str
+
+
+class Transfer:
+    """Handle of a push or pull.  Thread-safe; waits release the GIL."""
+
+    def __init__(self, cdata: Any, op: Op, peer: str, nbytes: int) -> None:
+        self._x = ffi.gc(cdata, lib.kvl_xfer_release)
+        self.op = op
+        self.peer = peer
+        self.nbytes = nbytes
+        self.id = self.info().id
+
+    def __repr__(self) -> str:
+        i = self.info()
+        return (
+            f"Transfer(id={self.id}, op={self.op.name}, peer={self.peer!r}, "
+            f"state={i.state.name}, {i.bytes_done}/{i.bytes_total} bytes)"
+        )
+
+    def info(self) -> TransferInfo:
+        """A snapshot of progress, timestamps and error."""
+        out = ffi.new("kvl_xfer_info *")
+        check(lib.kvl_xfer_info_get(self._x, out))
+        return TransferInfo(
+            id=int(out.id),
+            state=TransferState(out.state),
+            bytes_total=int(out.bytes_total),
+            bytes_done=int(out.bytes_done),
+            chunks_total=int(out.chunks_total),
+            chunks_done=int(out.chunks_done),
+            layers=int(out.layers),
+            retries=int(out.retries),
+            t_submit_ns=int(out.t_submit_ns),
+            t_first_byte_ns=int(out.t_first_byte_ns),
+            t_done_ns=int(out.t_done_ns),
+            error_code=ErrorCode(out.err) if out.state == TransferState.FAILED else ErrorCode.OK,
+            message=cstr(out.message),
+        )
+
+    @property
+    def state(self) -> TransferState:
+        return self.info().state
+
+    @property
+    def done(self) -> bool:
+        """True once the transfer has finished, successfully or not."""
+        return self.state != TransferState.RUNNING
+
+    @property
+    def ok(self) -> bool:
+        """True once every byte has been verified at the destination."""
+        return self.state == TransferState.DONE
+
+    @property
+    def bytes_done(self) -> int:
+        return self.info().bytes_done
+
+    @property
+    def error(self) -> KvlinkError | None:
+        """The transfer's error once it failed, else None."""
+        i = self.info()
+        if i.state != TransferState.FAILED:
+            return None
+        return error_for(
+            i.error_code, i.message, transfer=True, peer=self.peer, transfer_id=self.id
+        )
+
+    def _wait(self, fn: Any, *args: Any, timeout_s: float | None) -> None:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            step = _WAIT_SLICE_S if left is None else min(left, _WAIT_SLICE_S)
+            rc = fn(self._x, *args, _ms(step))
+            if rc != ErrorCode.TIMEOUT or (left is not None and left <= step):
+                check(rc, transfer=True, peer=self.peer, transfer_id=self.id)
+                return
+
+    def wait(self, timeout_s: float | None = None) -> Transfer:
+        """Blocks until every byte is verified at the destination.
+
+        Raises:
+            TransferTimeoutError: still running after ``timeout_s`` (it goes
+                on), or the transfer's own deadline passed (it failed).
+            TransferError: the transfer failed; the subclass says why.
+        """
+        self._wait(lib.kvl_xfer_wait, timeout_s=timeout_s)
+        return self
+
+    def wait_layer(self, layer: int, timeout_s: float | None = None) -> None:
+        """Blocks until every chunk carrying bytes of ``layer`` is verified.
+
+        Raises:
+            InvalidArgumentError: the transfer carries no bytes of ``layer``.
+            TransferTimeoutError, TransferError: as :meth:`wait`.
+        """
+        if not isinstance(layer, int) or layer < 0:
+            raise InvalidArgumentError(f"layer: expected a non-negative int, got {layer!r}")
+        try:
+            self._wait(lib.kvl_xfer_wait_layer, layer, timeout_s=timeout_s)
+        except KvlinkError as exc:
+            if exc.code == ErrorCode.INVALID_ARG:
+                raise InvalidArgumentError(str(exc), transfer_id=self.id) from None
+            raise
+
+    def chunks(self, timeout_s: float | None = None) -> Iterator[ChunkEvent]:
+        """Yields chunks as they are verified, in completion order, until the
+        transfer is done.
+
+        Raises:
+            TransferTimeoutError: no chunk finished within ``timeout_s``.
+            TransferError: the transfer failed.
+        """
+        ev = ffi.new("kvl_chunk_event *")
+        while True:
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            while True:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                step = _WAIT_SLICE_S if left is None else min(left, _WAIT_SLICE_S)
+                rc = lib.kvl_xfer_next_event(self._x, _ms(step), ev)
+                if rc != ErrorCode.TIMEOUT or (left is not None and left <= step):
+                    break
+            if rc == ErrorCode.END:
+                return
+            check(rc, transfer=True, peer=self.peer, transfer_id=self.id)
+            yield ChunkEvent(
+                index=int(ev.chunk),
+                path=int(ev.path),
+                nbytes=int(ev.bytes),
+                layers=range(int(ev.layer_first), int(ev.layer_first + ev.layer_count)),
+                t_ns=int(ev.t_ns),
+            )
+
+
+_live_names: weakref.WeakValueDictionary[str, Agent] = weakref.WeakValueDictionary()
+_live_lock = threading.Lock()
+
+
+class Agent:
+    """One kvlink endpoint: registrations, peers, paths, the engine thread.
+
+    Example::
+
+        with kvlink.Agent("decode-0", kvlink.Config(nics="loopback:4")) as agent:
+            region = agent.register(kv, remote_write=True, name="kv")
+            send_to_prefill(agent.metadata())
+
+    Raises:
+        ConfigError: invalid configuration or NIC selection.
+        DuplicateNameError: another live agent in this process has ``name``.
+        KvlinkError: listening failed (the message names the address).
+    """
+
+    def __init__(self, name: str, config: Config | None = None, **overrides: Any) -> None:
+        if not isinstance(name, str) or not 0 < len(name.encode()) < 64:
+            raise InvalidArgumentError(f"name: expected 1..63 bytes of text, got {name!r}")
+        cfg = config if config is not None else Config.load()
+        if overrides:
+            cfg = cfg.replace(**overrides)
+        self.name = name
+        self.config = cfg
+        self._lock = threading.Lock()
+        self._closed = False
+        self._users = 0
+        self._idle = threading.Condition(self._lock)
+        self._regions: dict[int, Region] = {}
+        addrs = _nics.resolve(cfg.nics)
+        with _live_lock:
+            if name in _live_names:
+                raise DuplicateNameError(
+                    f"name: an agent named {name!r} is already open in this process; "
+                    "close it first or choose another name"
+                )
+            keep = [ffi.new("char[]", a.encode()) for a in addrs]
+            arr = ffi.new("const char *[]", keep)
+            c = ffi.new("kvl_config *")
+            cname = ffi.new("char[]", name.encode())
+            c.name = cname
+            c.addrs = arr
+            c.n_addrs = len(addrs)
+            c.port = cfg.port
+            c.chunk_bytes = cfg.chunk_bytes
+            c.min_chunk_bytes = cfg.min_chunk_bytes
+            c.connect_timeout_ms = max(1, int(cfg.connect_timeout_s * 1000))
+            c.monitor_interval_ms = cfg.monitor_interval_ms
+            c.max_attempts = cfg.max_attempts
+            c.window_chunks = cfg.window_chunks
+            c.window_bytes = cfg.window_bytes
+            c.sock_buf_bytes = cfg.sock_buf_bytes
+            out = ffi.new("kvl_agent **")
+            check(lib.kvl_agent_create(c, out))
+            self._a = out[0]
+            _live_names[name] = self
+        inst = ffi.new("uint64_t *")
+        check(lib.kvl_agent_instance(self._a, inst))
+        self.instance_id = int(inst[0])
+        self.addresses = self._addresses()
+        log.info("agent %s listening on %s", name, self.addresses)
+
+    # ---- lifecycle -------------------------------------------------------
+
+    def _enter(self) -> Any:
+        with self._lock:
+            if self._closed:
+                raise ClosedError(f"agent {self.name!r} is closed; create a new Agent")
+            self._users += 1
+        return self._a
+
+    def _exit(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                self._idle.notify_all()
+
+    def close(self) -> None:
+        """Stops the engine and frees everything.  Running transfers fail with
+        TransferAbortedError.  Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            while self._users:
+                self._idle.wait()
+        lib.kvl_agent_close(self._a)
+        self._a = ffi.NULL
+        self._regions.clear()
+        with _live_lock:
+            if _live_names.get(self.name) is self:
+                del _live_names[self.name]
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> Agent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # never raise from a finaliser
+            pass
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self.addresses)} NICs"
+        return f"Agent({self.name!r}, {state})"
+
+    def _addresses(self) -> list[tuple[str, int]]:
+        n = ffi.new("size_t *")
+        check(lib.kvl_agent_n_addrs(self._a, n))
+        host = ffi.new("char[48]")
+        port = ffi.new("uint16_t *")
+        out = []
+        for i in range(n[0]):
+            check(lib.kvl_agent_addr(self._a, i, host, port))
+            out.append((cstr(host), int(port[0])))
+        return out
+
+    # ---- memory ----------------------------------------------------------
+
+    def register(
+        self,
+        memory: Any,
+        *,
+        remote_read: bool = False,
+        remote_write: bool = False,
+        name: str | None = None,
+    ) -> Region:
+        """Registers host memory so transfers can read or write it.
+
+        ``memory``: a C-contiguous numpy array, torch CPU tensor, DLPack CPU
+        tensor or buffer-protocol object; it is kept alive until deregistered.
+        ``remote_read`` lets peers pull from it, ``remote_write`` lets peers
+        push into it.  ``name`` lets peers find it by name.
+
+        Raises:
+            RegistrationError: non-contiguous, empty, read-only with
+                ``remote_write``, GPU memory, or not memory at all.
+            InvalidArgumentError: duplicate or over-long ``name``.
+            ClosedError: the agent is closed.
+        """
+        span = as_span(memory, "memory")
+        if span.readonly and remote_write:
+            raise RegistrationError(
+                "memory: the buffer is read-only, so remote_write=True cannot be honoured; "
+                "register a writable buffer"
+            )
+        if name is not None and not isinstance(name, str):
+            raise InvalidArgumentError(f"name: expected str, got {type(name).__name__}")
+        rights = (lib.KVL_REMOTE_READ if remote_read else 0) | (
+            lib.KVL_REMOTE_WRITE if remote_write else 0
+        )
+        if span.readonly:
+            rights |= 0x100  # KVL_LOCAL_READONLY: never pull into it
+        a = self._enter()
+        try:
+            rid = ffi.new("uint64_t *")
+            check(
+                lib.kvl_region_register(
+                    a,
+                    ffi.cast("void *", span.address),
+                    span.nbytes,
+                    rights,
+                    int(span.mem),
+                    (name or "").encode(),
+                    rid,
+                )
+            )
+        finally:
+            self._exit()
+        region = Region(
+            id=int(rid[0]),
+            address=span.address,
+            nbytes=span.nbytes,
+            remote_read=remote_read,
+            remote_write=remote_write,
+            readonly=span.readonly,
+            mem=span.mem,
+            name=name or "",
+            _keepalive=span.keepalive,
+        )
+        self._regions[region.id] = region
+        return region
+
+    def deregister(self, region: Region | int) -> None:
+        """Removes a registration.
+
+        Raises:
+            RegionBusyError: a transfer still uses it (nothing changed).
+            UnknownRegionError: it is not registered here.
+        """
+        rid = region.id if isinstance(region, Region) else int(region)
+        a = self._enter()
+        try:
+            check(lib.kvl_region_deregister(a, rid))
+        finally:
+            self._exit()
+        self._regions.pop(rid, None)
+
+    def regions(self) -> list[Region]:
+        """This agent's registered regions."""
+        return list(self._regions.values())
+
+    def _locate(self, obj: Any, arg: str) -> tuple[int, int, int]:
+        """(region id, offset, nbytes) of a local buffer or Region."""
+        if isinstance(obj, Region):
+            if self._regions.get(obj.id) is not obj:
+                raise NotRegisteredError(
+                    f"{arg}: region {obj.id} is not registered with agent {self.name!r}"
+                )
+            return obj.id, 0, obj.nbytes
+        span = as_span(obj, arg)
+        for r in self._regions.values():
+            if r.address <= span.address and span.address + span.nbytes <= r.address + r.nbytes:
+                return r.id, span.address - r.address, span.nbytes
+        raise NotRegisteredError(
+            f"{arg}: this buffer ({span.nbytes} bytes at {span.address:#x}) is not inside any "
+            f"region registered with agent {self.name!r}; call agent.register() on it first"
+        )
+
+    # ---- peers -----------------------------------------------------------
+
+    def metadata(self) -> bytes:
+        """What a peer needs to connect to this agent (pass to its ``add_peer``)."""
+        self._enter()
+        self._exit()
+        return json.dumps(
+            {
+                "kvlink": METADATA_VERSION,
+                "name": self.name,
+                "instance": f"{self.instance_id:016x}",
+                "addrs": [[h, p] for h, p in self.addresses],
+            }
+        ).encode()
+
+    def add_peer(self, metadata: bytes | str | dict[str, Any]) -> str:
+        """Connects to a peer: a control connection plus one data connection per
+        path, each with a versioned handshake.  Returns the peer's name.
+        Adding the same peer again is a no-op.
+
+        Raises:
+            InvalidArgumentError: the metadata is malformed.
+            DuplicateNameError: the peer has this agent's name, or another live
+                agent already uses the peer's name.
+            PeerUnreachableError: no path could connect.
+            HandshakeError: the peer is not the agent the metadata names, or
+                speaks another protocol version.
+        """
+        md = _parse_metadata(metadata)
+        hosts = [ffi.new("char[]", h.encode()) for h, _ in md["addrs"]]
+        harr = ffi.new("const char *[]", hosts)
+        parr = ffi.new("uint16_t[]", [p for _, p in md["addrs"]])
+        out = ffi.new("kvl_peer **")
+        a = self._enter()
+        try:
+            check(
+                lib.kvl_peer_connect(
+                    a,
+                    md["name"].encode(),
+                    md["instance"],
+                    harr,
+                    parr,
+                    len(md["addrs"]),
+                    out,
+                ),
+                peer=md["name"],
+            )
+        finally:
+            self._exit()
+        return str(md["name"])
+
+    def _peer(self, a: Any, peer: str) -> Any:
+        if not isinstance(peer, str):
+            raise InvalidArgumentError(f"peer: expected the peer's name, got {peer!r}")
+        return _find(a, peer)
+
+    def remote_regions(self, peer: str, *, refresh: bool = False) -> list[RemoteRegion]:
+        """Regions ``peer`` exposes, as of the handshake (``refresh`` asks again).
+
+        Raises:
+            UnknownPeerError: ``peer`` was not added.
+        """
+        a = self._enter()
+        try:
+            p = self._peer(a, peer)
+            if refresh:
+                check(lib.kvl_peer_refresh(p, max(1, int(self.config.connect_timeout_s * 1000))))
+            return _remote_regions(p, peer)
+        finally:
+            self._exit()
+
+    # ---- transfers -------------------------------------------------------
+
+    def push(
+        self,
+        peer: str,
+        src: Any = None,
+        dst: Any = None,
+        *,
+        nbytes: int | None = None,
+        src_offset: int = 0,
+        dst_offset: int = 0,
+        segments: Any = None,
+        notify: bytes | None = None,
+        timeout_s: float | None = None,
+    ) -> Transfer:
+        """Writes local memory into a peer's region.
+
+        Either ``src`` (a registered buffer or Region) and ``dst`` (the
+        peer's region: RemoteRegion, id or name) with optional offsets and
+        ``nbytes``, or ``segments`` (see :mod:`kvlink.kv`).  ``notify`` is
+        delivered to the peer once every byte is verified there.
+
+        Raises:
+            NotRegisteredError: ``src`` is not registered memory.
+            SizeMismatchError: ``src`` and ``dst`` differ in size and no
+                ``nbytes`` says how much to move.
+            UnknownRegionError, OutOfBoundsError, RemoteAccessError: a segment
+                does not fit or lacks ``remote_write`` (nothing is sent).
+            UnknownPeerError: ``peer`` was not added.
+            PeerUnreachableError: every path to ``peer`` is down.
+        """
+        return self._submit(
+            Op.PUSH, peer, src, dst, nbytes, src_offset, dst_offset, segments, notify, timeout_s
+        )
+
+    def pull(
+        self,
+        peer: str,
+        src: Any = None,
+        dst: Any = None,
+        *,
+        nbytes: int | None = None,
+        src_offset: int = 0,
+        dst_offset: int = 0,
+        segments: Any = None,
+        notify: bytes | None = None,
+        timeout_s: float | None = None,
+    ) -> Transfer:
+        """Reads a peer's region (``src``) into local memory (``dst``).
+
+        The mirror of :meth:`push`: the peer's region needs ``remote_read``.
+
+        Raises:
+            As :meth:`push`, with the roles of ``src`` and ``dst`` swapped.
+        """
+        return self._submit(
+            Op.PULL, peer, src, dst, nbytes, src_offset, dst_offset, segments, notify, timeout_s
+        )
+
+    def _submit(
+        self,
+        op: Op,
+        peer: str,
+        src: Any,
+        dst: Any,
+        nbytes: int | None,
+        src_offset: int,
+        dst_offset: int,
+        segments: Any,
+        notify: bytes | None,
+        timeout_s: float | None,
+    ) -> Transfer:
+        if notify is not None and not isinstance(notify, (bytes, bytearray)):
+            raise InvalidArgumentError(f"notify: expected bytes, got {type(notify).__name__}")
+        tag = bytes(notify or b"")
+        timeout = self.config.transfer_timeout_s if timeout_s is None else timeout_s
+        a = self._enter()
+        try:
+            p = self._peer(a, peer)
+            if segments is not None:
+                if src is not None or dst is not None or nbytes is not None:
+                    raise InvalidArgumentError(
+                        "segments: pass either segments or src/dst/nbytes, not both"
+                    )
+                segs = as_segment_array(segments)
+            else:
+                segs = self._simple_segment(
+                    op, p, peer, src, dst, nbytes, src_offset, dst_offset
+                )
+            out = ffi.new("kvl_xfer **")
+            check(
+                lib.kvl_xfer_submit(
+                    a,
+                    p,
+                    int(op),
+                    ffi.cast("const kvl_segment *", segs.ctypes.data),
+                    len(segs),
+                    tag,
+                    len(tag),
+                    _ms(timeout) if timeout else 0,
+                    out,
+                ),
+                peer=peer,
+            )
+            return Transfer(out[0], op, peer, int(segs["len"].sum()))
+        finally:
+            self._exit()
+
+    def _simple_segment(
+        self,
+        op: Op,
+        p: Any,
+        peer: str,
+        src: Any,
+        dst: Any,
+        nbytes: int | None,
+        src_offset: int,
+        dst_offset: int,
+    ) -> np.ndarray[Any, Any]:
+        if src is None or dst is None:
+            raise InvalidArgumentError("src and dst are required unless segments= is given")
+        for arg, v in (("src_offset", src_offset), ("dst_offset", dst_offset)):
+            if not isinstance(v, int) or v < 0:
+                raise InvalidArgumentError(f"{arg}: expected a non-negative int, got {v!r}")
+        if nbytes is not None and (not isinstance(nbytes, int) or nbytes <= 0):
+            raise InvalidArgumentError(f"nbytes: expected a positive int, got {nbytes!r}")
+        local_arg, remote_arg = ("src", "dst") if op == Op.PUSH else ("dst", "src")
+        local_obj, remote_obj = (src, dst) if op == Op.PUSH else (dst, src)
+        local_off, remote_off = (src_offset, dst_offset) if op == Op.PUSH else (dst_offset, src_offset)
+        lid, lbase, lsize = self._locate(local_obj, local_arg)
+        remote = self._resolve_remote(p, peer, remote_obj, remote_arg)
+        local_avail = lsize - local_off
+        remote_avail = remote.nbytes - remote_off
+        if local_avail <= 0:
+            raise OutOfBoundsError(f"{local_arg}_offset: {local_off} is past the end ({lsize} bytes)")
+        if remote_avail <= 0:
+            raise OutOfBoundsError(
+                f"{remote_arg}_offset: {remote_off} is past the end of peer {peer!r} region "
+                f"{remote.id} ({remote.nbytes} bytes)"
+            )
+        if nbytes is None:
+            if local_avail != remote_avail:
+                raise SizeMismatchError(
+                    f"size mismatch: {local_arg} has {local_avail} bytes but {remote_arg} (peer "
+                    f"{peer!r} region {remote.id}) has {remote_avail}; pass nbytes= to move a "
+                    "prefix"
+                )
+            nbytes = local_avail
+        elif nbytes > local_avail or nbytes > remote_avail:
+            side, avail = (local_arg, local_avail) if nbytes > local_avail else (remote_arg, remote_avail)
+            raise SizeMismatchError(f"nbytes: {nbytes} exceeds the {avail} bytes {side} has")
+        seg = np.zeros(1, dtype=SEGMENT_DTYPE)
+        if op == Op.PUSH:
+            seg[0] = (lid, lbase + local_off, remote.id, remote_off, nbytes, 0, 0)
+        else:
+            seg[0] = (remote.id, remote_off, lid, lbase + local_off, nbytes, 0, 0)
+        return seg
+
+    def _resolve_remote(self, p: Any, peer: str, ref: Any, arg: str) -> RemoteRegion:
+        if isinstance(ref, RemoteRegion):
+            if ref.peer != peer:
+                raise InvalidArgumentError(f"{arg}: region belongs to peer {ref.peer!r}, not {peer!r}")
+            key: int | str = ref.id
+        elif isinstance(ref, (int, str)) and not isinstance(ref, bool):
+            key = ref
+        else:
+            raise InvalidArgumentError(
+                f"{arg}: expected the peer's RemoteRegion, region id or region name, got "
+                f"{type(ref).__name__} (local buffers go on the other side)"
+            )
+        for refresh in (False, True):
+            if refresh:
+                check(lib.kvl_peer_refresh(p, max(1, int(self.config.connect_timeout_s * 1000))))
+            for r in _remote_regions(p, peer):
+                if r.id == key or r.name == key:
+                    return r
+        raise UnknownRegionError(f"{arg}: peer {peer!r} has no region {key!r}", peer=peer)
+
+    # ---- observation -----------------------------------------------------
+
+    def notifications(self, timeout_s: float = 0.0) -> list[Notification]:
+        """Inbound notifications; waits up to ``timeout_s`` for the first one,
+        then returns it with every other one already queued."""
+        out: list[Notification] = []
+        n = ffi.new("kvl_notification *")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            a = self._enter()
+            try:
+                left = max(0.0, deadline - time.monotonic()) if not out else 0.0
+                rc = lib.kvl_next_notification(a, _ms(min(left, _WAIT_SLICE_S)), n)
+            finally:
+                self._exit()
+            if rc == ErrorCode.OK:
+                out.append(
+                    Notification(
+                        peer=cstr(n.peer),
+                        tag=bytes(ffi.buffer(n.tag, n.tag_len)),
+                        transfer_id=int(n.xfer_id),
+                        op=Op(n.op),
+                    )
+                )
+                continue
+            if rc != ErrorCode.TIMEOUT:
+                check(rc)
+            if out or time.monotonic() >= deadline:
+                return out
+
+    def paths(self) -> list[PathInfo]:
+        """Every path to every peer, with its live statistics."""
+        a = self._enter()
+        try:
+            cap = 256
+            arr = ffi.new("kvl_path_info[]", cap)
+            n = ffi.new("size_t *")
+            check(lib.kvl_paths(a, arr, cap, n))
+            return [
+                PathInfo(
+                    peer=cstr(p.peer),
+                    index=int(p.index),
+                    state=PathState(p.state),
+                    local=cstr(p.local_addr),
+                    remote=cstr(p.remote_addr),
+                    bytes_sent=int(p.bytes_sent),
+                    bytes_recv=int(p.bytes_recv),
+                    chunks_done=int(p.chunks_done),
+                    inflight_bytes=int(p.inflight_bytes),
+                    est_gbps=float(p.est_gbps),
+                    rtt_us=float(p.rtt_us),
+                    last_error=cstr(p.last_error),
+                )
+                for p in arr[0 : min(n[0], cap)]
+            ]
+        finally:
+            self._exit()
+
+
+def _find(a: Any, peer: str) -> Any:
+    out = ffi.new("kvl_peer **")
+    check(lib.kvl_peer_find(a, peer.encode(), out), peer=peer)
+    return out[0]
+
+
+def _remote_regions(p: Any, peer: str) -> list[RemoteRegion]:
+    n = ffi.new("size_t *")
+    check(lib.kvl_peer_regions(p, ffi.NULL, 0, n))
+    cap = int(n[0])
+    arr = ffi.new("kvl_region_info[]", max(cap, 1))
+    check(lib.kvl_peer_regions(p, arr, cap, n))
+    return [
+        RemoteRegion(
+            peer=peer,
+            id=int(r.id),
+            nbytes=int(r.size),
+            remote_read=bool(r.rights & lib.KVL_REMOTE_READ),
+            remote_write=bool(r.rights & lib.KVL_REMOTE_WRITE),
+            mem=MemoryType(r.mem),
+            name=cstr(r.name),
+        )
+        for r in arr[0 : min(cap, int(n[0]))]
+    ]
+
+
+def _parse_metadata(metadata: bytes | str | dict[str, Any]) -> dict[str, Any]:
+    try:
+        md = json.loads(metadata) if isinstance(metadata, (bytes, str)) else dict(metadata)
+    except (ValueError, TypeError) as exc:
+        raise InvalidArgumentError(
+            f"metadata: not kvlink agent metadata ({exc}); pass the bytes of the peer's "
+            "agent.metadata()"
+        ) from None
+    if not isinstance(md, dict) or md.get("kvlink") != METADATA_VERSION:
+        raise InvalidArgumentError(
+            f"metadata: expected kvlink metadata version {METADATA_VERSION}, got "
+            f"{md.get('kvlink') if isinstance(md, dict) else type(md).__name__!r}"
+        )
+    name = md.get("name")
+    addrs = md.get("addrs")
+    if not isinstance(name, str) or not name:
+        raise InvalidArgumentError("metadata: 'name' is missing")
+    if (
+        not isinstance(addrs, list)
+        or not addrs
+        or not all(
+            isinstance(x, list)
+            and len(x) == 2
+            and isinstance(x[0], str)
+            and isinstance(x[1], int)
+            and 0 < x[1] < 65536
+            for x in addrs
+        )
+    ):
+        raise InvalidArgumentError(f"metadata: 'addrs' must be a list of [host, port], got {addrs!r}")
+    try:
+        instance = int(md.get("instance", "0"), 16)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError("metadata: 'instance' is not a hex id") from None
+    return {"name": name, "addrs": [(h, p) for h, p in addrs], "instance": instance}

@@ -1,0 +1,221 @@
+"""``kvlink testbed``: build, inspect, change and use the multi-NIC network testbed.
+
+    kvlink testbed up --links 4 --rate 2gbit [--tag tb] [--subnet-base 0]
+    kvlink testbed up --links 3 --rates 2gbit,500mbit,none
+    kvlink testbed status [--tag tb] [--json]
+    kvlink testbed set --link 1 (--rate 200mbit | --down | --up) [--tag tb]
+    kvlink testbed run --side a [--tag tb] -- iperf3 -c 198.18.0.2
+    kvlink testbed down [--tag tb]
+
+Every command reads the testbed's state back from the live namespaces, so no state file is
+kept and ``down`` always works. Exit codes: 0 ok, 1 testbed error, 2 usage error, 3 from
+``status`` when the testbed is not up; ``run`` returns the command's own exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from kvlink.testbed import (
+    Testbed,
+    TestbedError,
+    format_rate,
+    inspect,
+    parse_rate,
+    teardown,
+)
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_NOT_UP = 3  # as `systemctl status` does for an inactive unit
+
+
+def _rate_arg(text: str) -> int | None:
+    """argparse type for one rate; "none" (or "unshaped") means no shaping."""
+    if text.strip().lower() in ("none", "unshaped"):
+        return None
+    try:
+        return parse_rate(text, name="rate")
+    except TestbedError as exc:
+        # argparse already names the option; drop parse_rate's own "rate: " prefix.
+        raise argparse.ArgumentTypeError(str(exc).split(": ", 1)[-1]) from None
+
+
+def _rates_arg(text: str) -> list[int | None]:
+    """argparse type for a comma-separated list of rates."""
+    items = text.split(",")
+    if any(not item.strip() for item in items):
+        raise argparse.ArgumentTypeError(f"empty rate in {text!r}; write e.g. 2gbit,500mbit")
+    return [_rate_arg(item) for item in items]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvlink testbed",
+        description="Two network namespaces joined by N rate-limited veth links (needs root).",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log every ip/tc command")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def tagged(name: str, help_text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--tag", default="tb", help="testbed id, 1-8 of [a-z0-9] (default: tb)")
+        return p
+
+    up = tagged("up", "create the testbed (or repair it to the given configuration)")
+    up.add_argument(
+        "--links", type=int, help="number of veth pairs (default: as many as --rates, else 4)"
+    )
+    shape = up.add_mutually_exclusive_group()
+    shape.add_argument(
+        "--rate", type=_rate_arg, default="2gbit",
+        help="rate of every link, e.g. 2gbit, 500mbit, or none (default: 2gbit)",
+    )  # fmt: skip
+    shape.add_argument(
+        "--rates", type=_rates_arg, help="one rate per link, comma-separated: 2gbit,1gbit,none"
+    )
+    up.add_argument(
+        "--subnet-base", type=int, default=0,
+        help="third octet of link 0's subnet 198.18.X.0/24 (default: 0)",
+    )  # fmt: skip
+
+    tagged("down", "stop everything in the testbed's namespaces and delete them")
+
+    status = tagged("status", "show namespaces, links, addresses, states and rates")
+    status.add_argument("--json", action="store_true", help="print the state as JSON")
+
+    setp = tagged("set", "change one link while the testbed is up")
+    setp.add_argument("--link", type=int, required=True, help="link index")
+    change = setp.add_mutually_exclusive_group(required=True)
+    # SUPPRESS, not None: argparse would count "--rate none" (parsed to None) as not given.
+    change.add_argument(
+        "--rate", type=_rate_arg, default=argparse.SUPPRESS,
+        help="new rate, or none to remove shaping",
+    )  # fmt: skip
+    change.add_argument("--down", action="store_true", help="take both ends down")
+    change.add_argument("--up", action="store_true", help="bring both ends up")
+
+    run = tagged("run", "run a command inside one side's namespace")
+    run.add_argument("--side", choices=("a", "b"), required=True)
+    run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
+    return parser
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    links = args.links if args.links is not None else len(args.rates) if args.rates else 4
+    tb = Testbed(
+        links=links, rate=args.rate, rates=args.rates, tag=args.tag, subnet_base=args.subnet_base
+    )
+    tb.up()
+    print(f"testbed {tb.tag!r} up: {tb.namespace('a')} <-> {tb.namespace('b')}, {tb.links} links")
+    for i, r in enumerate(tb.rates):
+        print(f"  link {i}: {tb.address('a', i)} <-> {tb.address('b', i)}  {r or 'unshaped'}")
+    return 0
+
+
+def _cmd_down(args: argparse.Namespace) -> int:
+    removed = teardown(args.tag)
+    print(f"testbed {args.tag!r} {'removed' if removed else 'was not up'}")
+    return 0
+
+
+def _side_text(side: dict[str, Any] | None) -> str:
+    if side is None:
+        return "(missing)"
+    return f"{side['device']} {side['address'] or '(no address)'}"
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    state = inspect(args.tag)
+    if args.json:
+        print(json.dumps(state, indent=2))
+        return 0 if state["up"] else EXIT_NOT_UP
+    names = " ".join(
+        f"{ns['name']}{'' if ns['present'] else ' (missing)'}"
+        for ns in state["namespaces"].values()
+    )
+    print(f"testbed {args.tag!r}: {'up' if state['up'] else 'not up'}  [{names}]")
+    if state["links"]:
+        rows = [("link", "side a", "side b", "state", "rate")]
+        for link in state["links"]:
+            a, b = link["a"], link["b"]
+            ends = [s for s in (a, b) if s is not None]
+            admin = "up" if ends and all(s["admin_up"] for s in ends) else "down"
+            rates = {s["rate"] or "unshaped" for s in ends}
+            rows.append(
+                (str(link["link"]), _side_text(a), _side_text(b), admin, "/".join(sorted(rates)))
+            )
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        for row in rows:
+            print(
+                "  "
+                + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+            )
+    return 0 if state["up"] else EXIT_NOT_UP
+
+
+def _cmd_set(args: argparse.Namespace) -> int:
+    tb = Testbed.attach(args.tag)
+    if args.down:
+        tb.link_down(args.link)
+        print(f"testbed {args.tag!r}: link {args.link} down")
+    elif args.up:
+        tb.link_up(args.link)
+        print(f"testbed {args.tag!r}: link {args.link} up")
+    else:
+        tb.set_rate(args.link, args.rate)
+        shown = "unshaped" if args.rate is None else format_rate(args.rate)
+        print(f"testbed {args.tag!r}: link {args.link} rate {shown}")
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        parser.error("run: give the command after --, e.g. `run --side a -- ip addr`")
+    tb = Testbed.attach(args.tag)
+    proc = subprocess.Popen([*tb.exec_prefix(args.side), *cmd])
+    while True:
+        try:
+            code = proc.wait()
+            break
+        except KeyboardInterrupt:  # the child got the same SIGINT; wait for it to finish
+            continue
+    return 128 - code if code < 0 else code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``kvlink testbed`` with ``argv`` (default: sys.argv[1:]) and return the exit code."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+        logging.basicConfig(
+            level=logging.DEBUG if args.verbose else logging.WARNING,
+            format="%(levelname)s %(name)s: %(message)s",
+        )
+        if args.command == "up":
+            return _cmd_up(args)
+        if args.command == "down":
+            return _cmd_down(args)
+        if args.command == "status":
+            return _cmd_status(args)
+        if args.command == "set":
+            return _cmd_set(args)
+        return _cmd_run(args, parser)
+    except SystemExit as exc:  # argparse's usage errors and --help
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    except TestbedError as exc:
+        print(f"kvlink testbed: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -734,17 +734,19 @@ class Agent:
                 f"{remote_arg}_offset: {remote_off} is past the end of peer {peer!r} region "
                 f"{remote.id} ({remote.nbytes} bytes)"
             )
-        if nbytes is None:
-            if local_avail != remote_avail:
-                raise SizeMismatchError(
-                    f"size mismatch: {local_arg} has {local_avail} bytes but {remote_arg} (peer "
-                    f"{peer!r} region {remote.id}) has {remote_avail}; pass nbytes= to move a "
-                    "prefix"
-                )
-            nbytes = local_avail
-        elif nbytes > local_avail or nbytes > remote_avail:
-            side, avail = (local_arg, local_avail) if nbytes > local_avail else (remote_arg, remote_avail)
-            raise SizeMismatchError(f"nbytes: {nbytes} exceeds the {avail} bytes {side} has")
+        # The local buffer says how much to move unless nbytes does.
+        want = local_avail if nbytes is None else nbytes
+        if want > local_avail:
+            raise SizeMismatchError(
+                f"nbytes: {want} exceeds the {local_avail} bytes {local_arg} has"
+            )
+        if want > remote_avail:
+            raise SizeMismatchError(
+                f"size mismatch: moving {want} bytes but {remote_arg} (peer {peer!r} region "
+                f"{remote.id}, {remote.nbytes} bytes) has only {remote_avail} from offset "
+                f"{remote_off}; pass nbytes= to move a prefix"
+            )
+        nbytes = want
         seg = np.zeros(1, dtype=SEGMENT_DTYPE)
         if op == Op.PUSH:
             seg[0] = (lid, lbase + local_off, remote.id, remote_off, nbytes, 0, 0)

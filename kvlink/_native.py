@@ -47,3 +47,44 @@ def check(
 def cstr(data: Any) -> str:
     """A NUL-terminated char array from the C core as str."""
     return str(ffi.string(data).decode("utf-8", "replace"))
+
+
+def make_plan(
+    segments: Any, n_paths: int, chunk_bytes: int, min_chunk_bytes: int, max_pieces: int
+) -> tuple[Any, Any, int, int]:
+    """Runs the C chunk planner on a SEGMENT_DTYPE array (for tests and tools).
+
+    Returns (chunks, pieces, chunk_target, n_layers): ``chunks`` rows are
+    (first_piece, n_pieces, layer_first, layer_last, bytes) and ``pieces`` rows
+    are (segment index, offset in segment, length), as numpy int64 arrays.
+
+    Raises:
+        InvalidArgumentError: what kvl_plan_make rejects.
+    """
+    import numpy as np
+
+    plan = ffi.new("kvl_plan *")
+    check(
+        lib.kvl_plan_make(
+            ffi.cast("const kvl_segment *", segments.ctypes.data),
+            len(segments),
+            n_paths,
+            chunk_bytes,
+            min_chunk_bytes,
+            max_pieces,
+            plan,
+        )
+    )
+    try:
+        chunks = np.array(
+            [
+                (c.first_piece, c.n_pieces, c.layer_first, c.layer_last, c.bytes)
+                for c in plan.chunks[0 : plan.n_chunks]
+            ],
+            dtype=np.int64,
+        ).reshape(-1, 5)
+        raw = np.frombuffer(ffi.buffer(plan.pieces, plan.n_pieces * 24), dtype="<u8")
+        pieces = raw.reshape(-1, 3).astype(np.int64)
+        return chunks, pieces, int(plan.chunk_target), int(plan.n_layers)
+    finally:
+        lib.kvl_plan_free(plan)

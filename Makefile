@@ -1,0 +1,46 @@
+# kvlink: `make demo` and `make test` do all set-up on a fresh clone.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+STAMP  := $(VENV)/.kvlink-deps
+
+.PHONY: all build demo test test-c test-py lint bench clean
+
+all: build
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel cffi
+	# torch 2.13.0 CPU comes from the local wheel folder (PIP_FIND_LINKS) where present
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	touch $(STAMP)
+
+# Rebuild the C core whenever a C source or the header changed.
+kvlink/_kvlink_c.abi3.so: $(STAMP) $(wildcard csrc/*.c csrc/*.h csrc/include/*.h csrc/transport/*/*.c) kvlink/_ffi_build.py
+	$(PIP) install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+build: kvlink/_kvlink_c.abi3.so
+
+demo: build
+	$(VENV)/bin/kvlink-bench demo
+
+test-c:
+	$(MAKE) -C tests/c test
+
+test-py: build
+	$(PY) -m pytest
+
+lint: build
+	$(VENV)/bin/ruff check kvlink tests bench
+	$(VENV)/bin/mypy
+
+test: test-c test-py lint
+
+bench: build
+	$(PY) bench/loopback.py --size 1GiB --iters 3
+
+clean:
+	rm -rf $(VENV) build kvlink/*.so kvlink/_kvlink_c.c tests/c/build

@@ -13,7 +13,7 @@ Commands (``cmd`` field):
     add_peer  metadata: connects to the other agent.
     warm      peer, nbytes: one untimed push (tx only).
     arm       starts the CPU clock (rx: before the sender pushes).
-    push      peer, dst, nbytes, reps, notify: timed pushes (tx only).
+    push      peer, nbytes, reps, notify, deadline_s: timed pushes (tx only).
     collect   count, timeout_s: waits for ``count`` notifications and stops
               the CPU clock started by ``arm`` (rx only).
     verify    nbytes: checks the received pattern (rx only, untimed).
@@ -136,7 +136,7 @@ class Worker:
         return {}
 
     def push(self, peer: str, nbytes: int, reps: int, notify: bool,
-             timeout_s: float) -> dict[str, Any]:
+             deadline_s: float) -> dict[str, Any]:
         assert self.agent is not None and self.buf is not None
         tag = b"bench" if notify else None
         times = []
@@ -146,8 +146,8 @@ class Worker:
         for _ in range(reps):
             t0 = time.perf_counter()
             h = self.agent.push(peer, src=self.buf, dst="kv", nbytes=nbytes, notify=tag,
-                                timeout_s=timeout_s)
-            h.wait(timeout_s)
+                                timeout_s=deadline_s)
+            h.wait(deadline_s)
             times.append(time.perf_counter() - t0)
             infos.append(h.info())
         u1, s1 = _cpu()

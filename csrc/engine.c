@@ -374,6 +374,7 @@ kvl_err kvl_agent_create(const kvl_config *cfg, kvl_agent **out)
 static void fail_and_drop(kvl_xfer *x)
 {
     kvl_xfer_set_failed(x, KVL_ERR_CLOSED, "the agent was closed while the transfer ran");
+    kvl_xfer_publish(x);
     kvl_xfer_release(x); /* the engine's reference */
 }
 

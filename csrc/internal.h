@@ -258,6 +258,9 @@ struct kvl_xfer {
     uint32_t n_retry;
     uint32_t *layer_left;      /* chunks not yet verified, per layer */
     int io_refs;               /* frames / receives touching this transfer's memory */
+    int fin;                   /* engine's view of the outcome (kvl_xfer_state); callers see
+                                  it in info.state only once the transfer has let go of its
+                                  regions, so "done" means deregister() will succeed */
     int retired;
     struct kvl_xfer *next_active;
     struct kvl_xfer *next_all;
@@ -359,6 +362,8 @@ void kvl_xfer_chunk_done(kvl_xfer *x, uint32_t ci, uint32_t path, uint64_t now);
 void kvl_xfer_set_failed(kvl_xfer *x, kvl_err err, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 int kvl_xfer_running(kvl_xfer *x);
+/* Makes the outcome visible to callers (info.state) and wakes them. */
+void kvl_xfer_publish(kvl_xfer *x);
 void kvl_xfer_ref(kvl_xfer *x);
 
 /* ---- sched.c: dispatch and path scoring ---- */

@@ -251,6 +251,7 @@ static void retire(kvl_peer *p, kvl_xfer *x, kvl_xfer *prev)
         kvl_regions_release(&p->agent->regions, x->held[i]);
     x->n_held = 0;
     x->retired = 1;
+    kvl_xfer_publish(x);
     kvl_xfer_release(x); /* the engine's reference */
 }
 

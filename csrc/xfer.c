@@ -25,7 +25,7 @@ void kvl_xfer_ref(kvl_xfer *x) { atomic_fetch_add(&x->refs, 1); }
 int kvl_xfer_running(kvl_xfer *x)
 {
     /* written only by the engine thread, which is the only caller */
-    return x->info.state == KVL_XFER_RUNNING;
+    return x->fin == KVL_XFER_RUNNING;
 }
 
 static void xfer_free(kvl_xfer *x)
@@ -321,7 +321,7 @@ void kvl_xfer_chunk_done(kvl_xfer *x, uint32_t ci, uint32_t path, uint64_t now)
     if (!x->info.t_first_byte_ns)
         x->info.t_first_byte_ns = now;
     if (x->info.chunks_done == x->info.chunks_total) {
-        x->info.state = KVL_XFER_DONE;
+        x->fin = KVL_XFER_DONE;
         x->info.t_done_ns = now;
     }
     pthread_cond_broadcast(&x->cv);
@@ -331,16 +331,24 @@ void kvl_xfer_chunk_done(kvl_xfer *x, uint32_t ci, uint32_t path, uint64_t now)
 void kvl_xfer_set_failed(kvl_xfer *x, kvl_err err, const char *fmt, ...)
 {
     pthread_mutex_lock(&x->mu);
-    if (x->info.state == KVL_XFER_RUNNING) {
+    if (x->fin == KVL_XFER_RUNNING) {
         va_list ap;
         va_start(ap, fmt);
         vsnprintf(x->info.message, sizeof x->info.message, fmt, ap);
         va_end(ap);
-        x->info.state = KVL_XFER_FAILED;
+        x->fin = KVL_XFER_FAILED;
         x->info.err = (uint32_t)err;
         x->info.t_done_ns = kvl_now_ns();
         pthread_cond_broadcast(&x->cv);
     }
+    pthread_mutex_unlock(&x->mu);
+}
+
+void kvl_xfer_publish(kvl_xfer *x)
+{
+    pthread_mutex_lock(&x->mu);
+    x->info.state = (uint32_t)x->fin;
+    pthread_cond_broadcast(&x->cv);
     pthread_mutex_unlock(&x->mu);
 }
 

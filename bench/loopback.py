@@ -1,0 +1,706 @@
+"""kvlink vs iperf3 over loopback, side by side in one run.
+
+    python bench/loopback.py [--size 1GiB] [--iters 3] [--json out.jsonl]
+    python bench/loopback.py --chunk-sweep [--size 1GiB] [--iters 3]
+    python bench/loopback.py --configs kvlink1 --iters 1 --perf /tmp/prof
+
+Targets (the issue's acceptance criteria, checked as ratios of medians):
+    kvlink 1 path  >= 0.9 x iperf3 single stream  (GB/s)
+    kvlink 4 paths >= 0.9 x iperf3 -P 4           (GB/s)
+    kvlink CPU s/GiB <= 1.3 x iperf3's            (both processes, same config)
+    peak RSS of each kvlink process <= its registered memory + 64 MiB
+
+How it measures:
+  * kvlink: receiver and sender are two processes (bench/_proc.py), fresh for
+    every iteration; buffers are allocated, filled or pre-faulted and
+    registered, and the peer connected, before the clock starts.  Seconds are
+    the sender's push() -> wait() return; CPU is getrusage(RUSAGE_SELF) deltas
+    of both processes over the transfer (the receiver's from just before the
+    push to its notification).  The received data is checked afterwards.
+  * iperf3: ``iperf3 -s -1`` and ``iperf3 -c 127.0.0.1 -n SIZE [-P 4] --json``;
+    GB/s from end.sum_received; CPU and peak RSS from wait4() rusage of both
+    processes (what iperf3 spends before its test starts is a few ms).
+  * Configurations are interleaved, and the order flips every iteration,
+    because this 2-core machine is noisy; medians are reported.
+  * Softirq time on the host is shown separately: with IRQ time accounting the
+    loopback receive path's softirq is charged to no process, for either tool.
+
+GB/s are 1e9 bytes per second.  The JSON output has one object per line:
+a "meta" line, one "result" line per table row and one "ratio" line per target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import select
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+MiB = 1 << 20
+GiB = 1 << 30
+USER_HZ = os.sysconf("SC_CLK_TCK")
+WORKER = Path(__file__).with_name("_proc.py")
+CONFIGS = ("kvlink1", "iperf1", "kvlink4", "iperf4")
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+def parse_size(text: str) -> int:
+    """'1GiB', '256MiB', '1G' (binary, as iperf3 reads it), '4096'."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"cannot parse size {text!r}; write e.g. 1GiB or 256MiB")
+    mult = {"": 1, "K": 1 << 10, "M": MiB, "G": GiB, "T": 1 << 40}[m.group(2).upper()]
+    return int(float(m.group(1)) * mult)
+
+
+def fmt_size(n: int) -> str:
+    for unit, mult in (("GiB", GiB), ("MiB", MiB), ("KiB", 1 << 10)):
+        if n >= mult and n % mult == 0:
+            return f"{n // mult}{unit}"
+    return str(n)
+
+
+# ---- host accounting ---------------------------------------------------------
+
+
+def host_cpu() -> dict[str, float]:
+    """Machine-wide CPU seconds so far (all cores), from /proc/stat."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = v[:8]
+    return {
+        "busy": (user + nice + system + irq + softirq + steal) / USER_HZ,
+        "softirq": softirq / USER_HZ,
+    }
+
+
+def host_delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    return {k: b[k] - a[k] for k in a}
+
+
+def proc_cpu_s(pid: int) -> float:
+    """utime+stime of a process (all threads), tick resolution."""
+    with open(f"/proc/{pid}/stat") as f:
+        rest = f.read().rsplit(")", 1)[1].split()
+    return (int(rest[11]) + int(rest[12])) / USER_HZ
+
+
+# ---- the kvlink worker -------------------------------------------------------
+
+
+class Worker:
+    """bench/_proc.py in a subprocess, spoken to in JSON lines."""
+
+    def __init__(self, tag: str, wrap: list[str] | None = None) -> None:
+        self.tag = tag
+        self.err = tempfile.TemporaryFile()
+        self.p = subprocess.Popen(
+            [*(wrap or []), sys.executable, str(WORKER)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.err,
+        )
+        self.pid = self.p.pid
+        self._buf = b""
+
+    def send(self, cmd: str, **args: Any) -> None:
+        assert self.p.stdin is not None
+        self.p.stdin.write((json.dumps({"cmd": cmd, **args}) + "\n").encode())
+        self.p.stdin.flush()
+
+    def recv(self, timeout_s: float = 120.0) -> dict[str, Any]:
+        assert self.p.stdout is not None
+        fd = self.p.stdout.fileno()
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise BenchError(f"{self.tag}: no answer in {timeout_s} s{self.stderr_tail()}")
+            r, _, _ = select.select([fd], [], [], left)
+            if r:
+                data = os.read(fd, 65536)
+                if not data:
+                    raise BenchError(f"{self.tag}: worker exited{self.stderr_tail()}")
+                self._buf += data
+        line, self._buf = self._buf.split(b"\n", 1)
+        reply: dict[str, Any] = json.loads(line)
+        if not reply.pop("ok"):
+            raise BenchError(
+                f"{self.tag}: {reply['type']}: {reply['error']}{self.stderr_tail()}"
+            )
+        return reply
+
+    def call(self, cmd: str, answer_s: float = 120.0, **args: Any) -> dict[str, Any]:
+        self.send(cmd, **args)
+        return self.recv(answer_s)
+
+    def stderr_tail(self, n: int = 3000) -> str:
+        self.err.seek(0)
+        text = self.err.read().decode(errors="replace")[-n:]
+        return f"\n--- {self.tag} stderr ---\n{text}" if text.strip() else ""
+
+    def close(self) -> None:
+        if self.p.poll() is None:
+            try:
+                self.call("exit", answer_s=15)
+            except (BenchError, OSError):
+                pass
+            try:
+                self.p.wait(10)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
+        self.err.close()
+
+
+class Perf:
+    """``perf record`` attached to a running process (only the transfer)."""
+
+    def __init__(self, pid: int, out: Path) -> None:
+        self.out = out
+        self.p = subprocess.Popen(
+            ["perf", "record", "-q", "-e", "cpu-clock", "-F", "4999", "-g", "-p", str(pid),
+             "-o", str(out)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    def stop(self) -> None:
+        self.p.send_signal(signal.SIGINT)
+        try:
+            self.p.wait(30)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
+
+
+@dataclass
+class Sample:
+    """One transfer."""
+
+    tool: str
+    op: str
+    size_bytes: int
+    paths: int
+    seconds: float
+    cpu_s: float
+    cpu_tx_s: float
+    cpu_rx_s: float
+    sys_s: float  # of cpu_s, the kernel's share
+    rss_tx_mib: float
+    rss_rx_mib: float
+    registered_tx_mib: float
+    registered_rx_mib: float
+    host_busy_s: float
+    host_softirq_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def gbps(self) -> float:
+        return self.size_bytes / self.seconds / 1e9
+
+
+def kvlink_config(chunk_bytes: int | None, min_chunk_bytes: int | None) -> dict[str, Any]:
+    cfg: dict[str, Any] = {}
+    if chunk_bytes is not None:
+        cfg["chunk_bytes"] = chunk_bytes
+    if min_chunk_bytes is not None:
+        cfg["min_chunk_bytes"] = min_chunk_bytes
+    return cfg
+
+
+def run_kvlink(
+    size: int,
+    paths: int,
+    *,
+    config: dict[str, Any] | None = None,
+    touch: bool = True,
+    sizes: list[int] | None = None,
+    reps: int = 1,
+    warm: bool = False,
+    perf_dir: Path | None = None,
+    tag: str = "",
+) -> list[Sample]:
+    """One worker pair.  Pushes ``size`` bytes once (or each of ``sizes``,
+    ``reps`` times each, then one Sample per size with the median time)."""
+    nics = f"loopback:{paths}"
+    config = config or {}
+    todo = sizes or [size]
+    region = max(todo)
+    rx = Worker("kvlink-rx")
+    tx = Worker("kvlink-tx")
+    perfs: list[Perf] = []
+    try:
+        # Both set up at once: filling and faulting 1 GiB takes a while.
+        rx.send("init", role="rx", size=region, nics=nics, config=config, touch=touch,
+                name="rx")
+        tx.send("init", role="tx", size=region, nics=nics, config=config, touch=True,
+                name="tx")
+        rxi = rx.recv(300)
+        txi = tx.recv(300)
+        tx.call("add_peer", metadata=rxi["metadata"])
+        if warm:
+            tx.call("warm", peer="rx", nbytes=min(region, 64 * MiB))
+        if perf_dir is not None:
+            perf_dir.mkdir(parents=True, exist_ok=True)
+            perfs = [Perf(w.pid, perf_dir / f"{tag or 'kvlink'}-{paths}p-{w.tag[-2:]}.data")
+                     for w in (tx, rx)]
+            time.sleep(1.0)  # perf needs a moment to attach
+        out = []
+        for nbytes in todo:
+            rx.call("arm")
+            h0 = host_cpu()
+            pt = tx.call("push", answer_s=600, peer="rx", nbytes=nbytes, reps=reps,
+                         notify=True, deadline_s=300)
+            col = rx.call("collect", answer_s=150, count=reps, timeout_s=120)
+            hd = host_delta(h0, host_cpu())
+            out.append((nbytes, pt, col, hd))
+        for pf in perfs:
+            pf.stop()
+        perfs = []
+        bad = rx.call("verify", answer_s=300, nbytes=max(todo))["first_bad_word"]
+        if bad >= 0:
+            raise BenchError(f"kvlink: received data is wrong at byte {bad * 8}")
+        txm = tx.call("stats")
+        rxm = rx.call("stats")
+    finally:
+        for pf in perfs:
+            pf.stop()
+        tx.close()
+        rx.close()
+    samples = []
+    for nbytes, pt, col, hd in out:
+        cpu_tx = pt["user_s"] + pt["sys_s"]
+        cpu_rx = col["user_s"] + col["sys_s"]
+        samples.append(
+            Sample(
+                tool="kvlink",
+                op="push",
+                size_bytes=nbytes,
+                paths=paths,
+                seconds=statistics.median(pt["times_s"]),
+                # per transfer, so reps > 1 stays comparable
+                cpu_s=(cpu_tx + cpu_rx) / reps,
+                cpu_tx_s=cpu_tx / reps,
+                cpu_rx_s=cpu_rx / reps,
+                sys_s=(pt["sys_s"] + col["sys_s"]) / reps,
+                rss_tx_mib=max(txm["hwm_kib"], txm["maxrss_kib"]) / 1024,
+                rss_rx_mib=max(rxm["hwm_kib"], rxm["maxrss_kib"]) / 1024,
+                registered_tx_mib=txi["registered_bytes"] / MiB,
+                registered_rx_mib=rxi["registered_bytes"] / MiB,
+                host_busy_s=hd["busy"] / reps,
+                host_softirq_s=hd["softirq"] / reps,
+                extra={
+                    "config": config,
+                    "touch": touch,
+                    "reps": reps,
+                    "times_s": pt["times_s"],
+                    "chunks": pt["chunks_total"],
+                    "retries": pt["retries"],
+                    "path_bytes": pt["path_bytes"],
+                    "rss_base_tx_mib": txi["rss_base_kib"] / 1024,
+                    "rss_base_rx_mib": rxi["rss_base_kib"] / 1024,
+                    "rss_agent_tx_mib": txi["rss_agent_kib"] / 1024,
+                    "rss_agent_rx_mib": rxi["rss_agent_kib"] / 1024,
+                },
+            )
+        )
+    return samples
+
+
+# ---- iperf3 ------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+        s.bind(("::", 0))
+        return int(s.getsockname()[1])
+
+
+def listening(port: int) -> bool:
+    for table in ("/proc/net/tcp6", "/proc/net/tcp"):
+        try:
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    cols = line.split()
+                    if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                        return True
+        except FileNotFoundError:
+            pass
+    return False
+
+
+def wait4(p: subprocess.Popen[bytes], timeout_s: float) -> Any:
+    """Reaps ``p`` and returns its rusage (threads and all)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pid, status, ru = os.wait4(p.pid, os.WNOHANG)
+        if pid:
+            p.returncode = os.waitstatus_to_exitcode(status)
+            return ru
+        if time.monotonic() > deadline:
+            p.kill()
+            raise BenchError(f"iperf3 (pid {p.pid}) did not finish in {timeout_s} s")
+        time.sleep(0.005)
+
+
+def run_iperf3(size: int, streams: int, perf_dir: Path | None = None) -> Sample:
+    port = free_port()
+    wrap_s: list[str] = []
+    wrap_c: list[str] = []
+    if perf_dir is not None:
+        perf_dir.mkdir(parents=True, exist_ok=True)
+        for wrap, side in ((wrap_s, "rx"), (wrap_c, "tx")):
+            wrap += ["perf", "record", "-q", "-e", "cpu-clock", "-F", "4999", "-g", "-o",
+                     str(perf_dir / f"iperf3-{streams}p-{side}.data"), "--"]
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        server = subprocess.Popen([*wrap_s, "iperf3", "-s", "-1", "-p", str(port)],
+                                  stdout=subprocess.DEVNULL, stderr=err)
+        try:
+            deadline = time.monotonic() + 10
+            while not listening(port):
+                if server.poll() is not None or time.monotonic() > deadline:
+                    err.seek(0)
+                    raise BenchError(f"iperf3 -s did not listen on {port}: {err.read()!r}")
+                time.sleep(0.01)
+            base = proc_cpu_s(server.pid) if not wrap_s else 0.0
+            h0 = host_cpu()
+            cmd = [*wrap_c, "iperf3", "-c", "127.0.0.1", "-p", str(port), "-n", str(size),
+                   "--json"]
+            if streams > 1:
+                cmd += ["-P", str(streams)]
+            client = subprocess.Popen(cmd, stdout=out, stderr=err)
+            ru_c = wait4(client, 300)
+            hd = host_delta(h0, host_cpu())
+            ru_s = wait4(server, 30)
+        finally:
+            if server.poll() is None:
+                server.kill()
+                server.wait()
+        out.seek(0)
+        text = out.read().decode()
+    try:
+        res = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise BenchError(f"iperf3 -c printed no JSON: {text[:500]!r}") from exc
+    if "error" in res:
+        raise BenchError(f"iperf3: {res['error']}")
+    recv = res["end"]["sum_received"]
+    cpu_tx = ru_c.ru_utime + ru_c.ru_stime
+    cpu_rx = ru_s.ru_utime + ru_s.ru_stime - base
+    return Sample(
+        tool="iperf3",
+        op="send",
+        size_bytes=int(recv["bytes"]),
+        paths=streams,
+        seconds=float(recv["seconds"]),
+        cpu_s=cpu_tx + cpu_rx,
+        cpu_tx_s=cpu_tx,
+        cpu_rx_s=cpu_rx,
+        sys_s=ru_c.ru_stime + ru_s.ru_stime,
+        rss_tx_mib=ru_c.ru_maxrss / 1024,
+        rss_rx_mib=ru_s.ru_maxrss / 1024,
+        registered_tx_mib=0.0,
+        registered_rx_mib=0.0,
+        host_busy_s=hd["busy"],
+        host_softirq_s=hd["softirq"],
+        extra={
+            "bits_per_second": recv["bits_per_second"],
+            "iperf3_cpu_pct": res["end"].get("cpu_utilization_percent", {}),
+            "retransmits": res["end"].get("sum_sent", {}).get("retransmits"),
+        },
+    )
+
+
+# ---- summary -----------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    """The median of several Samples of one configuration."""
+
+    label: str
+    tool: str
+    op: str
+    size_bytes: int
+    paths: int
+    seconds: float
+    gbps: float
+    gbps_min: float
+    gbps_max: float
+    cpu_s: float
+    cpu_s_per_gib: float
+    cpu_tx_s: float
+    cpu_rx_s: float
+    sys_share: float
+    rss_tx_mib: float
+    rss_rx_mib: float
+    registered_mib: float
+    rss_overhead_mib: float  # max over both processes of peak RSS - registered
+    host_softirq_s: float
+    n: int
+    samples_gbps: list[float]
+    samples_cpu_s: list[float]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def summarise(label: str, samples: list[Sample], **extra: Any) -> Row:
+    med = statistics.median
+    s0 = samples[0]
+    gb = [s.gbps for s in samples]
+    cpu = med([s.cpu_s for s in samples])
+    size = med([s.size_bytes for s in samples])
+    return Row(
+        label=label,
+        tool=s0.tool,
+        op=s0.op,
+        size_bytes=int(size),
+        paths=s0.paths,
+        seconds=med([s.seconds for s in samples]),
+        gbps=med(gb),
+        gbps_min=min(gb),
+        gbps_max=max(gb),
+        cpu_s=cpu,
+        cpu_s_per_gib=med([s.cpu_s / (s.size_bytes / GiB) for s in samples]),
+        cpu_tx_s=med([s.cpu_tx_s for s in samples]),
+        cpu_rx_s=med([s.cpu_rx_s for s in samples]),
+        sys_share=med([s.sys_s / s.cpu_s for s in samples if s.cpu_s > 0] or [0.0]),
+        rss_tx_mib=max(s.rss_tx_mib for s in samples),
+        rss_rx_mib=max(s.rss_rx_mib for s in samples),
+        registered_mib=max(s.registered_rx_mib for s in samples),
+        rss_overhead_mib=max(
+            max(s.rss_tx_mib - s.registered_tx_mib, s.rss_rx_mib - s.registered_rx_mib)
+            for s in samples
+        ),
+        host_softirq_s=med([s.host_softirq_s for s in samples]),
+        n=len(samples),
+        samples_gbps=gb,
+        samples_cpu_s=[s.cpu_s for s in samples],
+        extra=extra,
+    )
+
+
+def print_rows(rows: list[Row], title: str) -> None:
+    print(f"\n{title}")
+    hdr = (f"{'config':<22}{'size':>7}{'GB/s':>7}{'min-max':>12}{'s':>7}{'cpu s':>7}"
+           f"{'s/GiB':>7}{'tx':>6}{'rx':>6}{'sys%':>5}{'sirq s':>7}{'RSS tx':>8}{'RSS rx':>8}"
+           f"{'reg':>6}{'ovh':>6}")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        print(f"{r.label:<22}{fmt_size(r.size_bytes):>7}{r.gbps:>7.2f}"
+              f"{f'{r.gbps_min:.2f}-{r.gbps_max:.2f}':>12}{r.seconds:>7.3f}{r.cpu_s:>7.3f}"
+              f"{r.cpu_s_per_gib:>7.3f}{r.cpu_tx_s:>6.2f}{r.cpu_rx_s:>6.2f}"
+              f"{100 * r.sys_share:>5.0f}{r.host_softirq_s:>7.2f}{r.rss_tx_mib:>8.0f}"
+              f"{r.rss_rx_mib:>8.0f}{r.registered_mib:>6.0f}{r.rss_overhead_mib:>6.0f}")
+    print("(GB/s = 1e9 B/s; cpu s = both processes, per transfer; tx/rx = each process; "
+          "sys% = kernel share;\n sirq s = host softirq seconds (charged to no process); "
+          "RSS = peak MiB; ovh = max(peak RSS - registered), MiB)")
+
+
+def ratio_lines(rows: dict[str, Row], paired: dict[str, list[float]]) -> list[dict[str, Any]]:
+    out = []
+
+    def add(name: str, value: float, op: str, target: float, note: str = "") -> None:
+        ok = value >= target if op == ">=" else value <= target
+        line = {"kind": "ratio", "ratio": name, "value": round(value, 4),
+                "target": f"{op} {target}", "pass": ok}
+        if name in paired:
+            line["paired_median"] = round(statistics.median(paired[name]), 4)
+            line["paired"] = [round(x, 4) for x in paired[name]]
+        if note:
+            line["note"] = note
+        out.append(line)
+
+    for kv, ip, name in (("kvlink1", "iperf1", "kvlink_1path/iperf3_1stream"),
+                         ("kvlink4", "iperf4", "kvlink_4path/iperf3_P4")):
+        if kv in rows and ip in rows:
+            add(name, rows[kv].gbps / rows[ip].gbps, ">=", 0.9)
+    for kv, ip, name in (("kvlink1", "iperf1", "cpu_per_gib kvlink_1path/iperf3_1stream"),
+                         ("kvlink4", "iperf4", "cpu_per_gib kvlink_4path/iperf3_P4")):
+        if kv in rows and ip in rows:
+            add(name, rows[kv].cpu_s_per_gib / rows[ip].cpu_s_per_gib, "<=", 1.3)
+    for kv in ("kvlink1", "kvlink4"):
+        if kv in rows:
+            r = rows[kv]
+            add(f"rss_overhead_mib {kv}", r.rss_overhead_mib, "<=", 64,
+                f"tx peak {r.rss_tx_mib:.0f} MiB, rx peak {r.rss_rx_mib:.0f} MiB, "
+                f"registered {r.registered_mib:.0f} MiB each")
+    return out
+
+
+def print_ratios(lines: list[dict[str, Any]]) -> None:
+    print()
+    for ln in lines:
+        extra = f"  (paired median {ln['paired_median']:.3f})" if "paired_median" in ln else ""
+        note = f"  [{ln['note']}]" if "note" in ln else ""
+        print(f"{ln['ratio']:<42}{ln['value']:>9.3f}  target {ln['target']:<7} "
+              f"{'PASS' if ln['pass'] else 'FAIL'}{extra}{note}")
+
+
+# ---- scenarios ---------------------------------------------------------------
+
+
+def compare(args: argparse.Namespace, emit: Any) -> int:
+    configs = [c for c in CONFIGS if c in args.configs]
+    samples: dict[str, list[Sample]] = {c: [] for c in configs}
+    config = kvlink_config(args.chunk_bytes, args.min_chunk_bytes)
+    for i in range(args.iters):
+        order = configs if i % 2 == 0 else configs[::-1]
+        for c in order:
+            n = int(c[-1])
+            if c.startswith("kvlink"):
+                s = run_kvlink(args.size, n, config=config, touch=not args.no_touch,
+                               perf_dir=args.perf, tag=f"kvlink-it{i}")[0]
+            else:
+                s = run_iperf3(args.size, n, perf_dir=args.perf)
+            samples[c].append(s)
+            print(f"  iter {i + 1}/{args.iters} {c:<8} {s.gbps:6.2f} GB/s  "
+                  f"cpu {s.cpu_s:.3f} s (tx {s.cpu_tx_s:.3f} rx {s.cpu_rx_s:.3f})  "
+                  f"softirq {s.host_softirq_s:.2f} s", file=sys.stderr, flush=True)
+    names = {"kvlink1": "kvlink 1 path", "iperf1": "iperf3 1 stream",
+             "kvlink4": "kvlink 4 paths", "iperf4": "iperf3 -P 4"}
+    rows = {c: summarise(names[c], samples[c]) for c in configs}
+    paired: dict[str, list[float]] = {}
+    for kv, ip, name in (("kvlink1", "iperf1", "kvlink_1path/iperf3_1stream"),
+                         ("kvlink4", "iperf4", "kvlink_4path/iperf3_P4")):
+        if kv in samples and ip in samples:
+            paired[name] = [a.gbps / b.gbps for a, b in zip(samples[kv], samples[ip])]
+    print_rows(list(rows.values()),
+               f"loopback push, {fmt_size(args.size)}, medians of {args.iters} interleaved runs")
+    lines = ratio_lines(rows, paired)
+    print_ratios(lines)
+    for c, r in rows.items():
+        emit({"kind": "result", "config": c, **asdict(r),
+              "samples": [asdict(s) for s in samples[c]]})
+    for ln in lines:
+        emit(ln)
+    return 0 if all(ln["pass"] for ln in lines) else 1
+
+
+def chunk_sweep(args: argparse.Namespace, emit: Any) -> int:
+    """Part 1: chunk size at --size over 4 paths (min_chunk_bytes = chunk_bytes
+    pins the chunk size).  Part 2: the min-chunk floor, which only binds for
+    transfers smaller than paths x 4 x floor: small pushes, many reps each."""
+    chunks = args.sweep_chunks
+    floors = args.sweep_floors
+    small = args.sweep_sizes
+    part1: dict[int, list[Sample]] = {c: [] for c in chunks}
+    part2: dict[tuple[int, int], list[Sample]] = {(f, s): [] for f in floors for s in small}
+    for i in range(args.iters):
+        order = chunks if i % 2 == 0 else chunks[::-1]
+        for c in order:
+            s = run_kvlink(args.size, 4, config=kvlink_config(c, c), touch=not args.no_touch)[0]
+            part1[c].append(s)
+            print(f"  iter {i + 1}/{args.iters} chunk {fmt_size(c):>7} {s.gbps:6.2f} GB/s "
+                  f"({s.extra['chunks']} chunks) cpu {s.cpu_s:.3f} s", file=sys.stderr, flush=True)
+        forder = floors if i % 2 == 0 else floors[::-1]
+        for f in forder:
+            got = run_kvlink(max(small), 4, config=kvlink_config(None, f), sizes=small,
+                             reps=args.sweep_reps, warm=True)
+            for s in got:
+                part2[(f, s.size_bytes)].append(s)
+                print(f"  iter {i + 1}/{args.iters} floor {fmt_size(f):>7} size "
+                      f"{fmt_size(s.size_bytes):>7} {s.gbps:6.2f} GB/s ({s.extra['chunks']} "
+                      f"chunks)", file=sys.stderr, flush=True)
+    rows1 = []
+    for c in chunks:
+        r = summarise(f"chunk {fmt_size(c)} ({part1[c][0].extra['chunks']} ch)", part1[c],
+                      chunk_bytes=c, min_chunk_bytes=c)
+        rows1.append(r)
+        emit({"kind": "result", "sweep": "chunk_bytes", "chunk_bytes": c, "min_chunk_bytes": c,
+              "chunks": part1[c][0].extra["chunks"], **asdict(r)})
+    print_rows(rows1, f"chunk-size sweep: kvlink 4 paths, {fmt_size(args.size)} push, "
+               f"min_chunk_bytes = chunk_bytes, medians of {args.iters}")
+    print(f"\nmin-chunk floor sweep: kvlink 4 paths, chunk_bytes 64MiB, warm connections, "
+          f"median push time of {args.sweep_reps} reps x {args.iters} runs; GB/s (chunks)")
+    print(f"{'size':>8}" + "".join(f"{'floor ' + fmt_size(f):>18}" for f in floors))
+    for sz in small:
+        cells = []
+        for f in floors:
+            ss = part2[(f, sz)]
+            t = statistics.median([x for s in ss for x in s.extra["times_s"]])
+            cpu = statistics.median([s.cpu_s for s in ss])
+            ch = ss[0].extra["chunks"]
+            cells.append(f"{sz / t / 1e9:>8.2f} ({ch:>3})    ")
+            emit({"kind": "result", "sweep": "min_chunk_bytes", "tool": "kvlink", "op": "push",
+                  "paths": 4, "size_bytes": sz, "chunk_bytes": 64 * MiB, "min_chunk_bytes": f,
+                  "chunks": ch, "seconds": t, "gbps": sz / t / 1e9, "cpu_s": cpu,
+                  "cpu_s_per_gib": cpu / (sz / GiB), "reps": args.sweep_reps,
+                  "iters": args.iters})
+        print(f"{fmt_size(sz):>8}" + "".join(f"{c:>18}" for c in cells))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", type=parse_size, default=GiB, help="bytes per transfer (1GiB)")
+    ap.add_argument("--iters", type=int, default=3, help="interleaved runs per configuration")
+    ap.add_argument("--json", type=Path, help="write one JSON object per line here")
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help=f"subset of {','.join(CONFIGS)}")
+    ap.add_argument("--chunk-bytes", type=parse_size, help="kvlink Config.chunk_bytes")
+    ap.add_argument("--min-chunk-bytes", type=parse_size, help="kvlink Config.min_chunk_bytes")
+    ap.add_argument("--no-touch", action="store_true",
+                    help="do not pre-fault the receiver's buffer (first-touch faults in the "
+                         "transfer)")
+    ap.add_argument("--perf", type=Path, metavar="DIR",
+                    help="perf record each process into DIR (numbers are then not clean)")
+    ap.add_argument("--chunk-sweep", action="store_true",
+                    help="kvlink 4 paths: chunk_bytes and min_chunk_bytes sweeps instead")
+    ap.add_argument("--sweep-chunks", type=lambda t: [parse_size(x) for x in t.split(",")],
+                    default=[1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB])
+    ap.add_argument("--sweep-floors", type=lambda t: [parse_size(x) for x in t.split(",")],
+                    default=[64 << 10, 256 << 10, 1 * MiB, 4 * MiB])
+    ap.add_argument("--sweep-sizes", type=lambda t: [parse_size(x) for x in t.split(",")],
+                    default=[4 * MiB, 16 * MiB, 64 * MiB])
+    ap.add_argument("--sweep-reps", type=int, default=20)
+    args = ap.parse_args(argv)
+    args.configs = [c.strip() for c in args.configs.split(",")]
+    if bad := [c for c in args.configs if c not in CONFIGS]:
+        ap.error(f"--configs: unknown {bad}; choose from {','.join(CONFIGS)}")
+    if args.iters < 1:
+        ap.error("--iters: at least 1")
+
+    jf = open(args.json, "w") if args.json else None  # noqa: SIM115
+
+    def emit(obj: dict[str, Any]) -> None:
+        if jf:
+            jf.write(json.dumps(obj) + "\n")
+            jf.flush()
+
+    import kvlink
+
+    iperf = subprocess.run(["iperf3", "--version"], capture_output=True, text=True).stdout
+    emit({"kind": "meta", "argv": sys.argv, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+          "host": platform.node(), "kernel": platform.release(), "cpus": os.cpu_count(),
+          "kvlink": kvlink.__version__, "iperf3": iperf.splitlines()[0] if iperf else None,
+          "loadavg": os.getloadavg()})
+    try:
+        return chunk_sweep(args, emit) if args.chunk_sweep else compare(args, emit)
+    except BenchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if jf:
+            jf.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,261 @@
+"""Bad input: a specific exception naming the argument, never a crash, never a
+write into memory that was not offered for it."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import time
+
+import numpy as np
+import pytest
+
+import kvlink
+from tests.peer_client import PeerError
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def pair(make_agent, spawn_peer):
+    """A local agent 'tx' connected to a peer process 'rx' exposing:
+    'w' (1 MiB, remote_write, zeros), 'r' (1 MiB, remote_read, pattern seed 1),
+    'none' (1 MiB, no remote rights, pattern seed 2)."""
+    rx = spawn_peer("rx", nics="loopback:2")
+    rx.call("alloc", key="w", nbytes=MiB, remote_write=True, name="w")
+    rx.call("alloc", key="r", nbytes=MiB, seed=1, remote_read=True, name="r")
+    rx.call("alloc", key="none", nbytes=MiB, seed=2, name="none")
+    tx = make_agent("tx", nics="loopback:2")
+    tx.add_peer(rx.metadata)
+    return tx, rx
+
+
+def unchanged(rx, key, before):
+    assert rx.call("digest", key=key)["digest"] == before
+
+
+def test_unregistered_buffer(pair):
+    tx, rx = pair
+    before = rx.call("digest", key="w")["digest"]
+    with pytest.raises(kvlink.NotRegisteredError, match="src: this buffer"):
+        tx.push("rx", src=np.ones(MiB, np.uint8), dst="w")
+    with pytest.raises(kvlink.NotRegisteredError, match="dst: this buffer"):
+        tx.pull("rx", src="r", dst=np.zeros(MiB, np.uint8))
+    unchanged(rx, "w", before)
+
+
+def test_segment_outside_region_local_side(pair):
+    tx, rx = pair
+    src = np.ones(MiB, np.uint8)
+    r = tx.register(src)
+    before = rx.call("digest", key="w")["digest"]
+    with pytest.raises(kvlink.OutOfBoundsError, match=r"segments\[0\]\.src"):
+        tx.push("rx", segments=[kvlink.Segment(r.id, MiB - 10, 1, 0, 100)])
+    with pytest.raises(kvlink.OutOfBoundsError, match="src_offset"):
+        tx.push("rx", src=src, dst="w", src_offset=2 * MiB)
+    unchanged(rx, "w", before)
+
+
+def test_segment_outside_region_remote_side(pair):
+    tx, rx = pair
+    src = np.ones(MiB, np.uint8)
+    r = tx.register(src)
+    w = next(x for x in tx.remote_regions("rx") if x.name == "w")
+    before = rx.call("digest", key="w")["digest"]
+    with pytest.raises(kvlink.OutOfBoundsError, match=r"segments\[1\]\.dst.*peer 'rx'"):
+        tx.push(
+            "rx",
+            segments=[
+                kvlink.Segment(r.id, 0, w.id, 0, 4096),  # fine
+                kvlink.Segment(r.id, 0, w.id, MiB - 100, 4096),  # runs past the end
+            ],
+        )
+    with pytest.raises(kvlink.UnknownRegionError, match="no region 999"):
+        tx.push("rx", segments=[kvlink.Segment(r.id, 0, 999, 0, 10)])
+    unchanged(rx, "w", before)  # not even the valid first segment was sent
+
+
+def test_size_mismatch(pair):
+    tx, rx = pair
+    big = np.ones(2 * MiB, np.uint8)
+    tx.register(big)
+    with pytest.raises(kvlink.SizeMismatchError, match="dst .*has only 1048576"):
+        tx.push("rx", src=big, dst="w")
+    with pytest.raises(kvlink.SizeMismatchError, match="nbytes"):
+        tx.push("rx", src=big[:100], dst="w", nbytes=200)
+
+
+def test_pull_without_remote_read(pair):
+    tx, rx = pair
+    dst = np.zeros(MiB, np.uint8)
+    tx.register(dst)
+    with pytest.raises(kvlink.RemoteAccessError, match="remote_read=True"):
+        tx.pull("rx", src="none", dst=dst)
+    with pytest.raises(kvlink.RemoteAccessError, match="remote_read=True"):
+        tx.pull("rx", src="w", dst=dst)  # writable is not readable
+    assert not dst.any()
+
+
+def test_push_without_remote_write(pair):
+    tx, rx = pair
+    src = np.ones(MiB, np.uint8)
+    tx.register(src)
+    before = {k: rx.call("digest", key=k)["digest"] for k in ("r", "none")}
+    for key in ("r", "none"):
+        with pytest.raises(kvlink.RemoteAccessError, match="remote_write=True"):
+            tx.push("rx", src=src, dst=key)
+        unchanged(rx, key, before[key])
+
+
+def test_pull_into_read_only_memory(pair):
+    tx, _ = pair
+    ro = np.zeros(MiB, np.uint8)
+    ro.flags.writeable = False
+    tx.register(ro)
+    with pytest.raises(kvlink.RemoteAccessError, match="read-only"):
+        tx.pull("rx", src="r", dst=ro)
+    assert not ro.any()
+
+
+def test_unknown_peer(pair):
+    tx, _ = pair
+    src = np.ones(10, np.uint8)
+    tx.register(src)
+    with pytest.raises(kvlink.UnknownPeerError, match="no peer named 'nobody'.*add_peer"):
+        tx.push("nobody", src=src, dst="w")
+
+
+def test_duplicate_agent_name_in_process(make_agent):
+    make_agent("same")
+    with pytest.raises(kvlink.DuplicateNameError, match="already open in this process"):
+        make_agent("same")
+
+
+def test_duplicate_agent_name_across_peers(make_agent, spawn_peer):
+    rx = spawn_peer("rx")
+    me = make_agent("rx-twin")
+    with pytest.raises(kvlink.DuplicateNameError, match="own name"):
+        make_agent("rx").add_peer(rx.metadata)  # a local agent also named 'rx'
+    first = spawn_peer("client")
+    first.call("add_peer", metadata=rx.metadata.decode())
+    second = spawn_peer("client")  # a different process with the same name
+    with pytest.raises(PeerError) as ei:
+        second.call("add_peer", metadata=rx.metadata.decode())
+    assert ei.value.error == "DuplicateNameError"
+    assert "names must be unique" in ei.value.message
+    me.add_peer(rx.metadata)  # the listener is still fine
+
+
+def test_use_after_close(make_agent, spawn_peer):
+    rx = spawn_peer("rx")
+    a = make_agent("closing")
+    buf = np.ones(MiB, np.uint8)
+    a.register(buf)
+    a.add_peer(rx.metadata)
+    a.close()
+    a.close()  # idempotent
+    for call in (
+        lambda: a.register(np.ones(4, np.uint8)),
+        lambda: a.push("rx", src=buf, dst=1),
+        lambda: a.add_peer(rx.metadata),
+        lambda: a.paths(),
+        lambda: a.notifications(),
+        lambda: a.metadata(),
+    ):
+        with pytest.raises(kvlink.ClosedError, match="closed"):
+            call()
+
+
+def test_non_contiguous_array(make_agent):
+    a = make_agent("nc")
+    arr = np.ones((64, 64), np.uint8)
+    with pytest.raises(kvlink.RegistrationError, match="not C-contiguous"):
+        a.register(arr[:, ::2])
+    with pytest.raises(kvlink.RegistrationError, match="exposes no memory"):
+        a.register(object())
+    with pytest.raises(kvlink.RegistrationError, match="read-only"):
+        a.register(b"immutable bytes", remote_write=True)
+
+
+def test_deregister_while_in_use_is_refused(pair):
+    tx, rx = pair
+    src = np.ones(64 * MiB, np.uint8)
+    r = tx.register(src)
+    rx.call("alloc", key="big", nbytes=64 * MiB, remote_write=True, name="big")
+    h = tx.push("rx", src=src, dst="big")
+    try:
+        tx.deregister(r)
+    except kvlink.RegionBusyError as exc:
+        assert "wait for them" in str(exc)
+        h.wait(30)
+        tx.deregister(r)
+    else:  # the transfer may already have finished
+        assert h.wait(30).ok
+
+
+def _send_raw(port: int, data: bytes, linger_s: float = 0.5) -> bytes:
+    """Sends raw bytes to an agent's listener; returns what came back before close."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        try:
+            s.sendall(data)
+            s.shutdown(socket.SHUT_WR)
+        except OSError:
+            return b""  # the agent hung up while we were still sending: fine
+        s.settimeout(linger_s + 5)
+        chunks = []
+        while True:
+            try:
+                b = s.recv(65536)
+            except (TimeoutError, ConnectionResetError):
+                break
+            if not b:
+                break
+            chunks.append(b)
+        return b"".join(chunks)
+
+
+def test_garbage_and_truncated_frames_on_listener(make_agent, spawn_peer):
+    rx = spawn_peer("rx", nics="loopback:1")
+    rx.call("alloc", key="w", nbytes=MiB, remote_write=True, name="w")
+    port = rx.addresses[0][1]
+    magic = struct.pack("<I", 0x4B4C564B)
+    hello_hdr = magic + bytes([1, 1]) + b"\0\0"
+    attacks = [
+        os.urandom(4096),  # garbage
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",  # another protocol
+        hello_hdr[:7],  # truncated header
+        hello_hdr + struct.pack("<IIQ", 50, 0, 0) + b"abc",  # body cut short
+        hello_hdr + struct.pack("<IIQ", 1 << 30, 0, 0),  # absurd body length
+        magic + bytes([9, 1]) + b"\0\0" + struct.pack("<IIQ", 0, 0, 0),  # wrong version
+        magic + bytes([1, 3]) + b"\0\0" + struct.pack("<IIQ", 28, 0, 1 << 20),  # DATA first
+        hello_hdr + struct.pack("<IIQ", 12, 0xDEADBEEF, 0) + b"x" * 12,  # bad body crc
+    ]
+    for data in attacks:
+        back = _send_raw(port, data)
+        assert back == b"", "the agent answers garbage by closing, not by talking"
+    tx = make_agent("tx", nics="loopback:1")
+    src = np.arange(MiB, dtype=np.uint64).view(np.uint8)[:MiB].copy()
+    tx.register(src)
+    tx.add_peer(rx.metadata)
+    tx.push("rx", src=src, dst="w").wait(10)
+    assert rx.call("read", key="w", offset=0, nbytes=64)["hex"] == src[:64].tobytes().hex()
+
+
+def test_stalled_half_frame_is_dropped_and_agent_serves(make_agent, spawn_peer):
+    """A client that sends half a HELLO and then says nothing is cut off after
+    the handshake timeout; meanwhile real transfers go on."""
+    rx = spawn_peer("rx", nics="loopback:1", connect_timeout_s=0.5)
+    rx.call("alloc", key="w", nbytes=MiB, remote_write=True, name="w")
+    port = rx.addresses[0][1]
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(struct.pack("<I", 0x4B4C564B))
+        tx = make_agent("tx", nics="loopback:1")
+        src = np.ones(MiB, np.uint8)
+        tx.register(src)
+        tx.add_peer(rx.metadata)
+        tx.push("rx", src=src, dst="w").wait(10)
+        s.settimeout(5)
+        t0 = time.monotonic()
+        assert s.recv(1) == b""
+        assert time.monotonic() - t0 < 3

@@ -94,8 +94,9 @@ class Worker:
         self.role = ""
         self.armed: tuple[float, float, float] | None = None
 
-    def init(self, role: str, size: int, nics: str, config: dict[str, Any], touch: bool,
-             name: str) -> dict[str, Any]:
+    def init(
+        self, role: str, size: int, nics: str, config: dict[str, Any], touch: bool, name: str
+    ) -> dict[str, Any]:
         base = _mem()
         self.role = role
         cfg = kvlink.Config(nics=nics, **config)
@@ -135,8 +136,9 @@ class Worker:
         self.armed = (time.perf_counter(), *_cpu())
         return {}
 
-    def push(self, peer: str, nbytes: int, reps: int, notify: bool,
-             deadline_s: float) -> dict[str, Any]:
+    def push(
+        self, peer: str, nbytes: int, reps: int, notify: bool, deadline_s: float
+    ) -> dict[str, Any]:
         assert self.agent is not None and self.buf is not None
         tag = b"bench" if notify else None
         times = []
@@ -145,8 +147,9 @@ class Worker:
         u0, s0 = _cpu()
         for _ in range(reps):
             t0 = time.perf_counter()
-            h = self.agent.push(peer, src=self.buf, dst="kv", nbytes=nbytes, notify=tag,
-                                timeout_s=deadline_s)
+            h = self.agent.push(
+                peer, src=self.buf, dst="kv", nbytes=nbytes, notify=tag, timeout_s=deadline_s
+            )
             h.wait(deadline_s)
             times.append(time.perf_counter() - t0)
             infos.append(h.info())
@@ -160,7 +163,7 @@ class Worker:
             "chunks_total": last.chunks_total,
             "retries": sum(i.retries for i in infos),
             "engine_s": [(i.t_done_ns - i.t_submit_ns) / 1e9 for i in infos],
-            "path_bytes": [p.bytes_sent - b for p, b in zip(paths, sent0)],
+            "path_bytes": [p.bytes_sent - b for p, b in zip(paths, sent0, strict=True)],
             "path_est_gbps": [p.est_gbps for p in paths],
         }
 
@@ -177,8 +180,7 @@ class Worker:
         u1, s1 = _cpu()
         t0, u0, s0 = self.armed
         self.armed = None
-        return {"wall_s": t1 - t0, "user_s": u1 - u0, "sys_s": s1 - s0, "count": len(got),
-                **_mem()}
+        return {"wall_s": t1 - t0, "user_s": u1 - u0, "sys_s": s1 - s0, "count": len(got), **_mem()}
 
     def verify(self, nbytes: int) -> dict[str, Any]:
         assert self.buf is not None

@@ -1,0 +1,729 @@
+/* test_wire.c: frame encoding round trips and the decoders' rejections.
+ *
+ * Every body handed to a decoder here lives in a malloc of exactly its
+ * length, so under ASan a decoder that reads one byte too far aborts the
+ * run instead of passing by luck.
+ */
+#include <string.h>
+
+#include "internal.h"
+#include "test_main.h"
+
+/* ---- helpers ---- */
+
+/* An exact-size heap copy of [p, p+n) (n may be 0). */
+static uint8_t *dup_exact(const void *p, size_t n)
+{
+    uint8_t *d = malloc(n);
+    if (n && !d) {
+        fprintf(stderr, "out of memory\n");
+        exit(2);
+    }
+    if (n)
+        memcpy(d, p, n);
+    return d;
+}
+
+/* A finished frame and where its body is. */
+typedef struct frame {
+    kvl_buf b;
+    const uint8_t *body;
+    size_t len;
+} frame;
+
+static void frame_done(frame *f, uint8_t type, uint64_t payload_len)
+{
+    kvl_frame_finish(&f->b, type, payload_len);
+    if (!CHECK(!f->b.oom && f->b.len >= KVL_HDR_BYTES))
+        exit(2);
+    f->body = f->b.p + KVL_HDR_BYTES;
+    f->len = f->b.len - KVL_HDR_BYTES;
+
+    /* Every frame's header must decode to what finish was asked for. */
+    uint8_t *hdr = dup_exact(f->b.p, KVL_HDR_BYTES);
+    kvl_frame_hdr h;
+    kvl_err e = kvl_hdr_decode(hdr, &h);
+    CHECKF(e == KVL_OK, "header of type %u: %s", type, kvl_last_error());
+    CHECK_EQ_U64(h.type, type);
+    CHECK_EQ_U64(h.body_len, f->len);
+    CHECK_EQ_U64(h.body_crc, kvl_crc32c(0, f->body, f->len));
+    CHECK_EQ_U64(h.payload_len, payload_len);
+    free(hdr);
+}
+
+typedef enum dec_kind { D_HELLO, D_HELLO_ACK, D_CHUNK, D_STATUS, D_NOTIFY, D_N } dec_kind;
+static const char *const dec_names[D_N] = {"hello", "hello_ack", "chunk", "status", "notify"};
+
+/* Runs decoder k on [body, body+len) (copied to an exact-size buffer) and
+ * checks that what it accepted is safe to use: every pointer it returns lies
+ * in the body, every count is in range, every string is terminated.  The
+ * tail reads go through the product's own accessors so ASan sees them. */
+static kvl_err run_decoder(dec_kind k, const uint8_t *src, size_t len)
+{
+    uint8_t *body = dup_exact(src, len);
+    kvl_err e = KVL_ERR_PROTOCOL;
+    kvl_clear_error(); /* so a rejection is seen to leave its own message */
+    const uint8_t *end = body + len;
+    switch (k) {
+    case D_HELLO: {
+        kvl_msg_hello m;
+        memset(&m, 0xa5, sizeof m);
+        e = kvl_dec_hello(body, len, &m);
+        if (e == KVL_OK) {
+            size_t n = strnlen(m.name, sizeof m.name);
+            CHECK(n > 0 && n < sizeof m.name);
+            CHECK(m.kind <= KVL_CONN_DATA);
+            CHECK(m.kind != KVL_CONN_DATA || m.path < KVL_MAX_PATHS);
+        }
+        break;
+    }
+    case D_HELLO_ACK: {
+        kvl_msg_hello_ack m;
+        memset(&m, 0xa5, sizeof m);
+        e = kvl_dec_hello_ack(body, len, &m);
+        if (e == KVL_OK) {
+            CHECK(strnlen(m.name, sizeof m.name) < sizeof m.name);
+            CHECK(strnlen(m.msg, sizeof m.msg) < sizeof m.msg);
+            CHECK(m.n_regions <= KVL_MAX_REGIONS);
+            if (CHECK(m.regions >= body &&
+                      m.regions + (size_t)m.n_regions * KVL_WIRE_REGION_BYTES == end)) {
+                for (uint32_t i = 0; i < m.n_regions; i++) {
+                    kvl_region_info r;
+                    kvl_dec_region(m.regions, i, &r);
+                    CHECK(strnlen(r.name, sizeof r.name) < sizeof r.name);
+                }
+            }
+        }
+        break;
+    }
+    case D_CHUNK: {
+        kvl_msg_chunk m;
+        memset(&m, 0xa5, sizeof m);
+        e = kvl_dec_chunk(body, len, &m);
+        if (e == KVL_OK) {
+            CHECK(m.n_pieces >= 1 && m.n_pieces <= KVL_MAX_PIECES);
+            if (CHECK(m.pieces >= body &&
+                      m.pieces + (size_t)m.n_pieces * KVL_WIRE_PIECE_BYTES == end)) {
+                for (uint32_t i = 0; i < m.n_pieces; i++) {
+                    kvl_wire_piece p;
+                    kvl_dec_piece(&m, i, &p);
+                }
+            }
+        }
+        break;
+    }
+    case D_STATUS: {
+        kvl_msg_status m;
+        memset(&m, 0xa5, sizeof m);
+        e = kvl_dec_status(body, len, &m);
+        if (e == KVL_OK)
+            CHECK(strnlen(m.msg, sizeof m.msg) < sizeof m.msg);
+        break;
+    }
+    case D_NOTIFY: {
+        kvl_msg_notify m;
+        memset(&m, 0xa5, sizeof m);
+        e = kvl_dec_notify(body, len, &m);
+        if (e == KVL_OK) {
+            CHECK(m.tag_len <= KVL_MAX_TAG);
+            if (CHECK(m.tag >= body && m.tag + m.tag_len == end))
+                (void)kvl_crc32c(0, m.tag, m.tag_len); /* touches every tag byte */
+        }
+        break;
+    }
+    default:
+        break;
+    }
+    if (e != KVL_OK)
+        CHECKF(kvl_last_error()[0], "%s decoder failed (%d) without a message", dec_names[k],
+               e);
+    free(body);
+    return e;
+}
+
+/* A rejection must be KVL_ERR_PROTOCOL. */
+#define EXPECT_PROTOCOL(k, body, len, why)                                                \
+    do {                                                                                  \
+        kvl_err e_ = run_decoder((k), (body), (len));                                     \
+        CHECKF(e_ == KVL_ERR_PROTOCOL, "%s: %s decoder returned %d (%s)", (why),          \
+               dec_names[k], e_, kvl_err_name(e_));                                       \
+    } while (0)
+
+/* Every proper prefix of a valid body, and the body plus trailing bytes,
+ * must be rejected; the body itself accepted. */
+static void check_truncations(dec_kind k, const uint8_t *body, size_t len, const char *what)
+{
+    CHECKF(run_decoder(k, body, len) == KVL_OK, "%s: valid body rejected: %s", what,
+           kvl_last_error());
+    for (size_t n = 0; n < len; n++) {
+        kvl_err e = run_decoder(k, body, n);
+        CHECKF(e == KVL_ERR_PROTOCOL, "%s truncated to %zu of %zu bytes: got %d", what, n, len,
+               e);
+    }
+    uint8_t *longer = malloc(len + 8);
+    if (!CHECK(longer))
+        return;
+    memcpy(longer, body, len);
+    memset(longer + len, 0, 8);
+    for (size_t extra = 1; extra <= 8; extra++) {
+        kvl_err e = run_decoder(k, longer, len + extra);
+        CHECKF(e == KVL_ERR_PROTOCOL, "%s with %zu trailing bytes: got %d", what, extra, e);
+    }
+    free(longer);
+}
+
+/* A string of n copies of c, terminated (n < cap). */
+static void fill_str(char *dst, size_t n, char c)
+{
+    memset(dst, c, n);
+    dst[n] = '\0';
+}
+
+/* ---- pool of valid bodies for the fuzzer ---- */
+
+typedef struct sample {
+    dec_kind k;
+    uint8_t *body;
+    size_t len;
+} sample;
+
+static sample pool[64];
+static size_t n_pool;
+
+static void keep(dec_kind k, const frame *f)
+{
+    if (n_pool < sizeof pool / sizeof pool[0])
+        pool[n_pool++] = (sample){k, dup_exact(f->body, f->len), f->len};
+}
+
+/* ---- header ---- */
+
+static void test_header(void)
+{
+    static const kvl_frame_hdr cases[] = {
+        {KVL_F_HELLO, 0, 0, 0, 0},
+        {KVL_F_DATA, 0xbeef, 12345, 0xdeadbeef, 1ull << 30},
+        {KVL_F_READ_RESP, 1, KVL_MAX_BODY, 0xffffffffu, 1},
+        {KVL_F_REGIONS, 0xffff, 1, 7, 0},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        uint8_t raw[KVL_HDR_BYTES];
+        kvl_hdr_encode(raw, &cases[i]);
+        /* The layout internal.h describes: "KVLK", version, type, ... */
+        CHECK(memcmp(raw, "KVLK", 4) == 0);
+        CHECK(raw[4] == KVL_PROTO_VERSION && raw[5] == cases[i].type);
+        CHECK(raw[8] == (uint8_t)cases[i].body_len && raw[16] == (uint8_t)cases[i].payload_len);
+        uint8_t *in = dup_exact(raw, sizeof raw);
+        kvl_frame_hdr h;
+        memset(&h, 0xa5, sizeof h);
+        kvl_err e = kvl_hdr_decode(in, &h);
+        if (CHECKF(e == KVL_OK, "case %zu: %s", i, kvl_last_error()))
+            CHECK(h.type == cases[i].type && h.flags == cases[i].flags &&
+                  h.body_len == cases[i].body_len && h.body_crc == cases[i].body_crc &&
+                  h.payload_len == cases[i].payload_len);
+        free(in);
+    }
+
+    /* Rejections, each starting from a valid header with one field broken. */
+    struct {
+        const char *why;
+        int byte;           /* byte to overwrite, or -1 */
+        uint8_t value;
+        kvl_frame_hdr h;    /* header to encode first */
+        kvl_err want;
+    } bad[] = {
+        {"magic byte 0", 0, 'X', {KVL_F_HELLO, 0, 10, 0, 0}, KVL_ERR_PROTOCOL},
+        {"magic byte 3", 3, 0, {KVL_F_HELLO, 0, 10, 0, 0}, KVL_ERR_PROTOCOL},
+        {"version 0", 4, 0, {KVL_F_HELLO, 0, 10, 0, 0}, KVL_ERR_HANDSHAKE},
+        {"version 2", 4, 2, {KVL_F_HELLO, 0, 10, 0, 0}, KVL_ERR_HANDSHAKE},
+        {"version 255", 4, 255, {KVL_F_HELLO, 0, 10, 0, 0}, KVL_ERR_HANDSHAKE},
+        {"type 0", -1, 0, {0, 0, 10, 0, 0}, KVL_ERR_PROTOCOL},
+        {"type TYPE_MAX+1", -1, 0, {KVL_F_TYPE_MAX + 1, 0, 10, 0, 0}, KVL_ERR_PROTOCOL},
+        {"type 200", -1, 0, {200, 0, 10, 0, 0}, KVL_ERR_PROTOCOL},
+        {"body_len MAX+1", -1, 0, {KVL_F_HELLO, 0, KVL_MAX_BODY + 1, 0, 0}, KVL_ERR_PROTOCOL},
+        {"body_len 2^32-1", -1, 0, {KVL_F_DATA, 0, 0xffffffffu, 0, 0}, KVL_ERR_PROTOCOL},
+        {"HELLO with payload", -1, 0, {KVL_F_HELLO, 0, 10, 0, 1}, KVL_ERR_PROTOCOL},
+        {"HELLO_ACK with payload", -1, 0, {KVL_F_HELLO_ACK, 0, 10, 0, 1}, KVL_ERR_PROTOCOL},
+        {"ACK with payload", -1, 0, {KVL_F_ACK, 0, 10, 0, 4096}, KVL_ERR_PROTOCOL},
+        {"READ_REQ with payload", -1, 0, {KVL_F_READ_REQ, 0, 10, 0, 1}, KVL_ERR_PROTOCOL},
+        {"NOTIFY with payload", -1, 0, {KVL_F_NOTIFY, 0, 10, 0, 1}, KVL_ERR_PROTOCOL},
+        {"REGIONS_REQ with payload", -1, 0, {KVL_F_REGIONS_REQ, 0, 0, 0, 1}, KVL_ERR_PROTOCOL},
+        {"REGIONS with payload", -1, 0, {KVL_F_REGIONS, 0, 0, 0, 1}, KVL_ERR_PROTOCOL},
+        {"DATA payload 1 GiB + 1", -1, 0, {KVL_F_DATA, 0, 10, 0, (1ull << 30) + 1},
+         KVL_ERR_PROTOCOL},
+        {"READ_RESP payload 2^64-1", -1, 0, {KVL_F_READ_RESP, 0, 10, 0, UINT64_MAX},
+         KVL_ERR_PROTOCOL},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        uint8_t raw[KVL_HDR_BYTES];
+        kvl_hdr_encode(raw, &bad[i].h);
+        if (bad[i].byte >= 0)
+            raw[bad[i].byte] = bad[i].value;
+        uint8_t *in = dup_exact(raw, sizeof raw);
+        kvl_frame_hdr h;
+        kvl_clear_error();
+        kvl_err e = kvl_hdr_decode(in, &h);
+        CHECKF(e == bad[i].want, "%s: got %d (%s), expected %s", bad[i].why, e,
+               kvl_err_name(e), kvl_err_name(bad[i].want));
+        CHECKF(kvl_last_error()[0], "%s: no message", bad[i].why);
+        free(in);
+    }
+
+    /* Random headers: any outcome but OK/PROTOCOL/HANDSHAKE is a bug, and
+     * what OK lets through must respect the limits. */
+    test_rng r = {0x68656164657273ull};
+    for (int it = 0; it < 100000; it++) {
+        uint8_t raw[KVL_HDR_BYTES];
+        kvl_frame_hdr seed = {(uint8_t)rng_range(&r, 0, 12), 0, 0, 0, 0};
+        kvl_hdr_encode(raw, &seed);
+        /* Keep magic and version most of the time so the later checks run. */
+        size_t from = rng_range(&r, 0, 3) ? 5 : 0;
+        for (size_t i = from; i < KVL_HDR_BYTES; i++)
+            if (rng_range(&r, 0, 2) == 0)
+                raw[i] = (uint8_t)rng_u64(&r);
+        if (rng_range(&r, 0, 1))
+            raw[11] = raw[10] = raw[9] = 0; /* plausible body_len */
+        if (rng_range(&r, 0, 1))
+            memset(raw + 19, 0, 5); /* plausible payload_len */
+        uint8_t *in = dup_exact(raw, sizeof raw);
+        kvl_frame_hdr h;
+        kvl_err e = kvl_hdr_decode(in, &h);
+        CHECKF(e == KVL_OK || e == KVL_ERR_PROTOCOL || e == KVL_ERR_HANDSHAKE, "got %d", e);
+        if (e == KVL_OK) {
+            CHECK(h.type >= 1 && h.type <= KVL_F_TYPE_MAX);
+            CHECK(h.body_len <= KVL_MAX_BODY);
+            CHECK(h.payload_len <= KVL_MAX_CHUNK);
+            CHECK(h.payload_len == 0 || h.type == KVL_F_DATA || h.type == KVL_F_READ_RESP);
+        }
+        free(in);
+    }
+}
+
+/* kvl_frame_finish on a reused buffer, and body crc over the exact body. */
+static void test_frame_finish(void)
+{
+    frame f = {0};
+    kvl_frame_start(&f.b);
+    kvl_enc_notify(&f.b, 1, 2, "abc", 3);
+    frame_done(&f, KVL_F_NOTIFY, 0);
+    size_t first_len = f.len;
+
+    /* Reuse: start resets, the second frame owes nothing to the first. */
+    kvl_frame_start(&f.b);
+    frame_done(&f, KVL_F_REGIONS_REQ, 0);
+    CHECK(f.len == 0 && first_len == 19);
+    CHECK_EQ_U64(kvl_crc32c(0, f.body, 0), 0);
+
+    kvl_frame_start(&f.b);
+    kvl_enc_chunk(&f.b, 7, 8, 9, 1);
+    kvl_wire_piece pc = {1, 2, 3};
+    kvl_enc_piece(&f.b, &pc);
+    frame_done(&f, KVL_F_DATA, 1ull << 30);
+    CHECK(f.len == 20 + KVL_WIRE_PIECE_BYTES);
+    kvl_buf_free(&f.b);
+    CHECK(f.b.p == NULL && f.b.len == 0 && f.b.cap == 0);
+}
+
+/* ---- HELLO ---- */
+
+static void test_hello(void)
+{
+    static const struct {
+        uint64_t instance;
+        uint8_t kind;
+        uint16_t path;
+        size_t name_len;
+    } cases[] = {
+        {0, KVL_CONN_CONTROL, 0, 1},
+        {0x0123456789abcdefull, KVL_CONN_DATA, 0, 5},
+        {UINT64_MAX, KVL_CONN_DATA, KVL_MAX_PATHS - 1, KVL_NAME_MAX - 1},
+        {42, KVL_CONN_CONTROL, 0xffff, 17}, /* path is not checked on control */
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        kvl_msg_hello in = {cases[i].instance, cases[i].kind, cases[i].path, {0}};
+        fill_str(in.name, cases[i].name_len, (char)('a' + i));
+        frame f = {0};
+        kvl_frame_start(&f.b);
+        kvl_enc_hello(&f.b, &in);
+        frame_done(&f, KVL_F_HELLO, 0);
+        CHECK(f.len == 8 + 1 + 2 + 2 + cases[i].name_len);
+        kvl_msg_hello out;
+        uint8_t *body = dup_exact(f.body, f.len);
+        if (CHECKF(kvl_dec_hello(body, f.len, &out) == KVL_OK, "case %zu: %s", i,
+                   kvl_last_error()))
+            CHECK(out.instance == in.instance && out.kind == in.kind &&
+                  out.path == in.path && strcmp(out.name, in.name) == 0);
+        free(body);
+        check_truncations(D_HELLO, f.body, f.len, "HELLO");
+        keep(D_HELLO, &f);
+        kvl_buf_free(&f.b);
+    }
+
+    /* A name longer than the wire allows is cut to KVL_NAME_MAX-1 bytes by
+     * the encoder, so it still decodes. */
+    {
+        kvl_msg_hello in = {1, KVL_CONN_CONTROL, 0, {0}};
+        memset(in.name, 'z', sizeof in.name); /* no terminator within the array */
+        frame f = {0};
+        kvl_frame_start(&f.b);
+        kvl_enc_hello(&f.b, &in);
+        frame_done(&f, KVL_F_HELLO, 0);
+        kvl_msg_hello out;
+        if (CHECK(run_decoder(D_HELLO, f.body, f.len) == KVL_OK)) {
+            uint8_t *body = dup_exact(f.body, f.len);
+            kvl_dec_hello(body, f.len, &out);
+            CHECK(strlen(out.name) == KVL_NAME_MAX - 1);
+            free(body);
+        }
+        kvl_buf_free(&f.b);
+    }
+
+    /* Hand-built bodies: u64 instance, u8 kind, u16 path, u16 name_len, name. */
+    uint8_t b[8 + 1 + 2 + 2 + 80];
+    memset(b, 0, sizeof b);
+    b[8] = KVL_CONN_CONTROL;
+    /* empty name */
+    EXPECT_PROTOCOL(D_HELLO, b, 13, "HELLO with an empty name");
+    /* unknown kind */
+    b[8] = 7;
+    b[11] = 1;
+    b[13] = 'n';
+    EXPECT_PROTOCOL(D_HELLO, b, 14, "HELLO with kind 7");
+    b[8] = KVL_CONN_CONTROL;
+    CHECK(run_decoder(D_HELLO, b, 14) == KVL_OK);
+    /* name length field larger than the body */
+    b[11] = 2;
+    EXPECT_PROTOCOL(D_HELLO, b, 14, "HELLO name_len one past the body");
+    b[11] = 0xff;
+    b[12] = 0xff;
+    EXPECT_PROTOCOL(D_HELLO, b, 14, "HELLO name_len 65535");
+    /* a name of KVL_NAME_MAX bytes does not fit with its terminator */
+    b[11] = KVL_NAME_MAX;
+    b[12] = 0;
+    memset(b + 13, 'n', KVL_NAME_MAX);
+    EXPECT_PROTOCOL(D_HELLO, b, 13 + KVL_NAME_MAX, "HELLO name of KVL_NAME_MAX bytes");
+    b[11] = KVL_NAME_MAX - 1;
+    CHECK(run_decoder(D_HELLO, b, 13 + KVL_NAME_MAX - 1) == KVL_OK);
+    /* data connection with a path index out of range */
+    b[8] = KVL_CONN_DATA;
+    b[9] = KVL_MAX_PATHS;
+    EXPECT_PROTOCOL(D_HELLO, b, 13 + KVL_NAME_MAX - 1, "HELLO data path 64");
+    b[9] = KVL_MAX_PATHS - 1;
+    CHECK(run_decoder(D_HELLO, b, 13 + KVL_NAME_MAX - 1) == KVL_OK);
+}
+
+/* ---- HELLO_ACK / REGIONS ---- */
+
+static void test_hello_ack(void)
+{
+    kvl_region_info regs[5];
+    memset(regs, 0, sizeof regs);
+    for (int i = 0; i < 5; i++) {
+        regs[i].id = 100u + (uint64_t)i;
+        regs[i].size = (1ull << 40) + (uint64_t)i;
+        regs[i].rights = (uint32_t)i & 3;
+        regs[i].mem = (uint32_t)i & 1;
+        fill_str(regs[i].name, i == 4 ? KVL_NAME_MAX - 1 : (size_t)i, (char)('A' + i));
+    }
+    static const size_t counts[] = {0, 1, 5};
+    for (size_t c = 0; c < 3; c++) {
+        char name[KVL_NAME_MAX], msg[256];
+        fill_str(name, c == 2 ? KVL_NAME_MAX - 1 : 3, 'x');
+        fill_str(msg, c == 2 ? 255 : c, 'm');
+        frame f = {0};
+        kvl_frame_start(&f.b);
+        kvl_enc_hello_ack(&f.b, (uint32_t)c + 9, 0xfeedull << c, name, msg, regs, counts[c]);
+        frame_done(&f, c == 1 ? KVL_F_REGIONS : KVL_F_HELLO_ACK, 0);
+        uint8_t *body = dup_exact(f.body, f.len);
+        kvl_msg_hello_ack out;
+        if (CHECKF(kvl_dec_hello_ack(body, f.len, &out) == KVL_OK, "%zu regions: %s",
+                   counts[c], kvl_last_error())) {
+            CHECK(out.status == c + 9 && out.instance == 0xfeedull << c);
+            CHECK(strcmp(out.name, name) == 0 && strcmp(out.msg, msg) == 0);
+            CHECK(out.n_regions == counts[c]);
+            for (uint32_t i = 0; i < out.n_regions && i < 5; i++) {
+                kvl_region_info r;
+                kvl_dec_region(out.regions, i, &r);
+                CHECKF(r.id == regs[i].id && r.size == regs[i].size &&
+                           r.rights == regs[i].rights && r.mem == regs[i].mem &&
+                           strcmp(r.name, regs[i].name) == 0,
+                       "region %u differs after the round trip", i);
+            }
+        }
+        free(body);
+        check_truncations(D_HELLO_ACK, f.body, f.len, "HELLO_ACK");
+        keep(D_HELLO_ACK, &f);
+        kvl_buf_free(&f.b);
+    }
+    /* NULL name and message encode as empty strings. */
+    {
+        frame f = {0};
+        kvl_frame_start(&f.b);
+        kvl_enc_hello_ack(&f.b, KVL_ERR_HANDSHAKE, 1, NULL, NULL, NULL, 0);
+        frame_done(&f, KVL_F_HELLO_ACK, 0);
+        CHECK(run_decoder(D_HELLO_ACK, f.body, f.len) == KVL_OK);
+        kvl_buf_free(&f.b);
+    }
+
+    /* Hand-built: u32 status, u64 instance, u16 0 (name), u16 0 (msg), u32 n. */
+    enum { FIX = 4 + 8 + 2 + 2 + 4 };
+    size_t big = FIX + (size_t)(KVL_MAX_REGIONS + 1) * KVL_WIRE_REGION_BYTES;
+    uint8_t *b = calloc(1, big);
+    if (!CHECK(b))
+        return;
+    uint32_t ns[] = {1, 0xffffffffu, 0x80000000u, KVL_MAX_REGIONS + 1};
+    for (size_t i = 0; i < 4; i++) {
+        memcpy(b + 16, &ns[i], 4); /* host is little-endian, like the wire */
+        EXPECT_PROTOCOL(D_HELLO_ACK, b, FIX, "HELLO_ACK n_regions past the body");
+    }
+    /* The count cap holds even when the body really is that long. */
+    uint32_t over = KVL_MAX_REGIONS + 1, at = KVL_MAX_REGIONS;
+    memcpy(b + 16, &over, 4);
+    EXPECT_PROTOCOL(D_HELLO_ACK, b, big, "HELLO_ACK with KVL_MAX_REGIONS+1 regions");
+    memcpy(b + 16, &at, 4);
+    CHECK(run_decoder(D_HELLO_ACK, b, big - KVL_WIRE_REGION_BYTES) == KVL_OK);
+    /* msg of 256 bytes does not fit in msg[256] with its terminator */
+    uint8_t m[FIX + 256];
+    memset(m, 'q', sizeof m);
+    memset(m, 0, 14);
+    m[14] = 0;
+    m[15] = 1; /* msg_len 256 */
+    memset(m + FIX - 4 + 256, 0, 4);
+    EXPECT_PROTOCOL(D_HELLO_ACK, m, sizeof m, "HELLO_ACK msg of 256 bytes");
+    free(b);
+}
+
+/* ---- DATA / READ_REQ ---- */
+
+static void test_chunk(void)
+{
+    static const uint32_t counts[] = {1, 3, 17, KVL_MAX_PIECES};
+    for (size_t c = 0; c < 4; c++) {
+        frame f = {0};
+        kvl_frame_start(&f.b);
+        kvl_enc_chunk(&f.b, 0xabcdef0123ull, (uint32_t)c * 1000, (uint32_t)c, counts[c]);
+        for (uint32_t i = 0; i < counts[c]; i++) {
+            kvl_wire_piece p = {i + 1, (uint64_t)i << 33, (uint64_t)i * 7 + 1};
+            kvl_enc_piece(&f.b, &p);
+        }
+        frame_done(&f, c & 1 ? KVL_F_READ_REQ : KVL_F_DATA, c & 1 ? 0 : 4096);
+        CHECK(f.len == 20 + (size_t)counts[c] * KVL_WIRE_PIECE_BYTES);
+        uint8_t *body = dup_exact(f.body, f.len);
+        kvl_msg_chunk out;
+        if (CHECKF(kvl_dec_chunk(body, f.len, &out) == KVL_OK, "%u pieces: %s", counts[c],
+                   kvl_last_error())) {
+            CHECK(out.xfer == 0xabcdef0123ull && out.chunk == c * 1000 && out.attempt == c);
+            CHECK(out.n_pieces == counts[c]);
+            for (uint32_t i = 0; i < out.n_pieces; i++) {
+                kvl_wire_piece p;
+                kvl_dec_piece(&out, i, &p);
+                if (!CHECKF(p.region == i + 1 && p.offset == (uint64_t)i << 33 &&
+                                p.len == (uint64_t)i * 7 + 1,
+                            "piece %u differs after the round trip", i))
+                    break;
+            }
+        }
+        free(body);
+        /* Every truncation of the 8192-piece body is 196 KiB x 196 Ki
+         * decodes: test the small ones fully and the big one's edges. */
+        if (counts[c] < 100) {
+            check_truncations(D_CHUNK, f.body, f.len, "chunk");
+            keep(D_CHUNK, &f);
+        } else {
+            for (size_t n = 0; n < 64; n++)
+                EXPECT_PROTOCOL(D_CHUNK, f.body, n, "big chunk, short prefix");
+            for (size_t n = f.len - 64; n < f.len; n++)
+                EXPECT_PROTOCOL(D_CHUNK, f.body, n, "big chunk, long prefix");
+        }
+        kvl_buf_free(&f.b);
+    }
+
+    /* Hand-built: u64 xfer, u32 chunk, u32 attempt, u32 n, n x 24 bytes. */
+    size_t big = 20 + (size_t)(KVL_MAX_PIECES + 1) * KVL_WIRE_PIECE_BYTES;
+    uint8_t *b = calloc(1, big);
+    if (!CHECK(b))
+        return;
+    EXPECT_PROTOCOL(D_CHUNK, b, 20, "chunk with 0 pieces");
+    EXPECT_PROTOCOL(D_CHUNK, b, 20 + KVL_WIRE_PIECE_BYTES, "chunk with 0 pieces and a piece");
+    uint32_t over = KVL_MAX_PIECES + 1;
+    memcpy(b + 16, &over, 4);
+    EXPECT_PROTOCOL(D_CHUNK, b, big, "chunk with KVL_MAX_PIECES+1 pieces");
+    uint32_t huge = 0xffffffffu;
+    memcpy(b + 16, &huge, 4);
+    EXPECT_PROTOCOL(D_CHUNK, b, 20, "chunk with 2^32-1 pieces");
+    uint32_t two = 2;
+    memcpy(b + 16, &two, 4);
+    EXPECT_PROTOCOL(D_CHUNK, b, 20 + KVL_WIRE_PIECE_BYTES, "chunk with 2 pieces, 1 present");
+    free(b);
+}
+
+/* ---- ACK / READ_RESP ---- */
+
+static void test_status(void)
+{
+    for (int c = 0; c < 4; c++) {
+        kvl_msg_status in = {0x1122334455667788ull, (uint32_t)c, 3, (uint32_t)c * 5, {0}};
+        fill_str(in.msg, c == 3 ? 255 : (size_t)c * 40, 'e');
+        frame f = {0};
+        kvl_frame_start(&f.b);
+        kvl_enc_status(&f.b, &in);
+        frame_done(&f, c & 1 ? KVL_F_READ_RESP : KVL_F_ACK, c & 1 ? 1234 : 0);
+        uint8_t *body = dup_exact(f.body, f.len);
+        kvl_msg_status out;
+        if (CHECKF(kvl_dec_status(body, f.len, &out) == KVL_OK, "case %d: %s", c,
+                   kvl_last_error()))
+            CHECK(out.xfer == in.xfer && out.chunk == in.chunk && out.attempt == in.attempt &&
+                  out.status == in.status && strcmp(out.msg, in.msg) == 0);
+        free(body);
+        check_truncations(D_STATUS, f.body, f.len, "status");
+        keep(D_STATUS, &f);
+        kvl_buf_free(&f.b);
+    }
+    /* msg_len 256 */
+    uint8_t b[20 + 2 + 256];
+    memset(b, 'r', sizeof b);
+    b[20] = 0;
+    b[21] = 1;
+    EXPECT_PROTOCOL(D_STATUS, b, sizeof b, "status msg of 256 bytes");
+    b[20] = 0xff;
+    b[21] = 0xff;
+    EXPECT_PROTOCOL(D_STATUS, b, sizeof b, "status msg_len 65535");
+}
+
+/* ---- NOTIFY ---- */
+
+static void test_notify(void)
+{
+    static const uint32_t lens[] = {0, 1, 100, KVL_MAX_TAG};
+    uint8_t *tag = malloc(KVL_MAX_TAG);
+    if (!CHECK(tag))
+        return;
+    test_rng r = {0x6e6f74696679ull};
+    rng_fill(&r, tag, KVL_MAX_TAG);
+    for (size_t c = 0; c < 4; c++) {
+        frame f = {0};
+        kvl_frame_start(&f.b);
+        kvl_enc_notify(&f.b, 77 + c, KVL_OP_PULL, lens[c] ? tag : NULL, lens[c]);
+        frame_done(&f, KVL_F_NOTIFY, 0);
+        CHECK(f.len == 16 + lens[c]);
+        uint8_t *body = dup_exact(f.body, f.len);
+        kvl_msg_notify out;
+        if (CHECKF(kvl_dec_notify(body, f.len, &out) == KVL_OK, "tag %u: %s", lens[c],
+                   kvl_last_error()))
+            CHECK(out.xfer == 77 + c && out.op == KVL_OP_PULL && out.tag_len == lens[c] &&
+                  (lens[c] == 0 || memcmp(out.tag, tag, lens[c]) == 0));
+        free(body);
+        if (lens[c] <= 100) {
+            check_truncations(D_NOTIFY, f.body, f.len, "NOTIFY");
+            keep(D_NOTIFY, &f);
+        } else {
+            for (size_t n = 0; n < f.len; n += 61)
+                EXPECT_PROTOCOL(D_NOTIFY, f.body, n, "NOTIFY 4096, truncated");
+            EXPECT_PROTOCOL(D_NOTIFY, f.body, f.len - 1, "NOTIFY 4096, truncated by 1");
+        }
+        kvl_buf_free(&f.b);
+    }
+    /* tag_len over the cap, with the bytes really there */
+    uint8_t *b = calloc(1, 16 + KVL_MAX_TAG + 1);
+    if (!CHECK(b)) {
+        free(tag);
+        return;
+    }
+    uint32_t over = KVL_MAX_TAG + 1, huge = 0xffffffffu;
+    memcpy(b + 12, &over, 4);
+    EXPECT_PROTOCOL(D_NOTIFY, b, 16 + KVL_MAX_TAG + 1, "NOTIFY tag_len 4097");
+    memcpy(b + 12, &huge, 4);
+    EXPECT_PROTOCOL(D_NOTIFY, b, 16, "NOTIFY tag_len 2^32-1");
+    free(b);
+    free(tag);
+}
+
+/* ---- fuzz ---- */
+
+/* 200000 bodies through every decoder: random bytes, and mutations of the
+ * valid bodies collected above.  Only OK and KVL_ERR_PROTOCOL may come back;
+ * run_decoder checks what OK hands out, ASan checks every read. */
+static void test_fuzz(void)
+{
+    test_rng r = {0x66757a7a6b766cull};
+    unsigned long ok = 0, rejected = 0;
+    uint8_t *scratch = malloc(1024);
+    if (!CHECK(scratch && n_pool > 0))
+        return;
+    for (int it = 0; it < 200000; it++) {
+        size_t len;
+        dec_kind k = (dec_kind)rng_range(&r, 0, D_N - 1);
+        int mode = (int)rng_range(&r, 0, 5);
+        if (mode == 0) {
+            len = (size_t)rng_range(&r, 0, 600);
+            rng_fill(&r, scratch, len);
+            /* Small length fields now and then, so parsing gets past them. */
+            if (len > 24 && rng_range(&r, 0, 1))
+                memset(scratch + rng_range(&r, 8, 20), 0, 3);
+        } else {
+            const sample *s = &pool[rng_range(&r, 0, n_pool - 1)];
+            if (rng_range(&r, 0, 3))
+                k = s->k; /* mostly its own decoder; sometimes a wrong one */
+            len = s->len < 600 ? s->len : 600;
+            memcpy(scratch, s->body, len);
+            switch (mode) {
+            case 1: /* flip a few bytes */
+                for (int n = (int)rng_range(&r, 1, 4); n > 0 && len; n--)
+                    scratch[rng_range(&r, 0, len - 1)] ^= (uint8_t)rng_range(&r, 1, 255);
+                break;
+            case 2: /* truncate */
+                len = (size_t)rng_range(&r, 0, len);
+                break;
+            case 3: /* extend with random bytes */
+            {
+                size_t more = (size_t)rng_range(&r, 1, 64);
+                rng_fill(&r, scratch + len, more);
+                len += more;
+                break;
+            }
+            case 4: /* an extreme value in a 1/2/4-byte field */
+                if (len >= 4) {
+                    static const uint32_t v[] = {0, 1, 0xff, 0x100, 0xffff, 0x10000,
+                                                 0x7fffffff, 0xffffffff};
+                    uint32_t x = v[rng_range(&r, 0, 7)];
+                    size_t at = (size_t)rng_range(&r, 0, len - 4);
+                    memcpy(scratch + at, &x, (size_t)1 << rng_range(&r, 0, 2));
+                }
+                break;
+            default: /* flip bytes and truncate */
+                if (len)
+                    scratch[rng_range(&r, 0, len - 1)] ^= (uint8_t)rng_range(&r, 1, 255);
+                len = (size_t)rng_range(&r, 0, len);
+                break;
+            }
+        }
+        kvl_err e = run_decoder(k, scratch, len);
+        if (!CHECKF(e == KVL_OK || e == KVL_ERR_PROTOCOL,
+                    "fuzz %d: %s decoder, %zu bytes: got %d (%s)", it, dec_names[k], len, e,
+                    kvl_err_name(e)))
+            break;
+        if (e == KVL_OK)
+            ok++;
+        else
+            rejected++;
+    }
+    printf("fuzz: 200000 bodies, %lu accepted, %lu rejected\n", ok, rejected);
+    CHECK(ok > 1000 && rejected > 1000); /* the mutations do reach both outcomes */
+    free(scratch);
+}
+
+int main(void)
+{
+    double t0 = test_now_s();
+    test_header();
+    test_frame_finish();
+    test_hello();
+    test_hello_ack();
+    test_chunk();
+    test_status();
+    test_notify();
+    test_fuzz();
+    for (size_t i = 0; i < n_pool; i++)
+        free(pool[i].body);
+    return test_report("test_wire", t0);
+}

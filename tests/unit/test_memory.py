@@ -1,0 +1,88 @@
+"""Registration of every supported memory kind, and the errors for the rest."""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+import pytest
+
+import kvlink
+from tests.conftest import require
+
+
+def test_numpy_views_inside_a_region_are_found(make_agent):
+    a = make_agent("mem-np")
+    arr = np.arange(1024, dtype=np.uint32)
+    r = a.register(arr, remote_read=True, name="arr")
+    assert r.nbytes == arr.nbytes and r.address == arr.ctypes.data
+    assert a._locate(arr[256:512], "src") == (r.id, 1024, 1024)
+    with pytest.raises(kvlink.InvalidArgumentError, match="already exists"):
+        a.register(np.zeros(4), name="arr")
+
+
+def test_buffer_protocol_objects(make_agent):
+    a = make_agent("mem-buf")
+    ba = bytearray(4096)
+    assert a.register(ba, remote_write=True).nbytes == 4096
+    mm = mmap.mmap(-1, 8192)
+    assert a.register(mm).nbytes == 8192
+    ro = a.register(b"x" * 100, remote_read=True)
+    assert ro.readonly
+    a.deregister(ro)
+    with pytest.raises(kvlink.UnknownRegionError):
+        a.deregister(ro)
+
+
+class DLPackOnly:
+    """A CPU tensor reachable only through the DLPack protocol."""
+
+    def __init__(self, arr):
+        self._arr = arr
+
+    def __dlpack__(self, **kw):
+        return self._arr.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self._arr.__dlpack_device__()
+
+
+class FakeCuda:
+    __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (0, False), "version": 3}
+
+
+def test_dlpack_cpu_tensor(make_agent):
+    a = make_agent("mem-dl")
+    arr = np.ones(256, np.float32)
+    r = a.register(DLPackOnly(arr))
+    assert r.address == arr.ctypes.data and r.nbytes == 1024
+
+
+def test_gpu_memory_is_refused_with_a_reason(make_agent):
+    a = make_agent("mem-gpu")
+    with pytest.raises(kvlink.RegistrationError, match="GPU memory.*UCX"):
+        a.register(FakeCuda())
+
+
+def test_torch_cpu_tensor(make_agent):
+    torch = require("torch")
+    a = make_agent("mem-torch")
+    t = torch.arange(1000, dtype=torch.float32)
+    r = a.register(t, remote_read=True)
+    assert r.address == t.data_ptr() and r.nbytes == 4000
+    with pytest.raises(kvlink.RegistrationError, match="not contiguous"):
+        a.register(torch.ones(8, 8).t())
+    dl = a.register(DLPackOnly(torch.ones(16)))
+    assert dl.nbytes == 64
+
+
+def test_torch_push_between_processes(make_agent, spawn_peer):
+    torch = require("torch")
+    rx = spawn_peer("rx-torch")
+    rx.call("alloc", key="w", nbytes=4 << 20, remote_write=True, name="w")
+    tx = make_agent("tx-torch")
+    t = torch.arange((4 << 20) // 4, dtype=torch.int32)
+    tx.register(t)
+    tx.add_peer(rx.metadata)
+    tx.push("rx-torch", src=t, dst="w").wait(10)
+    assert rx.call("read", key="w", offset=4000, nbytes=8)["hex"] == t[1000:1002].numpy().tobytes().hex()

@@ -216,6 +216,112 @@ class Perf:
             self.p.wait()
 
 
+# Where perf's cpu-clock samples land, grouped for tuning.  Order matters: the
+# first matching group wins.
+_PERF_GROUPS: list[tuple[str, tuple[str, ...]]] = [
+    ("crc32c", ("hw_update", "sw_update", "hw_zeros", "kvl_crc32c")),
+    ("kernel copy", ("_copy_from_iter", "_copy_to_iter", "copy_user", "rep_movs", "memcpy")),
+    # hrtimer samples taken with interrupts off are delivered when they are
+    # switched back on, so these names stand for "softirq / irq-off work".
+    ("softirq/irq-off", ("handle_softirqs", "_raw_spin_unlock_irq", "__local_bh_enable")),
+    (
+        "scheduler, wakeups, epoll",
+        (
+            "finish_task_switch",
+            "__schedule",
+            "schedule_h",
+            "schedule_t",
+            "wake_up",
+            "try_to_wake",
+            "futex",
+            "epoll",
+            "ep_poll",
+            "do_select",
+            "core_sys_select",
+            "pv_queued",
+            "read_tsc",
+        ),
+    ),
+    ("page alloc/free", ("page", "folio", "alloc", "free", "kmem_cache")),
+    (
+        "tcp/ip, skb, syscalls",
+        (
+            "tcp",
+            "ip_",
+            "skb",
+            "sock",
+            "net",
+            "dev_",
+            "sk_",
+            "inet",
+            "syscall",
+            "entry_",
+            "iov",
+            "sendmsg",
+            "recvmsg",
+            "readv",
+            "check_object",
+            "virt_addr",
+            "datagram",
+        ),
+    ),
+]
+
+
+def perf_summary(path: Path) -> list[tuple[str, float, str]]:
+    """(group, ms, top symbols) from a perf.data file, biggest first."""
+    text = subprocess.run(
+        [
+            "perf",
+            "report",
+            "-i",
+            str(path),
+            "--no-children",
+            "-F",
+            "period,dso,sym",
+            "--stdio",
+            "-g",
+            "none",
+            "-t",
+            "|",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout
+    groups: dict[str, float] = {}
+    tops: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or "|" not in line:
+            continue
+        period, dso, sym = (x.strip() for x in line.split("|", 2))
+        name = sym.split("] ", 1)[-1]
+        kernel = "[k]" in sym
+        group = (
+            "python interpreter"
+            if "python" in dso
+            else ("other kernel" if kernel else "other user space")
+        )
+        for g, keys in _PERF_GROUPS:
+            if any(k in name for k in keys):
+                group = g
+                break
+        ms = int(period) / 1e6
+        groups[group] = groups.get(group, 0.0) + ms
+        if len(tops.setdefault(group, [])) < 3:
+            tops[group].append(name)
+    return sorted(((g, ms, ", ".join(tops[g])) for g, ms in groups.items()), key=lambda x: -x[1])
+
+
+def print_perf(perf_dir: Path) -> None:
+    for f in sorted(perf_dir.glob("*.data")):
+        rows = perf_summary(f)
+        total = sum(ms for _, ms, _ in rows) or 1.0
+        print(f"\nperf {f.name}: {total:.0f} ms sampled")
+        for g, ms, top in rows:
+            print(f"  {g:<28}{ms:>7.0f} ms {100 * ms / total:>5.1f}%  {top}")
+
+
 @dataclass
 class Sample:
     """One transfer."""
@@ -879,7 +985,10 @@ def main(argv: list[str] | None = None) -> int:
         }
     )
     try:
-        return chunk_sweep(args, emit) if args.chunk_sweep else compare(args, emit)
+        rc = chunk_sweep(args, emit) if args.chunk_sweep else compare(args, emit)
+        if args.perf is not None:
+            print_perf(args.perf)
+        return rc
     except BenchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

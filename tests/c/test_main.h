@@ -28,6 +28,7 @@ static inline int test_check(int ok, const char *file, int line, const char *exp
     __atomic_fetch_add(&test_checks, 1, __ATOMIC_RELAXED);
     if (ok)
         return 1;
+    fflush(stdout); /* keep progress lines and failures in order when piped */
     if (__atomic_add_fetch(&test_failures, 1, __ATOMIC_RELAXED) <= TEST_MAX_PRINTED)
         fprintf(stderr, "%s:%d: check failed: %s\n", file, line, expr);
     return 0;

@@ -163,7 +163,11 @@ class Worker:
             "chunks_total": last.chunks_total,
             "retries": sum(i.retries for i in infos),
             "engine_s": [(i.t_done_ns - i.t_submit_ns) / 1e9 for i in infos],
-            "path_bytes": [p.bytes_sent - b for p, b in zip(paths, sent0, strict=True)],
+            "path_bytes": [p.bytes_sent for p in paths],
+            "path_bytes_before": sent0,
+            "paths_states": [
+                f"{p.index}:{p.state.name}:{p.local}->{p.remote}:{p.last_error}" for p in paths
+            ],
             "path_est_gbps": [p.est_gbps for p in paths],
         }
 

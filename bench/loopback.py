@@ -18,8 +18,12 @@ How it measures:
     of both processes over the transfer (the receiver's from just before the
     push to its notification).  The received data is checked afterwards.
   * iperf3: ``iperf3 -s -1`` and ``iperf3 -c 127.0.0.1 -n SIZE [-P 4] --json``;
-    GB/s from end.sum_received; CPU and peak RSS from wait4() rusage of both
-    processes (what iperf3 spends before its test starts is a few ms).
+    GB/s from end.sum_received.bits_per_second; CPU from wait4() rusage of
+    both processes, less the server's CPU before the client starts (what the
+    client spends before its test starts is a few ms); peak RSS from VmHWM.
+  * ``--perf DIR`` records both kvlink processes over the transfer only (and
+    both iperf3 processes whole) with ``perf record -e cpu-clock -g`` and
+    prints where the CPU went; the figures of such a run are not clean.
   * Configurations are interleaved, and the order flips every iteration,
     because this 2-core machine is noisy; medians are reported.
   * Softirq work done in a task's context is charged to that task (this kernel
@@ -125,11 +129,11 @@ def proc_cpu_s(pid: int) -> float:
 class Worker:
     """bench/_proc.py in a subprocess, spoken to in JSON lines."""
 
-    def __init__(self, tag: str, wrap: list[str] | None = None) -> None:
+    def __init__(self, tag: str) -> None:
         self.tag = tag
         self.err = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
         self.p = subprocess.Popen(
-            [*(wrap or []), sys.executable, str(WORKER)],
+            [sys.executable, str(WORKER)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.err,
@@ -451,6 +455,8 @@ def run_kvlink(
                     "chunks": pt["chunks_total"],
                     "retries": pt["retries"],
                     "path_bytes": pt["path_bytes"],
+                    "path_bytes_before": pt["path_bytes_before"],
+                    "paths_states": pt["paths_states"],
                     "rss_base_tx_mib": txi["rss_base_kib"] / 1024,
                     "rss_base_rx_mib": rxi["rss_base_kib"] / 1024,
                     "rss_agent_tx_mib": txi["rss_agent_kib"] / 1024,

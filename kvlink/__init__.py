@@ -21,7 +21,7 @@ from ._agent import (
     TransferInfo,
     TransferState,
 )
-from ._config import GiB, KiB, MiB, Config
+from ._config import Config, GiB, KiB, MiB
 from ._errors import (
     ChecksumError,
     ClosedError,

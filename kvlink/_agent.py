@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -401,10 +402,8 @@ class Agent:
         self.close()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # never raise from a finaliser
             self.close()
-        except Exception:  # never raise from a finaliser
-            pass
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self.addresses)} NICs"
@@ -680,9 +679,7 @@ class Agent:
                     )
                 segs = as_segment_array(segments)
             else:
-                segs = self._simple_segment(
-                    op, p, peer, src, dst, nbytes, src_offset, dst_offset
-                )
+                segs = self._simple_segment(op, p, peer, src, dst, nbytes, src_offset, dst_offset)
             out = ffi.new("kvl_xfer **")
             check(
                 lib.kvl_xfer_submit(
@@ -722,13 +719,17 @@ class Agent:
             raise InvalidArgumentError(f"nbytes: expected a positive int, got {nbytes!r}")
         local_arg, remote_arg = ("src", "dst") if op == Op.PUSH else ("dst", "src")
         local_obj, remote_obj = (src, dst) if op == Op.PUSH else (dst, src)
-        local_off, remote_off = (src_offset, dst_offset) if op == Op.PUSH else (dst_offset, src_offset)
+        local_off, remote_off = (
+            (src_offset, dst_offset) if op == Op.PUSH else (dst_offset, src_offset)
+        )
         lid, lbase, lsize = self._locate(local_obj, local_arg)
         remote = self._resolve_remote(p, peer, remote_obj, remote_arg)
         local_avail = lsize - local_off
         remote_avail = remote.nbytes - remote_off
         if local_avail <= 0:
-            raise OutOfBoundsError(f"{local_arg}_offset: {local_off} is past the end ({lsize} bytes)")
+            raise OutOfBoundsError(
+                f"{local_arg}_offset: {local_off} is past the end ({lsize} bytes)"
+            )
         if remote_avail <= 0:
             raise OutOfBoundsError(
                 f"{remote_arg}_offset: {remote_off} is past the end of peer {peer!r} region "
@@ -757,7 +758,9 @@ class Agent:
     def _resolve_remote(self, p: Any, peer: str, ref: Any, arg: str) -> RemoteRegion:
         if isinstance(ref, RemoteRegion):
             if ref.peer != peer:
-                raise InvalidArgumentError(f"{arg}: region belongs to peer {ref.peer!r}, not {peer!r}")
+                raise InvalidArgumentError(
+                    f"{arg}: region belongs to peer {ref.peer!r}, not {peer!r}"
+                )
             key: int | str = ref.id
         elif isinstance(ref, (int, str)) and not isinstance(ref, bool):
             key = ref
@@ -888,7 +891,9 @@ def _parse_metadata(metadata: bytes | str | dict[str, Any]) -> dict[str, Any]:
             for x in addrs
         )
     ):
-        raise InvalidArgumentError(f"metadata: 'addrs' must be a list of [host, port], got {addrs!r}")
+        raise InvalidArgumentError(
+            f"metadata: 'addrs' must be a list of [host, port], got {addrs!r}"
+        )
     try:
         instance = int(md.get("instance", "0"), 16)
     except (TypeError, ValueError):

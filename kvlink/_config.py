@@ -65,7 +65,9 @@ class Config:
             if not nics:
                 raise ConfigError("nics: the list is empty; give at least one NIC or 'auto'")
         else:
-            raise ConfigError(f"nics: expected 'auto', 'loopback:N' or a list of names, got {nics!r}")
+            raise ConfigError(
+                f"nics: expected 'auto', 'loopback:N' or a list of names, got {nics!r}"
+            )
         _int_range("port", self.port, 0, 65535)
         _int_range("chunk_bytes", self.chunk_bytes, 4 * KiB, 1 * GiB)
         _int_range("min_chunk_bytes", self.min_chunk_bytes, 1, self.chunk_bytes)
@@ -152,4 +154,4 @@ def _from_file(path: Path) -> dict[str, Any]:
     return data
 
 
-__all__ = ["GiB", "Config", "KiB", "MiB"]
+__all__ = ["Config", "GiB", "KiB", "MiB"]

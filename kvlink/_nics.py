@@ -57,20 +57,20 @@ def resolve(nics: str | tuple[str, ...]) -> list[str]:
         items = list(nics)
     if not items:
         raise ConfigError("nics: empty selection; use 'auto', 'loopback:N' or NIC names")
-    ifs: dict[str, list[str]] | None = None
+    known: dict[str, list[str]] | None = None
     out: list[str] = []
     for item in items:
         if _is_ipv4(item):
             out.append(item)
             continue
-        if ifs is None:
-            ifs = _interfaces()
-        if item not in ifs:
+        if known is None:
+            known = _interfaces()
+        if item not in known:
             raise ConfigError(
                 f"nics: no up interface named {item!r} with an IPv4 address; "
-                f"this host has {sorted(ifs)}"
+                f"this host has {sorted(known)}"
             )
-        out.append(ifs[item][0])
+        out.append(known[item][0])
     if len(out) > MAX_PATHS:
         raise ConfigError(f"nics: at most {MAX_PATHS} NICs, got {len(out)}")
     if len(set(out)) != len(out):

@@ -55,7 +55,9 @@ def as_segment_array(segments: Any, arg: str = "segments") -> np.ndarray[Any, An
         rows = [tuple(s) for s in segments]
         for i, row in enumerate(rows):
             if len(row) not in (5, 6) or any(not isinstance(v, (int, np.integer)) for v in row):
-                raise InvalidArgumentError(f"{arg}[{i}]: expected a Segment of integers, got {row!r}")
+                raise InvalidArgumentError(
+                    f"{arg}[{i}]: expected a Segment of integers, got {row!r}"
+                )
             if any(int(v) < 0 for v in row):
                 raise InvalidArgumentError(f"{arg}[{i}]: negative value in {row!r}")
         arr = np.zeros(len(rows), dtype=SEGMENT_DTYPE)

@@ -152,16 +152,16 @@ def _blocks(arg: str, blocks: Any, num_blocks: int) -> np.ndarray[Any, Any]:
     except (TypeError, ValueError) as exc:
         raise InvalidArgumentError(f"{arg}: expected a sequence of block ids ({exc})") from None
     if arr.ndim != 1:
-        raise InvalidArgumentError(f"{arg}: expected a flat sequence of block ids, got shape {arr.shape}")
+        raise InvalidArgumentError(
+            f"{arg}: expected a flat sequence of block ids, got shape {arr.shape}"
+        )
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise InvalidArgumentError(f"{arg}: block ids must be integers, got dtype {arr.dtype}")
     arr = arr.astype(np.int64)
     bad = np.flatnonzero((arr < 0) | (arr >= num_blocks))
     if bad.size:
         i = int(bad[0])
-        raise InvalidArgumentError(
-            f"{arg}[{i}]: block {int(arr[i])} is outside [0, {num_blocks})"
-        )
+        raise InvalidArgumentError(f"{arg}[{i}]: block {int(arr[i])} is outside [0, {num_blocks})")
     return arr
 
 
@@ -183,9 +183,7 @@ def block_segments(
             the argument.
     """
     if src.num_layers != dst.num_layers:
-        raise InvalidArgumentError(
-            f"dst: {dst.num_layers} layers, but src has {src.num_layers}"
-        )
+        raise InvalidArgumentError(f"dst: {dst.num_layers} layers, but src has {src.num_layers}")
     if src.planes != dst.planes:
         raise InvalidArgumentError(f"dst: {dst.planes} planes, but src has {src.planes}")
     if src.block_bytes != dst.block_bytes:

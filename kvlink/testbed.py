@@ -93,7 +93,7 @@ class TestbedConfigError(TestbedError, ValueError):
     __test__ = False
 
 
-class Side(str, enum.Enum):  # noqa: UP042 - enum.StrEnum needs Python 3.11
+class Side(str, enum.Enum):
     """One end of the testbed: each side is one network namespace."""
 
     A = "a"

@@ -85,7 +85,9 @@ def handle(req: dict[str, Any]) -> dict[str, Any]:
         return {}
     if cmd == "notifications":
         ns = agent.notifications(timeout_s=req.get("timeout", 0.0))
-        return {"notifications": [{"peer": n.peer, "tag": n.tag.hex(), "op": n.op.name} for n in ns]}
+        return {
+            "notifications": [{"peer": n.peer, "tag": n.tag.hex(), "op": n.op.name} for n in ns]
+        }
     if cmd == "paths":
         return {"paths": [p.__dict__ | {"state": p.state.name} for p in agent.paths()]}
     if cmd == "deregister":

@@ -141,12 +141,17 @@ def sender(args: argparse.Namespace, child_argv: list[str]) -> int:
         table.add_column(col)
     for p in paths:
         table.add_row(
-            str(p.index), f"{p.local} -> {p.remote}", f"{p.bytes_sent:,}", f"{p.bytes_sent / xfer_s / 1e9:.2f}"
+            str(p.index),
+            f"{p.local} -> {p.remote}",
+            f"{p.bytes_sent:,}",
+            f"{p.bytes_sent / xfer_s / 1e9:.2f}",
         )
     console.print(table)
     console.print(f"aggregate:            {total / xfer_s / 1e9:.2f} GB/s")
     console.print(f"time to first layer:  {first_layer_s * 1e3:.1f} ms" if first_layer_s else "")
-    console.print(f"total transfer time:  {xfer_s * 1e3:.1f} ms (wall incl. progress {seconds * 1e3:.1f} ms)")
+    console.print(
+        f"total transfer time:  {xfer_s * 1e3:.1f} ms (wall incl. progress {seconds * 1e3:.1f} ms)"
+    )
     ok = result.get("mismatched_words") == 0 and result.get("verified_bytes") == total
     if ok:
         console.print(

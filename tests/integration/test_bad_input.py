@@ -77,17 +77,17 @@ def test_segment_outside_region_remote_side(pair):
 
 
 def test_size_mismatch(pair):
-    tx, rx = pair
+    tx, _ = pair
     big = np.ones(2 * MiB, np.uint8)
     tx.register(big)
-    with pytest.raises(kvlink.SizeMismatchError, match="dst .*has only 1048576"):
+    with pytest.raises(kvlink.SizeMismatchError, match=r"dst .*has only 1048576"):
         tx.push("rx", src=big, dst="w")
     with pytest.raises(kvlink.SizeMismatchError, match="nbytes"):
         tx.push("rx", src=big[:100], dst="w", nbytes=200)
 
 
 def test_pull_without_remote_read(pair):
-    tx, rx = pair
+    tx, _ = pair
     dst = np.zeros(MiB, np.uint8)
     tx.register(dst)
     with pytest.raises(kvlink.RemoteAccessError, match="remote_read=True"):
@@ -122,7 +122,7 @@ def test_unknown_peer(pair):
     tx, _ = pair
     src = np.ones(10, np.uint8)
     tx.register(src)
-    with pytest.raises(kvlink.UnknownPeerError, match="no peer named 'nobody'.*add_peer"):
+    with pytest.raises(kvlink.UnknownPeerError, match=r"no peer named 'nobody'.*add_peer"):
         tx.push("nobody", src=src, dst="w")
 
 

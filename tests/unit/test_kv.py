@@ -47,7 +47,7 @@ def test_block_segments_move_exactly_the_requested_blocks(data):
         s_buf = src_mem[src.regions[li]]
         d_buf = dst_mem[dst.regions[li]]
         for plane in range(2):
-            for sb, db in zip(src_ids, dst_ids):
+            for sb, db in zip(src_ids, dst_ids, strict=True):
                 so = src.offsets[li] + plane * src.plane_stride + sb * 32
                 do = dst.offsets[li] + plane * dst.plane_stride + db * 32
                 assert d_buf[do : do + 32] == s_buf[so : so + 32]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mmap
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -48,7 +49,12 @@ class DLPackOnly:
 
 
 class FakeCuda:
-    __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (0, False), "version": 3}
+    __cuda_array_interface__: ClassVar[dict[str, object]] = {
+        "shape": (4,),
+        "typestr": "<f4",
+        "data": (0, False),
+        "version": 3,
+    }
 
 
 def test_dlpack_cpu_tensor(make_agent):
@@ -60,7 +66,7 @@ def test_dlpack_cpu_tensor(make_agent):
 
 def test_gpu_memory_is_refused_with_a_reason(make_agent):
     a = make_agent("mem-gpu")
-    with pytest.raises(kvlink.RegistrationError, match="GPU memory.*UCX"):
+    with pytest.raises(kvlink.RegistrationError, match=r"GPU memory.*UCX"):
         a.register(FakeCuda())
 
 
@@ -85,4 +91,7 @@ def test_torch_push_between_processes(make_agent, spawn_peer):
     tx.register(t)
     tx.add_peer(rx.metadata)
     tx.push("rx-torch", src=t, dst="w").wait(10)
-    assert rx.call("read", key="w", offset=4000, nbytes=8)["hex"] == t[1000:1002].numpy().tobytes().hex()
+    assert (
+        rx.call("read", key="w", offset=4000, nbytes=8)["hex"]
+        == t[1000:1002].numpy().tobytes().hex()
+    )

@@ -75,7 +75,9 @@ def test_small_transfers_spread_over_paths(total, paths, expected_chunks):
 
 def test_first_layer_is_split_over_all_paths():
     # 32 layers of 32 MiB over 4 paths: layer 0 goes out as 4 chunks of 8 MiB
-    chunks, _, target, _ = make_plan(segs_from([32 * MiB] * 32, list(range(32))), 4, 64 * MiB, MiB, 8192)
+    chunks, _, target, _ = make_plan(
+        segs_from([32 * MiB] * 32, list(range(32))), 4, 64 * MiB, MiB, 8192
+    )
     assert target == 8 * MiB
     assert [c[2] for c in chunks[:4]] == [0, 0, 0, 0]
 

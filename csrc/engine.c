@@ -114,8 +114,9 @@ void kvl_engine_snapshot_paths(kvl_agent *a)
             if (pa->conn) {
                 o->bytes_sent = kvl_conn_bytes_sent(pa->conn);
                 o->bytes_recv = kvl_conn_bytes_recv(pa->conn);
-                o->rtt_us = kvl_conn_rtt_us(pa->conn);
+                pa->rtt_us = kvl_conn_rtt_us(pa->conn);
             }
+            o->rtt_us = pa->rtt_us;
             o->chunks_done = pa->chunks_done;
             o->inflight_bytes = pa->inflight_bytes;
             o->est_gbps = pa->bw_Bps / 1e9;

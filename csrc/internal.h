@@ -205,6 +205,7 @@ typedef struct kvl_path {
     uint64_t inflight_bytes;
     uint32_t inflight_chunks;
     double bw_Bps;             /* EWMA of chunk service rate; 0 = no sample yet */
+    double rtt_us;             /* smoothed RTT from TCP_INFO, sampled every tick */
     uint64_t t_last_done_ns;   /* end of the previous chunk's service on this path */
     uint64_t chunks_done;
     char last_error[160];

@@ -63,8 +63,7 @@ static void take_chunk(kvl_xfer *x, uint32_t ci)
 static double predict_s(const kvl_path *pa, uint64_t bytes, double prior)
 {
     double bw = pa->bw_Bps > 0 ? pa->bw_Bps : prior;
-    double rtt = pa->conn ? kvl_conn_rtt_us(pa->conn) * 1e-6 : 0;
-    return (double)(pa->inflight_bytes + bytes) / bw + rtt;
+    return (double)(pa->inflight_bytes + bytes) / bw + pa->rtt_us * 1e-6;
 }
 
 void kvl_sched_dispatch(kvl_peer *p)

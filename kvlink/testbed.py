@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from typing import Any, Final, TypeAlias
 
+from ._errors import KvlinkError
+
 __all__ = [
     "MAX_LINKS",
     "MIN_RATE_BPS",
@@ -77,9 +79,7 @@ _KILL_GRACE_S: Final = 2.0
 _TOOL_DIRS: Final = "/usr/sbin:/sbin:/usr/bin:/bin:/usr/local/sbin:/usr/local/bin"
 
 
-# The lead will make this subclass the package's kvlink.KvlinkError (keeping RuntimeError mixed
-# in) once kvlink's error module exists; until then it stands alone so this module imports alone.
-class TestbedError(RuntimeError):
+class TestbedError(KvlinkError, RuntimeError):
     """A testbed operation failed; the message says what failed and what to do about it."""
 
     # Not a pytest test class despite the name: without this, importing it into a test module

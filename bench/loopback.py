@@ -43,6 +43,7 @@ import os
 import platform
 import re
 import select
+import shutil
 import signal
 import socket
 import statistics
@@ -415,11 +416,12 @@ def run_kvlink(
         for pf in perfs:
             pf.stop()
         perfs = []
+        # Peak RSS before the check below, whose temporaries are the bench's.
+        txm = tx.call("stats")
+        rxm = rx.call("stats")
         bad = rx.call("verify", answer_s=300, nbytes=max(todo))["first_bad_word"]
         if bad >= 0:
             raise BenchError(f"kvlink: received data is wrong at byte {bad * 8}")
-        txm = tx.call("stats")
-        rxm = rx.call("stats")
     finally:
         for pf in perfs:
             pf.stop()
@@ -427,6 +429,13 @@ def run_kvlink(
         rx.close()
     samples = []
     for nbytes, pt, col, ksirq in out:
+        if pt["retries"] or len(pt["path_bytes"]) != len(pt["path_bytes_before"]):
+            print(
+                f"  warning: kvlink {paths} paths, {fmt_size(nbytes)}: {pt['retries']} retries; "
+                f"paths before the push {pt['path_bytes_before']}, after {pt['path_bytes']} "
+                f"{pt['paths_states']}",
+                file=sys.stderr,
+            )
         cpu_tx = pt["user_s"] + pt["sys_s"]
         cpu_rx = col["user_s"] + col["sys_s"]
         samples.append(
@@ -877,6 +886,7 @@ def chunk_sweep(args: argparse.Namespace, emit: Any) -> int:
                 "min_chunk_bytes": c,
                 "chunks": part1[c][0].extra["chunks"],
                 **asdict(r),
+                "samples": [asdict(x) for x in part1[c]],
             }
         )
     print_rows(
@@ -947,25 +957,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--sweep-chunks",
         type=lambda t: [parse_size(x) for x in t.split(",")],
+        help="chunk sizes of the chunk sweep (1MiB,4MiB,16MiB,64MiB)",
         default=[1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB],
     )
     ap.add_argument(
         "--sweep-floors",
         type=lambda t: [parse_size(x) for x in t.split(",")],
+        help="min_chunk_bytes values of the floor sweep (64KiB,256KiB,1MiB,4MiB)",
         default=[64 << 10, 256 << 10, 1 * MiB, 4 * MiB],
     )
     ap.add_argument(
         "--sweep-sizes",
         type=lambda t: [parse_size(x) for x in t.split(",")],
+        help="transfer sizes of the floor sweep (4MiB,16MiB,64MiB)",
         default=[4 * MiB, 16 * MiB, 64 * MiB],
     )
-    ap.add_argument("--sweep-reps", type=int, default=20)
+    ap.add_argument("--sweep-reps", type=int, default=20, help="pushes per size in the floor sweep")
     args = ap.parse_args(argv)
     args.configs = [c.strip() for c in args.configs.split(",")]
     if bad := [c for c in args.configs if c not in CONFIGS]:
         ap.error(f"--configs: unknown {bad}; choose from {','.join(CONFIGS)}")
     if args.iters < 1:
         ap.error("--iters: at least 1")
+    wants_iperf = not args.chunk_sweep and any(c.startswith("iperf") for c in args.configs)
+    if wants_iperf and shutil.which("iperf3") is None:
+        ap.error("iperf3 is not installed (apt-get install iperf3), or leave it out: --configs")
+    if args.perf is not None and shutil.which("perf") is None:
+        ap.error("--perf: perf is not installed (apt-get install linux-perf)")
 
     jf = open(args.json, "w") if args.json else None  # noqa: SIM115
 
@@ -976,7 +994,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import kvlink
 
-    iperf = subprocess.run(["iperf3", "--version"], capture_output=True, text=True).stdout
+    iperf = ""
+    if shutil.which("iperf3"):
+        iperf = subprocess.run(["iperf3", "--version"], capture_output=True, text=True).stdout
     emit(
         {
             "kind": "meta",

@@ -69,11 +69,14 @@ __attribute__((target("sse4.2"))) static uint32_t hw_update(uint32_t s, const ui
     }
     while (n >= 3 * LANE) {
         uint64_t a = c, b = 0, d = 0;
-        const uint64_t *w = (const uint64_t *)(const void *)p;
-        for (size_t i = 0; i < LANE / 8; i++) {
-            a = _mm_crc32_u64(a, w[i]);
-            b = _mm_crc32_u64(b, w[i + LANE / 8]);
-            d = _mm_crc32_u64(d, w[i + 2 * LANE / 8]);
+        for (size_t i = 0; i < LANE; i += 8) {
+            uint64_t wa, wb, wd; /* memcpy loads: aligned here, and alias-safe */
+            memcpy(&wa, p + i, 8);
+            memcpy(&wb, p + i + LANE, 8);
+            memcpy(&wd, p + i + 2 * LANE, 8);
+            a = _mm_crc32_u64(a, wa);
+            b = _mm_crc32_u64(b, wb);
+            d = _mm_crc32_u64(d, wd);
         }
         c = shift(shift2, (uint32_t)a) ^ shift(shift1, (uint32_t)b) ^ (uint32_t)d;
         p += 3 * LANE;
@@ -105,7 +108,7 @@ static void crc_init(void)
             sw_table[t][i] = (sw_table[t - 1][i] >> 8) ^ sw_table[0][sw_table[t - 1][i] & 0xff];
 #if defined(__x86_64__)
     __builtin_cpu_init();
-    have_hw = __builtin_cpu_supports("sse4.2");
+    have_hw = !!__builtin_cpu_supports("sse4.2"); /* a feature mask, not 0/1 */
     if (have_hw) {
         for (int k = 0; k < 4; k++)
             for (uint32_t i = 0; i < 256; i++) {

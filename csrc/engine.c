@@ -166,10 +166,13 @@ static void adopt_peer(kvl_agent *a, kvl_peer *p)
         }
         pa->fd = -1;
     }
-    p->adopted = 1;
     p->eng_next = a->eng_peers;
     a->eng_peers = p;
     kvl_engine_snapshot_paths(a);
+    pthread_mutex_lock(&p->mu);
+    p->adopted = 1;
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
 }
 
 static void run_commands(kvl_agent *a)

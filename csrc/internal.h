@@ -204,9 +204,10 @@ typedef struct kvl_path {
     char local[48], remote[48];
     uint64_t inflight_bytes;
     uint32_t inflight_chunks;
-    double bw_Bps;             /* EWMA of chunk service rate; 0 = no sample yet */
+    double bw_Bps;             /* EWMA of the busy-period delivery rate; 0 = no sample yet */
     double rtt_us;             /* smoothed RTT from TCP_INFO, sampled every tick */
-    uint64_t t_last_done_ns;   /* end of the previous chunk's service on this path */
+    uint64_t busy_start_ns;    /* when the path last went from idle to busy */
+    uint64_t busy_bytes;       /* bytes verified since busy_start_ns */
     uint64_t chunks_done;
     char last_error[160];
 } kvl_path;

@@ -269,6 +269,15 @@ kvl_err kvl_peer_connect(kvl_agent *a, const char *name, uint64_t instance,
     uint64_t one = 1;
     ssize_t rc = write(a->wakefd, &one, sizeof one);
     (void)rc;
+    /* return once the engine owns the connections, so paths() shows them */
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    ts.tv_sec += 5; /* the engine takes commands within one loop iteration */
+    pthread_mutex_lock(&p->mu);
+    int wrc = 0;
+    while (!p->adopted && !atomic_load(&a->stopping) && wrc == 0)
+        wrc = pthread_cond_timedwait(&p->cv, &p->mu, &ts);
+    pthread_mutex_unlock(&p->mu);
     *out = p;
     return KVL_OK;
 }

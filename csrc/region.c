@@ -6,6 +6,8 @@
  */
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "internal.h"
 
@@ -22,6 +24,22 @@ void kvl_regions_destroy(kvl_regions *t)
         free(t->v[i]);
     free(t->v);
     pthread_mutex_destroy(&t->mu);
+}
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23 /* Linux 5.14 */
+#endif
+
+/* Faults writable memory in now, as RDMA registration would pin it, so the
+ * first transfer into a fresh buffer does not pay a page fault per 4 KiB on
+ * the engine thread (measured: 4x slower into untouched memory).  Best
+ * effort: older kernels and special mappings just skip it. */
+static void populate(void *ptr, uint64_t len)
+{
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uintptr_t lo = (uintptr_t)ptr & ~(page - 1);
+    uintptr_t hi = ((uintptr_t)ptr + len + page - 1) & ~(page - 1);
+    (void)madvise((void *)lo, hi - lo, MADV_POPULATE_WRITE);
 }
 
 static kvl_region *find(kvl_regions *t, uint64_t id, size_t *pos)
@@ -65,6 +83,8 @@ kvl_err kvl_region_register(kvl_agent *a, void *ptr, uint64_t len, uint32_t righ
     kvl_region *r = calloc(1, sizeof *r);
     if (!r)
         return kvl_fail(KVL_ERR_NOMEM, "register: out of memory");
+    if (mem == KVL_MEM_HOST && !(rights & KVL_LOCAL_READONLY))
+        populate(ptr, len);
     r->base = ptr;
     r->size = len;
     r->rights = rights;

@@ -101,6 +101,10 @@ void kvl_sched_dispatch(kvl_peer *p)
             best->inflight_bytes >= a->cfg.window_bytes)
             return;
         take_chunk(x, ci);
+        if (best->inflight_chunks == 0) {
+            best->busy_start_ns = kvl_now_ns();
+            best->busy_bytes = 0;
+        }
         x->attempt[ci]++;
         x->cpath[ci] = (uint8_t)best->index;
         x->cstate[ci] = KVL_CHUNK_INFLIGHT;
@@ -152,12 +156,13 @@ void kvl_sched_on_chunk_done(kvl_peer *p, kvl_xfer *x, uint32_t ci, uint64_t now
     kvl_path *pa = &p->paths[x->cpath[ci]];
     unaccount(p, x, ci);
     x->cstate[ci] = KVL_CHUNK_DONE;
-    uint64_t start = x->t_sent_ns[ci] > pa->t_last_done_ns ? x->t_sent_ns[ci] : pa->t_last_done_ns;
-    if (now > start) {
-        double sample = (double)x->plan.chunks[ci].bytes * 1e9 / (double)(now - start);
+    /* Rate over the current busy period rather than per chunk: acks that
+     * arrive back to back would make per-chunk samples absurdly high. */
+    pa->busy_bytes += x->plan.chunks[ci].bytes;
+    if (now > pa->busy_start_ns) {
+        double sample = (double)pa->busy_bytes * 1e9 / (double)(now - pa->busy_start_ns);
         pa->bw_Bps = pa->bw_Bps > 0 ? (1 - EWMA_NEW) * pa->bw_Bps + EWMA_NEW * sample : sample;
     }
-    pa->t_last_done_ns = now;
     pa->chunks_done++;
     kvl_xfer_chunk_done(x, ci, pa->index, now);
     if (!kvl_xfer_running(x)) {

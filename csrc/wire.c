@@ -319,6 +319,8 @@ kvl_err kvl_dec_chunk(const uint8_t *body, size_t len, kvl_msg_chunk *m)
     m->chunk = get_u32(&r);
     m->attempt = get_u32(&r);
     m->n_pieces = get_u32(&r);
+    if (r.bad)
+        return finish(&r, "chunk");
     if (m->n_pieces == 0 || m->n_pieces > KVL_MAX_PIECES)
         return kvl_fail(KVL_ERR_PROTOCOL, "chunk frame with %u pieces (1..%u allowed)",
                         m->n_pieces, KVL_MAX_PIECES);

@@ -505,13 +505,17 @@ static void on_data(kvl_conn *c)
     c->pst.xfer = m.xfer;
     c->pst.chunk = m.chunk;
     c->pst.attempt = m.attempt;
-    uint64_t total;
-    if (resolve_pieces(c, &m, KVL_REMOTE_WRITE, &c->pst, &total) == 0 &&
-        total != c->h.payload_len) {
-        release_prefs(c);
+    uint64_t declared = 0, total;
+    for (uint32_t i = 0; i < m.n_pieces; i++) {
+        kvl_wire_piece p;
+        kvl_dec_piece(&m, i, &p);
+        declared += p.len > KVL_MAX_CHUNK ? KVL_MAX_CHUNK + 1 : p.len;
+    }
+    if (declared != c->h.payload_len) {
         kvl_conn_fail(c, KVL_ERR_PROTOCOL, "DATA frame: pieces and payload length disagree");
         return;
     }
+    resolve_pieces(c, &m, KVL_REMOTE_WRITE, &c->pst, &total);
     if (c->pst.status != KVL_OK)
         drain_all(c);
 }
@@ -564,7 +568,7 @@ static kvl_xfer *match_chunk(kvl_conn *c, const kvl_msg_status *st)
 static void on_status_error(kvl_conn *c, kvl_xfer *x, const kvl_msg_status *st)
 {
     if (st->status == KVL_ERR_CHECKSUM) {
-        kvl_sched_requeue(c->peer, x, st->chunk, st->msg);
+        kvl_sched_requeue(c->peer, x, st->chunk, KVL_ERR_CHECKSUM, st->msg);
         return;
     }
     kvl_err e = st->status > 0 && st->status <= KVL_ERR_DEADLINE ? st->status : KVL_ERR_PROTOCOL;
@@ -741,7 +745,7 @@ static void on_payload_done(kvl_conn *c)
             char why[128];
             snprintf(why, sizeof why, "payload crc32c mismatch (computed %08x, sender %08x)",
                      c->crc, want);
-            kvl_sched_requeue(c->peer, x, c->pst.chunk, why);
+            kvl_sched_requeue(c->peer, x, c->pst.chunk, KVL_ERR_CHECKSUM, why);
         }
     }
 }
@@ -833,7 +837,20 @@ static void conn_read(kvl_conn *c)
             c->hdr_got += (size_t)n;
             if (c->hdr_got < KVL_HDR_BYTES)
                 break;
-            if (kvl_hdr_decode(c->hdr, &c->h)) {
+            kvl_err de = kvl_hdr_decode(c->hdr, &c->h);
+            if (de == KVL_ERR_HANDSHAKE && !c->handshaken) {
+                /* tell the initiator why before hanging up: HandshakeError
+                 * there, not a bare connection reset */
+                char why[256];
+                snprintf(why, sizeof why, "%s", kvl_last_error());
+                c->handshaken = 1; /* nothing more is read from it */
+                c->kind = KVL_CONN_DATA;
+                send_region_table(c, KVL_F_HELLO_ACK, KVL_ERR_HANDSHAKE, why);
+                c->close_after_flush = 1;
+                conn_write(c);
+                return;
+            }
+            if (de) {
                 kvl_conn_fail(c, KVL_ERR_PROTOCOL, kvl_last_error());
                 return;
             }

@@ -12,10 +12,13 @@ const char *kvl_last_error(void) { return last_error; }
 
 kvl_err kvl_fail(kvl_err err, const char *fmt, ...)
 {
+    /* format aside first: callers often pass kvl_last_error() as an argument */
+    char tmp[sizeof last_error];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(last_error, sizeof last_error, fmt, ap);
+    vsnprintf(tmp, sizeof tmp, fmt, ap);
     va_end(ap);
+    memcpy(last_error, tmp, sizeof tmp);
     return err;
 }
 

@@ -373,7 +373,7 @@ void kvl_sched_dispatch(kvl_peer *p);
 void kvl_sched_on_chunk_done(kvl_peer *p, kvl_xfer *x, uint32_t ci, uint64_t now);
 /* A chunk failed on its path (checksum, or the path went down): requeue it
  * or fail the transfer when it ran out of attempts. */
-void kvl_sched_requeue(kvl_peer *p, kvl_xfer *x, uint32_t ci, const char *why);
+void kvl_sched_requeue(kvl_peer *p, kvl_xfer *x, uint32_t ci, kvl_err err, const char *why);
 void kvl_sched_path_down(kvl_peer *p, uint32_t path, const char *why);
 /* Fails a running transfer from the engine: drops its chunks' in-flight
  * accounting, records the error and wakes waiters. */

@@ -197,6 +197,8 @@ kvl_err kvl_peer_connect(kvl_agent *a, const char *name, uint64_t instance,
 
     int ctrl_fd = -1;
     int fds[KVL_MAX_PATHS];
+    for (size_t i = 0; i < KVL_MAX_PATHS; i++)
+        fds[i] = -1;
     size_t j0 = pair_remote(a->addrs[0], hosts, n, 0);
     kvl_err e = open_conn(a, p, a->addrs[0], hosts[j0], ports[j0], KVL_CONN_CONTROL, 0, &ctrl_fd);
     if (e) {

@@ -75,7 +75,11 @@ kvl_err kvl_region_register(kvl_agent *a, void *ptr, uint64_t len, uint32_t righ
         return kvl_fail(KVL_ERR_INVALID_ARG,
                         "register: remote_write=True needs writable memory, this buffer is "
                         "read-only");
-    if (mem != KVL_MEM_HOST && mem != KVL_MEM_CUDA)
+    if (mem == KVL_MEM_CUDA)
+        return kvl_fail(KVL_ERR_INVALID_ARG,
+                        "register: CUDA memory needs the UCX transport, which this build lacks; "
+                        "stage through host memory");
+    if (mem != KVL_MEM_HOST)
         return kvl_fail(KVL_ERR_INVALID_ARG, "register: unknown memory type %u", mem);
     if (name && strlen(name) >= KVL_NAME_MAX)
         return kvl_fail(KVL_ERR_INVALID_ARG, "register: name is longer than %d bytes",

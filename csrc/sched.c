@@ -184,12 +184,12 @@ void kvl_sched_fail(kvl_xfer *x, kvl_err err, const char *fmt, ...)
     kvl_xfer_set_failed(x, err, "%s", msg);
 }
 
-void kvl_sched_requeue(kvl_peer *p, kvl_xfer *x, uint32_t ci, const char *why)
+void kvl_sched_requeue(kvl_peer *p, kvl_xfer *x, uint32_t ci, kvl_err err, const char *why)
 {
     unaccount(p, x, ci);
     if (x->attempt[ci] >= p->agent->cfg.max_attempts) {
-        kvl_sched_fail(x, KVL_ERR_CHECKSUM, "chunk %u to peer '%s' failed %u times; last: %s", ci,
-                       p->name, x->attempt[ci], why);
+        kvl_sched_fail(x, err, "chunk %u to peer '%s' failed %u times; last: %s", ci, p->name,
+                       x->attempt[ci], why);
         return;
     }
     x->retry[x->n_retry++] = ci;
@@ -205,7 +205,7 @@ void kvl_sched_path_down(kvl_peer *p, uint32_t path, const char *why)
         /* requeue may fail x; reaping waits for the iteration's end */
         for (uint32_t ci = 0; ci < x->plan.n_chunks && kvl_xfer_running(x); ci++)
             if (x->cstate[ci] == KVL_CHUNK_INFLIGHT && x->cpath[ci] == path)
-                kvl_sched_requeue(p, x, ci, why);
+                kvl_sched_requeue(p, x, ci, KVL_ERR_CONN_LOST, why);
     }
     pa->inflight_bytes = 0;
     pa->inflight_chunks = 0;

@@ -157,9 +157,13 @@ static kvl_err alloc_state(kvl_xfer *x)
     if (!x->cstate || !x->attempt || !x->cpath || !x->t_sent_ns || !x->retry || !x->events ||
         !x->layer_left || !x->layer_done)
         return kvl_fail(KVL_ERR_NOMEM, "submit: out of memory for %zu chunks", nc);
-    for (size_t ci = 0; ci < nc; ci++)
-        for (uint32_t l = x->plan.chunks[ci].layer_first; l <= x->plan.chunks[ci].layer_last; l++)
-            x->layer_left[l]++;
+    for (size_t ci = 0; ci < nc; ci++) {
+        const kvl_chunk *ch = &x->plan.chunks[ci];
+        const kvl_piece *pc = &x->plan.pieces[ch->first_piece];
+        for (uint32_t i = 0; i < ch->n_pieces; i++)
+            if (i == 0 || x->segs[pc[i].seg].layer != x->segs[pc[i - 1].seg].layer)
+                x->layer_left[x->segs[pc[i].seg].layer]++;
+    }
     for (size_t l = 0; l < nl; l++)
         x->layer_done[l] = x->layer_left[l] ? LAYER_PENDING : LAYER_ABSENT;
     return KVL_OK;
@@ -306,14 +310,20 @@ void kvl_xfer_chunk_done(kvl_xfer *x, uint32_t ci, uint32_t path, uint64_t now)
     ev->t_ns = now;
     ev->layer_first = 0;
     ev->layer_count = 0;
-    /* layers strictly inside the chunk close with it; the end layers close
-     * when their other chunks are done, so the closed set is contiguous */
-    for (uint32_t l = ch->layer_first; l <= ch->layer_last; l++) {
+    /* Layers the chunk carries bytes of (pieces are layer-major).  Inner
+     * layers close with it, the end layers when their other chunks are done;
+     * the event reports [first, last] closed, layers without bytes between
+     * them counting as complete. */
+    const kvl_piece *pc = &x->plan.pieces[ch->first_piece];
+    for (uint32_t i = 0; i < ch->n_pieces; i++) {
+        uint32_t l = x->segs[pc[i].seg].layer;
+        if (i && l == x->segs[pc[i - 1].seg].layer)
+            continue;
         if (--x->layer_left[l] == 0) {
             x->layer_done[l] = LAYER_DONE;
             if (!ev->layer_count)
                 ev->layer_first = l;
-            ev->layer_count++;
+            ev->layer_count = l - ev->layer_first + 1;
         }
     }
     x->info.bytes_done += ch->bytes;

@@ -773,7 +773,7 @@ class Agent:
             if refresh:
                 check(lib.kvl_peer_refresh(p, max(1, int(self.config.connect_timeout_s * 1000))))
             for r in _remote_regions(p, peer):
-                if r.id == key or r.name == key:
+                if r.id == key or (r.name and r.name == key):
                     return r
         raise UnknownRegionError(f"{arg}: peer {peer!r} has no region {key!r}", peer=peer)
 
@@ -811,9 +811,10 @@ class Agent:
         """Every path to every peer, with its live statistics."""
         a = self._enter()
         try:
-            cap = 256
-            arr = ffi.new("kvl_path_info[]", cap)
             n = ffi.new("size_t *")
+            check(lib.kvl_paths(a, ffi.NULL, 0, n))
+            cap = int(n[0]) + 16  # room for peers added meanwhile
+            arr = ffi.new("kvl_path_info[]", cap)
             check(lib.kvl_paths(a, arr, cap, n))
             return [
                 PathInfo(

@@ -190,7 +190,8 @@ class TransferAbortedError(TransferError):
 
 
 class RemoteRefusedError(TransferError, PermissionError):
-    """The peer refused a chunk (its regions changed since validation)."""
+    """The peer refused a chunk: its region went away, shrank or lost a right
+    after this side validated the transfer."""
 
     default_code = ErrorCode.ACCESS_DENIED
 
@@ -223,6 +224,8 @@ _TRANSFER: dict[ErrorCode, type[KvlinkError]] = {
     ErrorCode.CHECKSUM: ChecksumError,
     ErrorCode.CLOSED: TransferAbortedError,
     ErrorCode.ACCESS_DENIED: RemoteRefusedError,
+    ErrorCode.UNKNOWN_REGION: RemoteRefusedError,
+    ErrorCode.OUT_OF_BOUNDS: RemoteRefusedError,
 }
 
 

@@ -152,7 +152,7 @@ typedef struct kvl_path_info {
     uint64_t bytes_recv;   /* payload bytes we received on this path */
     uint64_t chunks_done;  /* chunks this agent initiated that completed here */
     uint64_t inflight_bytes;
-    double est_gbps;       /* EWMA of measured chunk service rate */
+    double est_gbps;       /* GB/s (1e9 bytes/s): EWMA of the busy-period delivery rate */
     double rtt_us;         /* smoothed RTT from TCP_INFO */
     char last_error[160];
 } kvl_path_info;
@@ -333,8 +333,9 @@ void kvl_xfer_release(kvl_xfer *x);
 kvl_err kvl_next_notification(kvl_agent *agent, uint32_t timeout_ms,
                               kvl_notification *out);
 
-/* Copies up to cap path snapshots (refreshed every monitor tick and on each
- * chunk) into out; *n gets the total.  Thread-safe, does not block. */
+/* Copies up to cap path snapshots (refreshed every monitor tick, when a
+ * transfer finishes and when a path changes state) into out; *n gets the
+ * total.  Thread-safe, does not block. */
 kvl_err kvl_paths(kvl_agent *agent, kvl_path_info *out, size_t cap, size_t *n);
 
 #ifdef __cplusplus

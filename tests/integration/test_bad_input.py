@@ -227,13 +227,18 @@ def test_garbage_and_truncated_frames_on_listener(make_agent, spawn_peer):
         hello_hdr[:7],  # truncated header
         hello_hdr + struct.pack("<IIQ", 50, 0, 0) + b"abc",  # body cut short
         hello_hdr + struct.pack("<IIQ", 1 << 30, 0, 0),  # absurd body length
-        magic + bytes([9, 1]) + b"\0\0" + struct.pack("<IIQ", 0, 0, 0),  # wrong version
         magic + bytes([1, 3]) + b"\0\0" + struct.pack("<IIQ", 28, 0, 1 << 20),  # DATA first
         hello_hdr + struct.pack("<IIQ", 12, 0xDEADBEEF, 0) + b"x" * 12,  # bad body crc
     ]
     for data in attacks:
         back = _send_raw(port, data)
         assert back == b"", "the agent answers garbage by closing, not by talking"
+    # another protocol version gets a HELLO_ACK saying so (HandshakeError on
+    # that side), then the connection closes
+    back = _send_raw(port, magic + bytes([9, 1]) + b"\0\0" + struct.pack("<IIQ", 0, 0, 0))
+    assert back[:6] == magic + bytes([1, 2])  # our version, HELLO_ACK
+    assert struct.unpack_from("<I", back, 24)[0] == kvlink.ErrorCode.HANDSHAKE
+    assert b"wire protocol 9" in back
     tx = make_agent("tx", nics="loopback:1")
     src = np.arange(MiB, dtype=np.uint64).view(np.uint8)[:MiB].copy()
     tx.register(src)

@@ -101,7 +101,8 @@ static kvl_err tcp_connect(const char *local, const char *remote, uint16_t port,
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (fd < 0)
         return kvl_fail_errno("socket");
-    /* binding the source address pins the path to one local NIC */
+    /* binding the source address makes the path leave through the NIC that
+     * owns it (with rail-aligned subnets the route table agrees) */
     if (bind(fd, (struct sockaddr *)&la, sizeof la) < 0) {
         int er = errno;
         close(fd);

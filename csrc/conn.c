@@ -123,7 +123,18 @@ void kvl_conn_bind_outbound(kvl_conn *c, kvl_peer *p, int path)
 }
 
 int kvl_conn_is_dead(const kvl_conn *c) { return c->dead; }
-double kvl_conn_rtt_us(const kvl_conn *c) { return c->dead ? 0 : c->a->tp->rtt_us(c->fd); }
+int kvl_conn_sample(const kvl_conn *c, kvl_tcp_sample *out)
+{
+    return c->dead ? -1 : c->a->tp->sample(c->fd, out);
+}
+
+void kvl_conn_abort(kvl_conn *c, const char *why)
+{
+    if (c->dead)
+        return;
+    c->a->tp->abort(c->fd);
+    kvl_conn_fail(c, KVL_ERR_CONN_LOST, why);
+}
 uint64_t kvl_conn_bytes_sent(const kvl_conn *c) { return c->tx_payload; }
 uint64_t kvl_conn_bytes_recv(const kvl_conn *c) { return c->rx_payload; }
 
@@ -559,10 +570,12 @@ static kvl_xfer *match_chunk(kvl_conn *c, const kvl_msg_status *st)
     kvl_xfer *x = kvl_sched_find_xfer(c->peer, st->xfer);
     if (!x || !kvl_xfer_running(x) || st->chunk >= x->plan.n_chunks)
         return NULL;
-    if (x->cstate[st->chunk] != KVL_CHUNK_INFLIGHT || x->attempt[st->chunk] != st->attempt ||
-        x->cpath[st->chunk] != (uint8_t)c->path)
+    uint32_t ci = st->chunk;
+    if (x->cstate[ci] != KVL_CHUNK_INFLIGHT)
         return NULL;
-    return x;
+    int primary = x->cpath[ci] == (uint8_t)c->path && x->pattempt[ci] == st->attempt;
+    int hedged = x->hpath[ci] == (uint8_t)c->path && x->hattempt[ci] == st->attempt;
+    return primary || hedged ? x : NULL;
 }
 
 static void on_status_error(kvl_conn *c, kvl_xfer *x, const kvl_msg_status *st)
@@ -586,7 +599,7 @@ static void on_ack(kvl_conn *c)
     if (!x)
         return;
     if (st.status == KVL_OK)
-        kvl_sched_on_chunk_done(c->peer, x, st.chunk, kvl_now_ns());
+        kvl_sched_on_chunk_done(c->peer, x, st.chunk, (uint32_t)c->path, kvl_now_ns());
     else
         on_status_error(c, x, &st);
 }
@@ -661,6 +674,30 @@ static void on_regions(kvl_conn *c)
     pthread_mutex_unlock(&p->mu);
 }
 
+static void on_ping(kvl_conn *c)
+{
+    uint64_t token;
+    if (kvl_dec_token(c->body, c->h.body_len, &token)) {
+        kvl_conn_fail(c, KVL_ERR_PROTOCOL, kvl_last_error());
+        return;
+    }
+    kvl_buf b = {0};
+    kvl_frame_start(&b);
+    kvl_enc_token(&b, token);
+    kvl_frame_finish(&b, KVL_F_PONG, 0);
+    kvl_conn_send_frame(c, &b);
+}
+
+static void on_pong(kvl_conn *c)
+{
+    uint64_t token;
+    if (kvl_dec_token(c->body, c->h.body_len, &token)) {
+        kvl_conn_fail(c, KVL_ERR_PROTOCOL, kvl_last_error());
+        return;
+    }
+    kvl_monitor_on_pong(c->peer, c->path, token, kvl_now_ns());
+}
+
 /* A whole body has arrived: route it by type and by what this connection is. */
 static void on_body(kvl_conn *c)
 {
@@ -692,6 +729,10 @@ static void on_body(kvl_conn *c)
         send_region_table(c, KVL_F_REGIONS, KVL_OK, "");
     else if (t == KVL_F_REGIONS && out_ctrl)
         on_regions(c);
+    else if (t == KVL_F_PING && !c->outbound)
+        on_ping(c);
+    else if (t == KVL_F_PONG && out_data)
+        on_pong(c);
     else {
         char why[96];
         snprintf(why, sizeof why, "unexpected frame type %u on this connection", t);
@@ -740,7 +781,7 @@ static void on_payload_done(kvl_conn *c)
     if (match_chunk(c, &c->pst) == x) {
         if (crc_ok) {
             c->rx_payload += c->h.payload_len;
-            kvl_sched_on_chunk_done(c->peer, x, c->pst.chunk, kvl_now_ns());
+            kvl_sched_on_chunk_done(c->peer, x, c->pst.chunk, (uint32_t)c->path, kvl_now_ns());
         } else {
             char why[128];
             snprintf(why, sizeof why, "payload crc32c mismatch (computed %08x, sender %08x)",
@@ -754,8 +795,9 @@ static void on_payload_done(kvl_conn *c)
  * 0 on EOF, -1 with errno on error. */
 static ssize_t read_payload(kvl_conn *c)
 {
-    if (c->px && !kvl_xfer_running(c->px)) {
-        /* the transfer failed meanwhile: its memory must not change anymore */
+    if (c->px && (!kvl_xfer_running(c->px) || c->px->cstate[c->pst.chunk] == KVL_CHUNK_DONE)) {
+        /* the transfer failed, or another copy of this chunk was verified
+         * first: the destination must not change anymore */
         for (int i = c->dst_idx; i < c->ndst; i++)
             c->dst[i].iov_base = NULL;
     }
@@ -947,10 +989,17 @@ void kvl_conn_fail(kvl_conn *c, kvl_err err, const char *why)
     if (c->ib)
         c->ib->conns--;
     if (c->outbound) {
-        if (c->path >= 0)
+        if (c->path >= 0) {
+            kvl_path *pa = &c->peer->paths[c->path];
+            pa->bytes_sent_prev += c->tx_payload;
+            pa->bytes_recv_prev += c->rx_payload;
             kvl_sched_path_down(c->peer, (uint32_t)c->path, why);
-        else if (c->peer->ctrl == c)
+        } else if (c->peer->ctrl == c) {
             c->peer->ctrl = NULL;
+            snprintf(c->peer->ctrl_path.last_error, sizeof c->peer->ctrl_path.last_error, "%s",
+                     why);
+            kvl_monitor_probe_failed(a, &c->peer->ctrl_path, kvl_now_ns());
+        }
     }
     /* unlink now, free at the end of the engine iteration */
     if (c->prev)

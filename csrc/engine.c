@@ -111,12 +111,14 @@ void kvl_engine_snapshot_paths(kvl_agent *a)
             o->state = pa->state;
             snprintf(o->local_addr, sizeof o->local_addr, "%s", pa->local);
             snprintf(o->remote_addr, sizeof o->remote_addr, "%s", pa->remote);
-            if (pa->conn) {
-                o->bytes_sent = kvl_conn_bytes_sent(pa->conn);
-                o->bytes_recv = kvl_conn_bytes_recv(pa->conn);
-                pa->rtt_us = kvl_conn_rtt_us(pa->conn);
-            }
+            o->bytes_sent = pa->bytes_sent_prev + (pa->conn ? kvl_conn_bytes_sent(pa->conn) : 0);
+            o->bytes_recv = pa->bytes_recv_prev + (pa->conn ? kvl_conn_bytes_recv(pa->conn) : 0);
             o->rtt_us = pa->rtt_us;
+            o->delivery_gbps = pa->delivery_Bps / 1e9;
+            o->nic_other_gbps = pa->nic_other_Bps / 1e9;
+            o->stall_ms = pa->stall_ms;
+            o->reconnects = pa->reconnects;
+            o->hedges = pa->hedges;
             o->chunks_done = pa->chunks_done;
             o->inflight_bytes = pa->inflight_bytes;
             o->est_gbps = pa->bw_Bps / 1e9;
@@ -201,6 +203,8 @@ static void run_commands(kvl_agent *a)
             if (!usable)
                 kvl_sched_fail(x, KVL_ERR_CONN_LOST, "peer '%s': every path is down (%s)",
                                p->name, p->paths[0].last_error);
+        } else if (cmd->type == KVL_CMD_PROBED) {
+            kvl_prober_done(a, cmd);
         } else if (cmd->type == KVL_CMD_REFRESH) {
             kvl_buf b = {0};
             kvl_frame_start(&b);
@@ -239,6 +243,7 @@ static void *engine_main(void *arg)
         }
         now = kvl_now_ns();
         if (now >= a->next_tick_ns) {
+            kvl_monitor_tick(a, now);
             kvl_sched_expire(a, now);
             kvl_conn_expire(a, now);
             kvl_engine_snapshot_paths(a);
@@ -273,10 +278,10 @@ static kvl_err check_config(const kvl_config *cfg)
     if (cfg->min_chunk_bytes == 0 || cfg->min_chunk_bytes > cfg->chunk_bytes)
         return kvl_fail(KVL_ERR_INVALID_ARG, "config.min_chunk_bytes must be 1..chunk_bytes");
     if (!cfg->connect_timeout_ms || !cfg->monitor_interval_ms || !cfg->max_attempts ||
-        !cfg->window_chunks)
+        !cfg->window_chunks || !cfg->stall_factor || !cfg->probe_backoff_max_ms)
         return kvl_fail(KVL_ERR_INVALID_ARG,
-                        "config: connect_timeout_ms, monitor_interval_ms, max_attempts and "
-                        "window_chunks must be positive");
+                        "config: connect_timeout_ms, monitor_interval_ms, max_attempts, "
+                        "window_chunks, stall_factor and probe_backoff_max_ms must be positive");
     return KVL_OK;
 }
 
@@ -291,6 +296,7 @@ static void agent_free(kvl_agent *a)
     free(a->ports);
     free(a->listeners);
     free(a->scratch);
+    free(a->nics);
     free(a->snap);
     pthread_mutex_destroy(&a->mu);
     pthread_mutex_destroy(&a->notif_mu);
@@ -364,7 +370,16 @@ kvl_err kvl_agent_create(const kvl_config *cfg, kvl_agent **out)
             return e;
         }
     }
+    kvl_monitor_init(a);
+    if (kvl_prober_start(a) != KVL_OK) {
+        e = kvl_fail(KVL_ERR_SYSTEM, "agent_create: cannot start the prober thread");
+        kvl_conn_close_all(a);
+        agent_free(a);
+        return e;
+    }
     if (pthread_create(&a->thread, NULL, engine_main, a) != 0) {
+        atomic_store(&a->stopping, 1);
+        kvl_prober_stop(a);
         e = kvl_fail(KVL_ERR_SYSTEM, "agent_create: cannot start the engine thread");
         kvl_conn_close_all(a);
         agent_free(a);
@@ -392,6 +407,7 @@ kvl_err kvl_agent_close(kvl_agent *a)
     uint64_t one = 1;
     ssize_t rc = write(a->wakefd, &one, sizeof one);
     (void)rc;
+    kvl_prober_stop(a); /* first: it posts commands to the engine */
     if (a->thread_started)
         pthread_join(a->thread, NULL);
     pthread_mutex_lock(&a->notif_mu);
@@ -403,6 +419,8 @@ kvl_err kvl_agent_close(kvl_agent *a)
         next = cmd->next;
         if (cmd->type == KVL_CMD_SUBMIT)
             fail_and_drop(cmd->xfer);
+        if (cmd->type == KVL_CMD_PROBED && cmd->fd >= 0)
+            close(cmd->fd);
         free(cmd);
     }
     for (kvl_peer *p = a->peers, *next; p; p = next) {

@@ -47,7 +47,9 @@ enum kvl_frame_type {
     KVL_F_NOTIFY = 7,      /* transfer finished: the caller's tag */
     KVL_F_REGIONS_REQ = 8, /* send me your region table */
     KVL_F_REGIONS = 9,     /* region table */
-    KVL_F_TYPE_MAX = 9
+    KVL_F_PING = 10,       /* idle-path probe: echo my token */
+    KVL_F_PONG = 11,       /* the echo */
+    KVL_F_TYPE_MAX = 11
 };
 
 enum kvl_conn_kind { KVL_CONN_CONTROL = 0, KVL_CONN_DATA = 1 };
@@ -128,6 +130,7 @@ void kvl_enc_chunk(kvl_buf *b, uint64_t xfer, uint32_t chunk, uint32_t attempt,
 void kvl_enc_piece(kvl_buf *b, const kvl_wire_piece *p);
 void kvl_enc_status(kvl_buf *b, const kvl_msg_status *m);
 void kvl_enc_notify(kvl_buf *b, uint64_t xfer, uint32_t op, const void *tag, uint32_t len);
+void kvl_enc_token(kvl_buf *b, uint64_t token); /* PING and PONG */
 
 /* Body decoders: every length is checked against the body; any mismatch
  * is KVL_ERR_PROTOCOL with a message.  Outputs may point into body. */
@@ -136,10 +139,22 @@ kvl_err kvl_dec_hello_ack(const uint8_t *body, size_t len, kvl_msg_hello_ack *m)
 kvl_err kvl_dec_chunk(const uint8_t *body, size_t len, kvl_msg_chunk *m);
 kvl_err kvl_dec_status(const uint8_t *body, size_t len, kvl_msg_status *m);
 kvl_err kvl_dec_notify(const uint8_t *body, size_t len, kvl_msg_notify *m);
+kvl_err kvl_dec_token(const uint8_t *body, size_t len, uint64_t *token);
 void kvl_dec_piece(const kvl_msg_chunk *m, uint32_t i, kvl_wire_piece *p);
 void kvl_dec_region(const uint8_t *table, uint32_t i, kvl_region_info *r);
 
 /* ---- transport/tcp/tcp.c: socket plumbing behind the transport ops ---- */
+typedef struct kvl_tcp_sample {
+    double rtt_us;
+    double delivery_Bps;     /* the kernel's most recent delivery-rate sample */
+    uint64_t bytes_acked;    /* cumulative bytes the peer acknowledged */
+    uint64_t bytes_received; /* cumulative bytes received */
+    uint32_t last_ack_recv_ms;
+    uint32_t unacked;        /* segments in flight */
+    uint32_t notsent_bytes;
+    uint32_t total_retrans;
+} kvl_tcp_sample;
+
 typedef struct kvl_transport_ops {
     const char *name;
     /* Listening socket on host:*port (0 = ephemeral; the bound port is
@@ -151,8 +166,10 @@ typedef struct kvl_transport_ops {
                        uint32_t timeout_ms, int sock_buf, int *fd);
     /* Applies data-path options to an accepted socket. */
     kvl_err (*tune)(int fd, int sock_buf);
-    /* Smoothed RTT in microseconds (0 if unknown). */
-    double (*rtt_us)(int fd);
+    /* Kernel's view of the connection (TCP_INFO); -1 if unavailable. */
+    int (*sample)(int fd, kvl_tcp_sample *out);
+    /* Makes the next close abortive (RST), discarding queued data. */
+    void (*abort)(int fd);
 } kvl_transport_ops;
 extern const kvl_transport_ops kvl_tcp_ops;
 
@@ -208,6 +225,22 @@ typedef struct kvl_path {
     double rtt_us;             /* smoothed RTT from TCP_INFO, sampled every tick */
     uint64_t busy_start_ns;    /* when the path last went from idle to busy */
     uint64_t busy_bytes;       /* bytes verified since busy_start_ns */
+    char rhost[48];            /* the peer address and port this path connects to */
+    uint16_t rport;
+    int nic;                   /* index into agent->nics */
+    /* monitor (monitor.c) */
+    double delivery_Bps;
+    double nic_other_Bps;
+    uint64_t t_progress_ns;    /* last time bytes moved either way */
+    uint64_t seen_acked, seen_received;
+    uint32_t stall_ms;
+    uint64_t t_last_ping_ns, ping_sent_ns; /* ping_sent_ns != 0: a probe is outstanding */
+    uint64_t bytes_sent_prev, bytes_recv_prev; /* totals of earlier connections */
+    /* re-probing (probe.c) */
+    uint64_t next_probe_ns;
+    uint32_t backoff_ms;
+    uint32_t reconnects;
+    uint64_t hedges;
     uint64_t chunks_done;
     char last_error[160];
 } kvl_path;
@@ -218,11 +251,13 @@ struct kvl_peer {
     uint64_t instance;
     kvl_conn *ctrl;
     int ctrl_fd;               /* control socket until adoption */
+    kvl_path ctrl_path;        /* where the control connection goes, and its probe state */
     kvl_path paths[KVL_MAX_PATHS];
     uint32_t n_paths;
     int adopted;               /* engine has taken the connections over */
     int replaced;              /* a newer peer of the same name took over */
     struct kvl_xfer *active;   /* running transfers, FIFO (engine-owned) */
+    uint32_t rr_next;          /* round-robin baseline: next path */
     struct kvl_xfer *active_tail;
     /* remote region table: written by handshake / refresh, read by submit */
     pthread_mutex_t mu;
@@ -254,6 +289,10 @@ struct kvl_xfer {
     uint8_t *cstate;           /* per chunk: KVL_CHUNK_* */
     uint32_t *attempt;         /* per chunk: sends so far */
     uint8_t *cpath;            /* per chunk: path of the attempt in flight */
+    uint32_t *pattempt;        /* per chunk: attempt number of that copy */
+    uint8_t *hpath;            /* per chunk: path of a hedge copy, or KVL_NO_PATH */
+    uint32_t *hattempt;        /* per chunk: attempt number of the hedge copy */
+    uint8_t *fails;            /* per chunk: copies lost to errors (limit: max_attempts) */
     uint64_t *t_sent_ns;
     uint32_t next_chunk;       /* next never-sent chunk */
     uint32_t *retry;           /* chunks to resend first */
@@ -276,6 +315,7 @@ struct kvl_xfer {
 };
 
 enum { KVL_CHUNK_PENDING = 0, KVL_CHUNK_INFLIGHT = 1, KVL_CHUNK_DONE = 2 };
+#define KVL_NO_PATH 0xff
 
 /* Inbound identities seen in handshakes, for duplicate-name detection. */
 typedef struct kvl_inbound {
@@ -294,9 +334,12 @@ typedef struct kvl_cmd {
     int type;
     kvl_peer *peer;
     kvl_xfer *xfer;
+    int path;                  /* PROBED: path index, -1 for the control connection */
+    int fd;                    /* PROBED: the new socket, or -1 */
+    char error[160];           /* PROBED: why it failed */
     struct kvl_cmd *next;
 } kvl_cmd;
-enum { KVL_CMD_ADOPT_PEER = 1, KVL_CMD_SUBMIT = 2, KVL_CMD_REFRESH = 3 };
+enum { KVL_CMD_ADOPT_PEER = 1, KVL_CMD_SUBMIT = 2, KVL_CMD_REFRESH = 3, KVL_CMD_PROBED = 4 };
 
 struct kvl_agent {
     kvl_config cfg;            /* addrs copied below */
@@ -331,6 +374,22 @@ struct kvl_agent {
     pthread_mutex_t notif_mu;
     pthread_cond_t notif_cv;
     kvl_notif_node *notif_head, *notif_tail;
+    /* local NICs behind our addresses, for competing-traffic counters */
+    struct kvl_nic {
+        char ifname[32];
+        uint64_t tx, rx;       /* counters at the previous tick */
+        uint64_t ours_tx;      /* our payload bytes through it at the previous tick */
+        double other_Bps;
+    } *nics;
+    size_t n_nics;
+    int nic_of_addr[KVL_MAX_PATHS];
+    uint64_t t_nic_ns;
+    /* prober thread: re-connects down paths (blocking) outside the engine */
+    pthread_t prober;
+    int prober_started;
+    pthread_mutex_t probe_mu;
+    pthread_cond_t probe_cv;
+    struct kvl_probe_job *jobs;
     /* path snapshots for kvl_paths */
     pthread_mutex_t stats_mu;
     kvl_path_info *snap;
@@ -353,7 +412,10 @@ int kvl_conn_send_frame(kvl_conn *c, kvl_buf *buf);
 int kvl_conn_send_chunk(kvl_conn *c, kvl_xfer *x, uint32_t ci);
 void kvl_conn_bind_outbound(kvl_conn *c, kvl_peer *p, int path);
 void kvl_conn_expire(kvl_agent *a, uint64_t now);
-double kvl_conn_rtt_us(const kvl_conn *c);
+int kvl_conn_sample(const kvl_conn *c, kvl_tcp_sample *out);
+/* Fails the connection with an abortive close (RST): used to cancel what it
+ * still carries (stalled path, losing hedge copy). */
+void kvl_conn_abort(kvl_conn *c, const char *why);
 uint64_t kvl_conn_bytes_sent(const kvl_conn *c);
 uint64_t kvl_conn_bytes_recv(const kvl_conn *c);
 
@@ -370,7 +432,8 @@ void kvl_xfer_ref(kvl_xfer *x);
 
 /* ---- sched.c: dispatch and path scoring ---- */
 void kvl_sched_dispatch(kvl_peer *p);
-void kvl_sched_on_chunk_done(kvl_peer *p, kvl_xfer *x, uint32_t ci, uint64_t now);
+/* Chunk ci verified; path delivered the winning copy. */
+void kvl_sched_on_chunk_done(kvl_peer *p, kvl_xfer *x, uint32_t ci, uint32_t path, uint64_t now);
 /* A chunk failed on its path (checksum, or the path went down): requeue it
  * or fail the transfer when it ran out of attempts. */
 void kvl_sched_requeue(kvl_peer *p, kvl_xfer *x, uint32_t ci, kvl_err err, const char *why);
@@ -384,6 +447,32 @@ void kvl_sched_expire(kvl_agent *a, uint64_t now);
  * the end of each engine iteration, so handlers never see a freed transfer. */
 void kvl_sched_reap(kvl_agent *a);
 kvl_xfer *kvl_sched_find_xfer(kvl_peer *p, uint64_t id);
+
+/* ---- monitor.c: the per-tick path monitor ---- */
+void kvl_monitor_init(kvl_agent *a);
+void kvl_monitor_tick(kvl_agent *a, uint64_t now);
+/* A PONG came back on an outbound data connection. */
+void kvl_monitor_on_pong(kvl_peer *p, int path, uint64_t sent_ns, uint64_t now);
+/* A probe failed: the path waits twice as long (up to the cap) before the next. */
+void kvl_monitor_probe_failed(kvl_agent *a, kvl_path *pa, uint64_t now);
+
+/* ---- probe.c: re-connecting down paths ---- */
+typedef struct kvl_probe_job {
+    kvl_peer *peer;
+    int path; /* -1: the control connection */
+    char local[48], host[48];
+    uint16_t port;
+    struct kvl_probe_job *next;
+} kvl_probe_job;
+kvl_err kvl_prober_start(kvl_agent *a);
+void kvl_prober_stop(kvl_agent *a);
+/* Asks the prober to re-connect path (or -1 for control) of p. */
+void kvl_prober_request(kvl_agent *a, kvl_peer *p, int path);
+/* Engine side: a probe finished (cmd->fd >= 0 on success). */
+void kvl_prober_done(kvl_agent *a, kvl_cmd *cmd);
+/* peer.c: blocking connect + handshake, shared by add_peer and the prober */
+kvl_err kvl_peer_open_conn(kvl_agent *a, kvl_peer *p, const char *local, const char *host,
+                           uint16_t port, int kind, uint16_t path, int *fd);
 
 /* ---- engine.c ---- */
 void kvl_engine_notify_inbound(kvl_agent *a, const char *peer, const kvl_msg_notify *m);

@@ -111,8 +111,8 @@ static kvl_err handshake(kvl_agent *a, kvl_peer *p, int fd, int kind, uint16_t p
     return KVL_OK;
 }
 
-static kvl_err open_conn(kvl_agent *a, kvl_peer *p, const char *local, const char *host,
-                         uint16_t port, int kind, uint16_t path, int *fd)
+kvl_err kvl_peer_open_conn(kvl_agent *a, kvl_peer *p, const char *local, const char *host,
+                           uint16_t port, int kind, uint16_t path, int *fd)
 {
     char where[80];
     snprintf(where, sizeof where, "%s:%u", host, port);
@@ -200,7 +200,10 @@ kvl_err kvl_peer_connect(kvl_agent *a, const char *name, uint64_t instance,
     for (size_t i = 0; i < KVL_MAX_PATHS; i++)
         fds[i] = -1;
     size_t j0 = pair_remote(a->addrs[0], hosts, n, 0);
-    kvl_err e = open_conn(a, p, a->addrs[0], hosts[j0], ports[j0], KVL_CONN_CONTROL, 0, &ctrl_fd);
+    snprintf(p->ctrl_path.local, sizeof p->ctrl_path.local, "%s", a->addrs[0]);
+    snprintf(p->ctrl_path.rhost, sizeof p->ctrl_path.rhost, "%s", hosts[j0]);
+    p->ctrl_path.rport = ports[j0];
+    kvl_err e = kvl_peer_open_conn(a, p, a->addrs[0], hosts[j0], ports[j0], KVL_CONN_CONTROL, 0, &ctrl_fd);
     if (e) {
         peer_free(p);
         return e;
@@ -213,8 +216,10 @@ kvl_err kvl_peer_connect(kvl_agent *a, const char *name, uint64_t instance,
         pa->index = i;
         snprintf(pa->local, sizeof pa->local, "%s", a->addrs[i]);
         snprintf(pa->remote, sizeof pa->remote, "%s:%u", hosts[j], ports[j]);
+        snprintf(pa->rhost, sizeof pa->rhost, "%s", hosts[j]);
+        pa->rport = ports[j];
         fds[i] = -1;
-        e = open_conn(a, p, a->addrs[i], hosts[j], ports[j], KVL_CONN_DATA, (uint16_t)i, &fds[i]);
+        e = kvl_peer_open_conn(a, p, a->addrs[i], hosts[j], ports[j], KVL_CONN_DATA, (uint16_t)i, &fds[i]);
         if (e == KVL_ERR_DUPLICATE_NAME || e == KVL_ERR_HANDSHAKE)
             break; /* the peer refuses us: no point trying the other paths */
         if (e) {

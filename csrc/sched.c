@@ -16,6 +16,7 @@
 
 #define EWMA_NEW 0.3           /* weight of a new rate sample: adapts in ~3 chunks */
 #define DEFAULT_BPS 1e9        /* prior for a path without samples: ties go by load */
+#define HEDGE_GAIN 2.0         /* hedge only if the copy would finish in under half the time */
 
 static int path_usable(const kvl_path *pa)
 {
@@ -60,62 +61,157 @@ static void take_chunk(kvl_xfer *x, uint32_t ci)
     }
 }
 
-static double predict_s(const kvl_path *pa, uint64_t bytes, double prior)
+/* Bookkeeping for one copy of chunk ci going out on path pa. */
+static void account_send(kvl_xfer *x, uint32_t ci, kvl_path *pa, int hedge)
+{
+    uint64_t now = kvl_now_ns();
+    if (pa->inflight_chunks == 0) {
+        pa->busy_start_ns = now;
+        pa->busy_bytes = 0;
+    }
+    x->attempt[ci]++;
+    if (hedge) {
+        x->hpath[ci] = (uint8_t)pa->index;
+        x->hattempt[ci] = x->attempt[ci];
+        pa->hedges++;
+    } else {
+        x->cpath[ci] = (uint8_t)pa->index;
+        x->pattempt[ci] = x->attempt[ci];
+        x->hpath[ci] = KVL_NO_PATH;
+        x->t_sent_ns[ci] = now;
+    }
+    x->cstate[ci] = KVL_CHUNK_INFLIGHT;
+    pa->inflight_bytes += x->plan.chunks[ci].bytes;
+    pa->inflight_chunks++;
+    if (x->attempt[ci] > 1) {
+        pthread_mutex_lock(&x->mu);
+        x->info.retries++;
+        pthread_mutex_unlock(&x->mu);
+    }
+}
+
+static int window_open(const kvl_agent *a, const kvl_path *pa)
+{
+    return pa->inflight_chunks < a->cfg.window_chunks || pa->inflight_bytes < a->cfg.window_bytes;
+}
+
+static double prior_bps(const kvl_peer *p)
+{
+    double sum = 0;
+    int known = 0;
+    for (uint32_t i = 0; i < p->n_paths; i++)
+        if (path_usable(&p->paths[i]) && p->paths[i].bw_Bps > 0) {
+            sum += p->paths[i].bw_Bps;
+            known++;
+        }
+    return known ? sum / known : DEFAULT_BPS;
+}
+
+/* Rate to plan with: measured, or the prior; an idle path whose NIC carries
+ * other traffic is scored by what that traffic leaves free. */
+static double plan_bps(const kvl_path *pa, double prior)
 {
     double bw = pa->bw_Bps > 0 ? pa->bw_Bps : prior;
-    return (double)(pa->inflight_bytes + bytes) / bw + pa->rtt_us * 1e-6;
+    if (!pa->inflight_chunks && pa->nic_other_Bps > 0) {
+        double left = bw - pa->nic_other_Bps;
+        bw = left > 0.1 * bw ? left : 0.1 * bw;
+    }
+    return bw;
+}
+
+static kvl_path *pick_round_robin(kvl_peer *p)
+{
+    for (uint32_t k = 0; k < p->n_paths; k++) {
+        kvl_path *pa = &p->paths[(p->rr_next + k) % p->n_paths];
+        if (path_usable(pa)) {
+            p->rr_next = (pa->index + 1) % p->n_paths;
+            return pa;
+        }
+    }
+    return NULL;
+}
+
+/* Straggler hedging: when nothing is left to send, an idle path takes a copy
+ * of the in-flight chunk predicted to finish last, if it would finish that
+ * chunk in well under the time its own path still needs. */
+static void hedge(kvl_peer *p, double prior)
+{
+    kvl_agent *a = p->agent;
+    for (uint32_t i = 0; i < p->n_paths; i++) {
+        kvl_path *idle = &p->paths[i];
+        if (!path_usable(idle) || idle->inflight_chunks)
+            continue;
+        kvl_xfer *bx = NULL;
+        uint32_t bci = 0;
+        double worst = 0;
+        for (kvl_xfer *x = p->active; x; x = x->next_active) {
+            if (!kvl_xfer_running(x))
+                continue;
+            for (uint32_t ci = 0; ci < x->plan.n_chunks; ci++) {
+                if (x->cstate[ci] != KVL_CHUNK_INFLIGHT || x->hpath[ci] != KVL_NO_PATH ||
+                    x->cpath[ci] == idle->index)
+                    continue;
+                const kvl_path *slow = &p->paths[x->cpath[ci]];
+                double left = (double)slow->inflight_bytes / plan_bps(slow, prior);
+                double here = (double)x->plan.chunks[ci].bytes / plan_bps(idle, prior) +
+                              idle->rtt_us * 1e-6;
+                if (left > HEDGE_GAIN * here && left > worst) {
+                    worst = left;
+                    bx = x;
+                    bci = ci;
+                }
+            }
+        }
+        if (!bx)
+            continue;
+        account_send(bx, bci, idle, 1);
+        if (kvl_conn_send_chunk(idle->conn, bx, bci) != 0)
+            kvl_sched_fail(bx, KVL_ERR_NOMEM, "out of memory queueing chunk %u", bci);
+        (void)a;
+    }
 }
 
 void kvl_sched_dispatch(kvl_peer *p)
 {
     kvl_agent *a = p->agent;
     for (;;) {
-        uint32_t ci;
+        uint32_t ci = 0;
         kvl_xfer *x = next_chunk(p, &ci);
-        if (!x)
+        double prior = prior_bps(p);
+        if (!x) {
+            if (a->cfg.hedge && !a->cfg.round_robin)
+                hedge(p, prior);
             return;
-        double sum = 0;
-        int known = 0;
-        for (uint32_t i = 0; i < p->n_paths; i++)
-            if (path_usable(&p->paths[i]) && p->paths[i].bw_Bps > 0) {
-                sum += p->paths[i].bw_Bps;
-                known++;
-            }
-        double prior = known ? sum / known : DEFAULT_BPS;
+        }
         uint64_t bytes = x->plan.chunks[ci].bytes;
         kvl_path *best = NULL;
-        double best_t = 0;
-        for (uint32_t i = 0; i < p->n_paths; i++) {
-            kvl_path *pa = &p->paths[i];
-            if (!path_usable(pa))
-                continue;
-            double t = predict_s(pa, bytes, prior);
-            if (!best || t < best_t) {
-                best = pa;
-                best_t = t;
+        if (a->cfg.round_robin) {
+            uint32_t keep = p->rr_next;
+            best = pick_round_robin(p);
+            if (best && !window_open(a, best)) {
+                p->rr_next = keep; /* wait for that path: static assignment */
+                return;
             }
+        } else {
+            double best_t = 0;
+            for (uint32_t i = 0; i < p->n_paths; i++) {
+                kvl_path *pa = &p->paths[i];
+                if (!path_usable(pa))
+                    continue;
+                double t = (double)(pa->inflight_bytes + bytes) / plan_bps(pa, prior) +
+                           pa->rtt_us * 1e-6;
+                if (!best || t < best_t) {
+                    best = pa;
+                    best_t = t;
+                }
+            }
+            if (best && !window_open(a, best))
+                return; /* the earliest finish is there: wait for it */
         }
         if (!best)
             return; /* kvl_sched_path_down already failed what it had to */
-        if (best->inflight_chunks >= a->cfg.window_chunks &&
-            best->inflight_bytes >= a->cfg.window_bytes)
-            return;
         take_chunk(x, ci);
-        if (best->inflight_chunks == 0) {
-            best->busy_start_ns = kvl_now_ns();
-            best->busy_bytes = 0;
-        }
-        x->attempt[ci]++;
-        x->cpath[ci] = (uint8_t)best->index;
-        x->cstate[ci] = KVL_CHUNK_INFLIGHT;
-        x->t_sent_ns[ci] = kvl_now_ns();
-        best->inflight_bytes += bytes;
-        best->inflight_chunks++;
-        if (x->attempt[ci] > 1) {
-            pthread_mutex_lock(&x->mu);
-            x->info.retries++;
-            pthread_mutex_unlock(&x->mu);
-        }
+        account_send(x, ci, best, 0);
         if (kvl_conn_send_chunk(best->conn, x, ci) != 0) {
             kvl_sched_fail(x, KVL_ERR_NOMEM, "out of memory queueing chunk %u", ci);
             return;
@@ -123,16 +219,27 @@ void kvl_sched_dispatch(kvl_peer *p)
     }
 }
 
-/* Drops chunk ci's in-flight accounting on its path. */
-static void unaccount(kvl_peer *p, kvl_xfer *x, uint32_t ci)
+/* Drops one copy's in-flight accounting on its path. */
+static void drop_copy(kvl_peer *p, kvl_xfer *x, uint32_t ci, int hedge_copy)
 {
-    if (x->cstate[ci] != KVL_CHUNK_INFLIGHT)
+    uint8_t *slot = hedge_copy ? &x->hpath[ci] : &x->cpath[ci];
+    if (*slot == KVL_NO_PATH)
         return;
-    kvl_path *pa = &p->paths[x->cpath[ci]];
+    kvl_path *pa = &p->paths[*slot];
     uint64_t bytes = x->plan.chunks[ci].bytes;
     pa->inflight_bytes = pa->inflight_bytes >= bytes ? pa->inflight_bytes - bytes : 0;
     if (pa->inflight_chunks)
         pa->inflight_chunks--;
+    *slot = KVL_NO_PATH;
+}
+
+/* Drops every copy of chunk ci: it is pending again (or done). */
+static void unaccount(kvl_peer *p, kvl_xfer *x, uint32_t ci)
+{
+    if (x->cstate[ci] != KVL_CHUNK_INFLIGHT)
+        return;
+    drop_copy(p, x, ci, 0);
+    drop_copy(p, x, ci, 1);
     x->cstate[ci] = KVL_CHUNK_PENDING;
 }
 
@@ -151,11 +258,17 @@ static void send_notify(kvl_peer *p, kvl_xfer *x)
     kvl_conn_send_frame(c, &b);
 }
 
-void kvl_sched_on_chunk_done(kvl_peer *p, kvl_xfer *x, uint32_t ci, uint64_t now)
+void kvl_sched_on_chunk_done(kvl_peer *p, kvl_xfer *x, uint32_t ci, uint32_t path, uint64_t now)
 {
-    kvl_path *pa = &p->paths[x->cpath[ci]];
+    kvl_path *pa = &p->paths[path];
+    /* the other copy of a hedged chunk lost: for a push its bytes are still
+     * streaming from our memory, so its connection is cut (RST) and the path
+     * re-probed; a pull's late answer is drained by the receive side */
+    int loser = x->hpath[ci] == path ? x->cpath[ci] : x->hpath[ci];
     unaccount(p, x, ci);
     x->cstate[ci] = KVL_CHUNK_DONE;
+    if (loser != KVL_NO_PATH && x->op == KVL_OP_PUSH && p->paths[loser].conn)
+        kvl_conn_abort(p->paths[loser].conn, "cancelled: a hedged copy of its chunk won");
     /* Rate over the current busy period rather than per chunk: acks that
      * arrive back to back would make per-chunk samples absurdly high. */
     pa->busy_bytes += x->plan.chunks[ci].bytes;
@@ -163,6 +276,7 @@ void kvl_sched_on_chunk_done(kvl_peer *p, kvl_xfer *x, uint32_t ci, uint64_t now
         double sample = (double)pa->busy_bytes * 1e9 / (double)(now - pa->busy_start_ns);
         pa->bw_Bps = pa->bw_Bps > 0 ? (1 - EWMA_NEW) * pa->bw_Bps + EWMA_NEW * sample : sample;
     }
+    pa->t_progress_ns = now;
     pa->chunks_done++;
     kvl_xfer_chunk_done(x, ci, pa->index, now);
     if (!kvl_xfer_running(x)) {
@@ -187,9 +301,9 @@ void kvl_sched_fail(kvl_xfer *x, kvl_err err, const char *fmt, ...)
 void kvl_sched_requeue(kvl_peer *p, kvl_xfer *x, uint32_t ci, kvl_err err, const char *why)
 {
     unaccount(p, x, ci);
-    if (x->attempt[ci] >= p->agent->cfg.max_attempts) {
+    if (++x->fails[ci] >= p->agent->cfg.max_attempts) {
         kvl_sched_fail(x, err, "chunk %u to peer '%s' failed %u times; last: %s", ci, p->name,
-                       x->attempt[ci], why);
+                       x->fails[ci], why);
         return;
     }
     x->retry[x->n_retry++] = ci;
@@ -198,14 +312,25 @@ void kvl_sched_requeue(kvl_peer *p, kvl_xfer *x, uint32_t ci, kvl_err err, const
 void kvl_sched_path_down(kvl_peer *p, uint32_t path, const char *why)
 {
     kvl_path *pa = &p->paths[path];
-    pa->state = KVL_PATH_DOWN;
     pa->conn = NULL;
     snprintf(pa->last_error, sizeof pa->last_error, "%s", why);
+    kvl_monitor_probe_failed(p->agent, pa, kvl_now_ns()); /* DOWN, re-probed after a backoff */
     for (kvl_xfer *x = p->active; x; x = x->next_active) {
         /* requeue may fail x; reaping waits for the iteration's end */
-        for (uint32_t ci = 0; ci < x->plan.n_chunks && kvl_xfer_running(x); ci++)
-            if (x->cstate[ci] == KVL_CHUNK_INFLIGHT && x->cpath[ci] == path)
+        for (uint32_t ci = 0; ci < x->plan.n_chunks && kvl_xfer_running(x); ci++) {
+            if (x->cstate[ci] != KVL_CHUNK_INFLIGHT)
+                continue;
+            if (x->hpath[ci] == path) {
+                drop_copy(p, x, ci, 1); /* the primary copy carries on */
+            } else if (x->cpath[ci] == path && x->hpath[ci] != KVL_NO_PATH) {
+                drop_copy(p, x, ci, 0); /* the hedge copy becomes the primary */
+                x->cpath[ci] = x->hpath[ci];
+                x->pattempt[ci] = x->hattempt[ci];
+                x->hpath[ci] = KVL_NO_PATH;
+            } else if (x->cpath[ci] == path) {
                 kvl_sched_requeue(p, x, ci, KVL_ERR_CONN_LOST, why);
+            }
+        }
     }
     pa->inflight_bytes = 0;
     pa->inflight_chunks = 0;

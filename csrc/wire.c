@@ -375,3 +375,12 @@ kvl_err kvl_dec_notify(const uint8_t *body, size_t len, kvl_msg_notify *m)
     m->tag = take(&r, m->tag_len);
     return finish(&r, "NOTIFY");
 }
+
+void kvl_enc_token(kvl_buf *b, uint64_t token) { put_u64(b, token); }
+
+kvl_err kvl_dec_token(const uint8_t *body, size_t len, uint64_t *token)
+{
+    rd r = {body, len, 0, 0};
+    *token = get_u64(&r);
+    return finish(&r, "PING/PONG");
+}

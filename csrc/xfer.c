@@ -38,6 +38,10 @@ static void xfer_free(kvl_xfer *x)
     free(x->cstate);
     free(x->attempt);
     free(x->cpath);
+    free(x->hpath);
+    free(x->pattempt);
+    free(x->hattempt);
+    free(x->fails);
     free(x->t_sent_ns);
     free(x->retry);
     free(x->layer_left);
@@ -149,13 +153,18 @@ static kvl_err alloc_state(kvl_xfer *x)
     x->cstate = calloc(nc, 1);
     x->attempt = calloc(nc, sizeof *x->attempt);
     x->cpath = calloc(nc, 1);
+    x->hpath = malloc(nc);
+    x->pattempt = calloc(nc, sizeof *x->pattempt);
+    x->hattempt = calloc(nc, sizeof *x->hattempt);
+    x->fails = calloc(nc, 1);
     x->t_sent_ns = calloc(nc, sizeof *x->t_sent_ns);
     x->retry = calloc(nc, sizeof *x->retry);
     x->events = calloc(nc, sizeof *x->events);
     x->layer_left = calloc(nl, sizeof *x->layer_left);
     x->layer_done = malloc(nl);
     if (!x->cstate || !x->attempt || !x->cpath || !x->t_sent_ns || !x->retry || !x->events ||
-        !x->layer_left || !x->layer_done)
+        !x->layer_left || !x->layer_done || !x->hpath || !x->pattempt || !x->hattempt ||
+        !x->fails)
         return kvl_fail(KVL_ERR_NOMEM, "submit: out of memory for %zu chunks", nc);
     for (size_t ci = 0; ci < nc; ci++) {
         const kvl_chunk *ch = &x->plan.chunks[ci];
@@ -164,6 +173,7 @@ static kvl_err alloc_state(kvl_xfer *x)
             if (i == 0 || x->segs[pc[i].seg].layer != x->segs[pc[i - 1].seg].layer)
                 x->layer_left[x->segs[pc[i].seg].layer]++;
     }
+    memset(x->hpath, KVL_NO_PATH, nc);
     for (size_t l = 0; l < nl; l++)
         x->layer_done[l] = x->layer_left[l] ? LAYER_PENDING : LAYER_ABSENT;
     return KVL_OK;

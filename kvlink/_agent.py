@@ -159,8 +159,13 @@ class PathInfo:
     bytes_recv: int
     chunks_done: int
     inflight_bytes: int
-    est_gbps: float  # GB/s (bytes), EWMA of measured chunk service rate
-    rtt_us: float
+    est_gbps: float  # GB/s (1e9 bytes/s): EWMA of the busy-period delivery rate
+    rtt_us: float  # TCP_INFO while busy, PING probes while idle
+    delivery_gbps: float  # the kernel's latest delivery-rate sample, GB/s
+    nic_other_gbps: float  # traffic on the local NIC that is not ours, GB/s
+    stall_ms: int  # time without progress while busy
+    reconnects: int  # times re-established after going down
+    hedges: int  # straggler copies sent on this path
     last_error: str
 
 
@@ -347,6 +352,10 @@ class Agent:
             c.connect_timeout_ms = max(1, int(cfg.connect_timeout_s * 1000))
             c.monitor_interval_ms = cfg.monitor_interval_ms
             c.max_attempts = cfg.max_attempts
+            c.stall_factor = cfg.stall_factor
+            c.probe_backoff_max_ms = cfg.probe_backoff_max_ms
+            c.hedge = int(cfg.hedge)
+            c.round_robin = int(cfg.scheduler == "round_robin")
             c.window_chunks = cfg.window_chunks
             c.window_bytes = cfg.window_bytes
             c.sock_buf_bytes = cfg.sock_buf_bytes
@@ -829,6 +838,11 @@ class Agent:
                     inflight_bytes=int(p.inflight_bytes),
                     est_gbps=float(p.est_gbps),
                     rtt_us=float(p.rtt_us),
+                    delivery_gbps=float(p.delivery_gbps),
+                    nic_other_gbps=float(p.nic_other_gbps),
+                    stall_ms=int(p.stall_ms),
+                    reconnects=int(p.reconnects),
+                    hedges=int(p.hedges),
                     last_error=cstr(p.last_error),
                 )
                 for p in arr[0 : min(n[0], cap)]

@@ -45,8 +45,20 @@ class Config:
     # The engine's tick: deadlines, stats, handshake expiry (and the path
     # monitor's sampling period).
     monitor_interval_ms: int = 100
-    # Sends of one chunk (first try included) before the transfer fails.
+    # Copies of one chunk lost to errors before the transfer fails.
     max_attempts: int = 4
+    # A busy path without progress for max(3 ticks, stall_factor x its
+    # expected chunk time) is cut and its chunks re-queued: 4 leaves room for
+    # a path that is merely slow, which the scheduler handles by its rate.
+    stall_factor: int = 4
+    # Down paths are re-probed after 100 ms, doubling up to this: a link that
+    # comes back is in service again within ~2 s without flooding a dead one.
+    probe_backoff_max_ms: int = 2000
+    # Copy straggling chunks onto idle paths at the end of a transfer.
+    hedge: bool = True
+    # "earliest_finish" (the default) or "round_robin" (a static baseline for
+    # benchmarks, never a good choice on uneven paths).
+    scheduler: str = "earliest_finish"
     # Two chunks in flight per path keep the pipe full across the ack.
     window_chunks: int = 2
     # ...or this many bytes, so small chunks still fill a fast path.
@@ -72,7 +84,15 @@ class Config:
         _int_range("chunk_bytes", self.chunk_bytes, 4 * KiB, 1 * GiB)
         _int_range("min_chunk_bytes", self.min_chunk_bytes, 1, self.chunk_bytes)
         _int_range("monitor_interval_ms", self.monitor_interval_ms, 1, 60_000)
-        _int_range("max_attempts", self.max_attempts, 1, 1000)
+        _int_range("max_attempts", self.max_attempts, 1, 255)
+        _int_range("stall_factor", self.stall_factor, 1, 1000)
+        _int_range("probe_backoff_max_ms", self.probe_backoff_max_ms, 100, 600_000)
+        if not isinstance(self.hedge, bool):
+            raise ConfigError(f"hedge: expected True or False, got {self.hedge!r}")
+        if self.scheduler not in ("earliest_finish", "round_robin"):
+            raise ConfigError(
+                f"scheduler: expected 'earliest_finish' or 'round_robin', got {self.scheduler!r}"
+            )
         _int_range("window_chunks", self.window_chunks, 1, 1024)
         _int_range("window_bytes", self.window_bytes, 0, 16 * GiB)
         _int_range("sock_buf_bytes", self.sock_buf_bytes, 0, 1 * GiB)

@@ -90,6 +90,12 @@ typedef struct kvl_config {
     uint32_t connect_timeout_ms; /* per connect + handshake */
     uint32_t monitor_interval_ms;/* engine tick: deadlines, stats, handshake expiry */
     uint32_t max_attempts;       /* sends of one chunk before the transfer fails */
+    uint32_t stall_factor;       /* a busy path without progress for max(3 ticks, this x its
+                                    expected chunk time) is cut and its chunks re-queued */
+    uint32_t probe_backoff_max_ms; /* re-probing a down path backs off up to this */
+    int32_t hedge;               /* 1: copy straggling chunks onto idle paths */
+    int32_t round_robin;         /* 1: static round-robin instead of earliest finish
+                                    (a baseline for benchmarks, never the default) */
     uint32_t window_chunks;      /* chunks in flight per path */
     uint64_t window_bytes;       /* or bytes in flight per path, whichever admits more */
     int32_t sock_buf_bytes;      /* SO_SNDBUF/SO_RCVBUF; 0 keeps kernel autotuning */
@@ -153,7 +159,12 @@ typedef struct kvl_path_info {
     uint64_t chunks_done;  /* chunks this agent initiated that completed here */
     uint64_t inflight_bytes;
     double est_gbps;       /* GB/s (1e9 bytes/s): EWMA of the busy-period delivery rate */
-    double rtt_us;         /* smoothed RTT from TCP_INFO */
+    double rtt_us;         /* smoothed RTT: TCP_INFO while busy, probe frames while idle */
+    double delivery_gbps;  /* the kernel's latest delivery-rate sample (TCP_INFO), GB/s */
+    double nic_other_gbps; /* traffic on the local NIC that is not ours, GB/s (EWMA) */
+    uint32_t stall_ms;     /* time since the path last made progress while busy */
+    uint32_t reconnects;   /* times the path was re-established after going down */
+    uint64_t hedges;       /* straggler copies sent on this path */
     char last_error[160];
 } kvl_path_info;
 

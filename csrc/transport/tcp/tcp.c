@@ -7,7 +7,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <netinet/in.h>
-#include <netinet/tcp.h>
+#include <linux/tcp.h> /* struct tcp_info with bytes_acked and delivery_rate */
 #include <poll.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -148,13 +148,29 @@ static kvl_err tcp_connect(const char *local, const char *remote, uint16_t port,
     return KVL_OK;
 }
 
-static double tcp_rtt_us(int fd)
+static int tcp_sample(int fd, kvl_tcp_sample *out)
 {
     struct tcp_info ti;
     socklen_t sl = sizeof ti;
+    memset(&ti, 0, sizeof ti);
     if (getsockopt(fd, IPPROTO_TCP, TCP_INFO, &ti, &sl) < 0)
-        return 0;
-    return (double)ti.tcpi_rtt;
+        return -1;
+    out->rtt_us = (double)ti.tcpi_rtt;
+    out->delivery_Bps = (double)ti.tcpi_delivery_rate;
+    out->bytes_acked = ti.tcpi_bytes_acked;
+    out->bytes_received = ti.tcpi_bytes_received;
+    out->last_ack_recv_ms = ti.tcpi_last_ack_recv;
+    out->unacked = ti.tcpi_unacked;
+    out->notsent_bytes = ti.tcpi_notsent_bytes;
+    out->total_retrans = ti.tcpi_total_retrans;
+    return 0;
+}
+
+static void tcp_abort(int fd)
+{
+    /* linger 0: close with RST, dropping what is still queued both ways */
+    struct linger lg = {.l_onoff = 1, .l_linger = 0};
+    setsockopt(fd, SOL_SOCKET, SO_LINGER, &lg, sizeof lg);
 }
 
 const kvl_transport_ops kvl_tcp_ops = {
@@ -162,7 +178,8 @@ const kvl_transport_ops kvl_tcp_ops = {
     .listen = tcp_listen,
     .connect = tcp_connect,
     .tune = tcp_tune,
-    .rtt_us = tcp_rtt_us,
+    .sample = tcp_sample,
+    .abort = tcp_abort,
 };
 
 static int wait_fd(int fd, short ev, uint64_t deadline_ns)

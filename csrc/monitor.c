@@ -1,0 +1,243 @@
+/* monitor.c: the path monitor, run on every engine tick (monitor_interval_ms).
+ *
+ * For every path it samples the kernel's view of the connection (TCP_INFO:
+ * RTT, delivery rate, bytes acknowledged and received), probes idle paths
+ * with PING frames, reads the local NIC's counters to see traffic that is
+ * not ours, and decides when a path is stalled: busy, yet nothing moved for
+ * max(3 ticks, stall_factor x its expected chunk time).  A stalled path is
+ * cut (abortive close) so its chunks go elsewhere at once instead of waiting
+ * for TCP to give up, and down paths are handed to the prober (probe.c).
+ */
+#include <ifaddrs.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+
+#include "internal.h"
+
+#define PING_EVERY_TICKS 5     /* an idle path is probed every 5 ticks (500 ms) */
+#define PING_LOST_MS 1500      /* an unanswered probe this old marks the path down */
+#define NIC_EWMA 0.3
+#define OVERHEAD 1.06          /* wire bytes per payload byte (headers at MTU 1500) */
+#define DEGRADED_SHARE 0.5     /* below half the best path's rate: degraded */
+#define PROBE_BACKOFF_MIN_MS 100
+
+static int read_counter(const char *ifname, const char *which, uint64_t *out)
+{
+    char path[128];
+    snprintf(path, sizeof path, "/sys/class/net/%s/statistics/%s", ifname, which);
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return -1;
+    unsigned long long v = 0;
+    int ok = fscanf(f, "%llu", &v) == 1;
+    fclose(f);
+    *out = v;
+    return ok ? 0 : -1;
+}
+
+void kvl_monitor_init(kvl_agent *a)
+{
+    a->nics = calloc(a->n_addrs, sizeof *a->nics);
+    if (!a->nics)
+        return;
+    struct ifaddrs *ifs = NULL;
+    if (getifaddrs(&ifs) != 0)
+        ifs = NULL;
+    for (size_t i = 0; i < a->n_addrs; i++) {
+        const char *name = "";
+        for (struct ifaddrs *it = ifs; it; it = it->ifa_next) {
+            if (!it->ifa_addr || it->ifa_addr->sa_family != AF_INET)
+                continue;
+            char buf[48];
+            inet_ntop(AF_INET, &((struct sockaddr_in *)(void *)it->ifa_addr)->sin_addr, buf,
+                      sizeof buf);
+            if (strcmp(buf, a->addrs[i]) == 0) {
+                name = it->ifa_name;
+                break;
+            }
+        }
+        size_t k;
+        for (k = 0; k < a->n_nics; k++)
+            if (strcmp(a->nics[k].ifname, name) == 0)
+                break;
+        if (k == a->n_nics) {
+            snprintf(a->nics[k].ifname, sizeof a->nics[k].ifname, "%s", name);
+            a->n_nics++;
+        }
+        a->nic_of_addr[i] = (int)k;
+    }
+    if (ifs)
+        freeifaddrs(ifs);
+}
+
+/* Our payload bytes sent through each NIC, across all peers. */
+static void our_tx_per_nic(kvl_agent *a, uint64_t *ours)
+{
+    for (size_t k = 0; k < a->n_nics; k++)
+        ours[k] = 0;
+    for (kvl_peer *p = a->eng_peers; p; p = p->eng_next)
+        for (uint32_t i = 0; i < p->n_paths; i++) {
+            kvl_path *pa = &p->paths[i];
+            uint64_t sent = pa->bytes_sent_prev + (pa->conn ? kvl_conn_bytes_sent(pa->conn) : 0);
+            ours[a->nic_of_addr[i]] += sent;
+        }
+}
+
+static void sample_nics(kvl_agent *a, uint64_t now)
+{
+    if (!a->nics || !a->n_nics)
+        return;
+    uint64_t ours[KVL_MAX_PATHS];
+    our_tx_per_nic(a, ours);
+    double dt = a->t_nic_ns ? (double)(now - a->t_nic_ns) / 1e9 : 0;
+    for (size_t k = 0; k < a->n_nics; k++) {
+        struct kvl_nic *n = &a->nics[k];
+        uint64_t tx, rx;
+        if (!n->ifname[0] || read_counter(n->ifname, "tx_bytes", &tx) ||
+            read_counter(n->ifname, "rx_bytes", &rx))
+            continue;
+        if (dt > 0 && tx >= n->tx) {
+            double mine = (double)(ours[k] - n->ours_tx) * OVERHEAD;
+            double other = ((double)(tx - n->tx) - mine) / dt;
+            if (other < 0)
+                other = 0;
+            n->other_Bps = (1 - NIC_EWMA) * n->other_Bps + NIC_EWMA * other;
+        }
+        n->tx = tx;
+        n->rx = rx;
+        n->ours_tx = ours[k];
+    }
+    a->t_nic_ns = now;
+}
+
+static void send_ping(kvl_path *pa, uint64_t now)
+{
+    kvl_buf b = {0};
+    kvl_frame_start(&b);
+    kvl_enc_token(&b, now);
+    kvl_frame_finish(&b, KVL_F_PING, 0);
+    if (kvl_conn_send_frame(pa->conn, &b) == 0) {
+        pa->ping_sent_ns = now;
+        pa->t_last_ping_ns = now;
+    }
+}
+
+void kvl_monitor_on_pong(kvl_peer *p, int path, uint64_t sent_ns, uint64_t now)
+{
+    if (path < 0 || (uint32_t)path >= p->n_paths)
+        return;
+    kvl_path *pa = &p->paths[path];
+    if (sent_ns == pa->ping_sent_ns && now > sent_ns) {
+        double rtt = (double)(now - sent_ns) / 1e3;
+        pa->rtt_us = pa->rtt_us > 0 ? 0.7 * pa->rtt_us + 0.3 * rtt : rtt;
+        pa->ping_sent_ns = 0;
+    }
+    pa->t_progress_ns = now;
+}
+
+/* Expected time of the chunks in flight on this path at its measured rate. */
+static uint64_t stall_limit_ns(kvl_agent *a, const kvl_path *pa)
+{
+    uint64_t tick = (uint64_t)a->cfg.monitor_interval_ms * 1000000ull;
+    uint64_t limit = 3 * tick;
+    if (pa->bw_Bps > 0 && pa->inflight_chunks) {
+        double chunk = (double)pa->inflight_bytes / pa->inflight_chunks;
+        uint64_t expect = (uint64_t)(chunk / pa->bw_Bps * 1e9 * a->cfg.stall_factor);
+        if (expect > limit)
+            limit = expect;
+    }
+    return limit;
+}
+
+static void watch_path(kvl_agent *a, kvl_path *pa, uint64_t now)
+{
+    kvl_tcp_sample s;
+    if (!pa->conn || kvl_conn_sample(pa->conn, &s) != 0)
+        return;
+    if (s.rtt_us > 0 && pa->inflight_chunks)
+        pa->rtt_us = s.rtt_us;
+    if (s.delivery_Bps > 0)
+        pa->delivery_Bps = s.delivery_Bps;
+    if (s.bytes_acked != pa->seen_acked || s.bytes_received != pa->seen_received ||
+        !pa->inflight_chunks)
+        pa->t_progress_ns = now;
+    pa->seen_acked = s.bytes_acked;
+    pa->seen_received = s.bytes_received;
+    pa->stall_ms = (uint32_t)((now - pa->t_progress_ns) / 1000000ull);
+    if (pa->inflight_chunks && now - pa->t_progress_ns > stall_limit_ns(a, pa)) {
+        char why[160];
+        snprintf(why, sizeof why, "no progress for %u ms with %llu bytes in flight: path cut",
+                 pa->stall_ms, (unsigned long long)pa->inflight_bytes);
+        kvl_conn_abort(pa->conn, why);
+        return;
+    }
+    if (!pa->inflight_chunks) {
+        if (pa->ping_sent_ns && now - pa->ping_sent_ns > PING_LOST_MS * 1000000ull) {
+            char why[160];
+            snprintf(why, sizeof why, "probe unanswered for %llu ms",
+                     (unsigned long long)((now - pa->ping_sent_ns) / 1000000ull));
+            kvl_conn_abort(pa->conn, why);
+            return;
+        }
+        uint64_t every = (uint64_t)a->cfg.monitor_interval_ms * 1000000ull * PING_EVERY_TICKS;
+        if (!pa->ping_sent_ns && now - pa->t_last_ping_ns >= every)
+            send_ping(pa, now);
+    }
+}
+
+/* A down path (or control connection) is handed to the prober after its
+ * backoff; success brings it back UP (probe.c), failure doubles the wait. */
+static void schedule_probe(kvl_agent *a, kvl_peer *p, kvl_path *pa, int index, uint64_t now)
+{
+    if (pa->state != KVL_PATH_DOWN || now < pa->next_probe_ns || !pa->rhost[0])
+        return;
+    pa->state = KVL_PATH_PROBING;
+    kvl_prober_request(a, p, index);
+}
+
+void kvl_monitor_tick(kvl_agent *a, uint64_t now)
+{
+    sample_nics(a, now);
+    for (kvl_peer *p = a->eng_peers; p; p = p->eng_next) {
+        if (p->replaced)
+            continue;
+        double best = 0;
+        for (uint32_t i = 0; i < p->n_paths; i++) {
+            kvl_path *pa = &p->paths[i];
+            if (pa->conn)
+                watch_path(a, pa, now);
+            if (a->nics)
+                pa->nic_other_Bps = a->nics[a->nic_of_addr[i]].other_Bps;
+            if (pa->conn && pa->bw_Bps > best)
+                best = pa->bw_Bps;
+        }
+        for (uint32_t i = 0; i < p->n_paths; i++) {
+            kvl_path *pa = &p->paths[i];
+            if (pa->state == KVL_PATH_UP || pa->state == KVL_PATH_DEGRADED)
+                pa->state = pa->bw_Bps > 0 && pa->bw_Bps < DEGRADED_SHARE * best
+                                ? KVL_PATH_DEGRADED
+                                : KVL_PATH_UP;
+            schedule_probe(a, p, pa, (int)i, now);
+        }
+        if (!p->ctrl || kvl_conn_is_dead(p->ctrl)) {
+            p->ctrl = NULL;
+            if (p->ctrl_path.state == KVL_PATH_UP)
+                p->ctrl_path.state = KVL_PATH_DOWN;
+            schedule_probe(a, p, &p->ctrl_path, -1, now);
+        }
+    }
+}
+
+/* Backoff bookkeeping shared with the prober's result handling. */
+void kvl_monitor_probe_failed(kvl_agent *a, kvl_path *pa, uint64_t now)
+{
+    uint32_t b = pa->backoff_ms ? pa->backoff_ms * 2 : PROBE_BACKOFF_MIN_MS;
+    if (b > a->cfg.probe_backoff_max_ms)
+        b = a->cfg.probe_backoff_max_ms;
+    pa->backoff_ms = b;
+    pa->next_probe_ns = now + (uint64_t)b * 1000000ull;
+    pa->state = KVL_PATH_DOWN;
+}

@@ -1,0 +1,147 @@
+/* probe.c: re-connecting paths that went down.
+ *
+ * Connect + handshake block (up to connect_timeout_ms), so they run on a
+ * prober thread, never on the engine thread.  The engine asks for a probe
+ * when a down path's backoff has passed (monitor.c); the prober answers with
+ * a KVL_CMD_PROBED command carrying the new socket or the error, and the
+ * engine adopts the socket and puts the path back in service.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+static void post(kvl_agent *a, kvl_cmd *cmd)
+{
+    pthread_mutex_lock(&a->mu);
+    if (a->cmd_tail)
+        a->cmd_tail->next = cmd;
+    else
+        a->cmd_head = cmd;
+    a->cmd_tail = cmd;
+    pthread_mutex_unlock(&a->mu);
+    uint64_t one = 1;
+    ssize_t rc = write(a->wakefd, &one, sizeof one);
+    (void)rc;
+}
+
+static void *prober_main(void *arg)
+{
+    kvl_agent *a = arg;
+    for (;;) {
+        pthread_mutex_lock(&a->probe_mu);
+        while (!a->jobs && !atomic_load(&a->stopping))
+            pthread_cond_wait(&a->probe_cv, &a->probe_mu);
+        kvl_probe_job *job = a->jobs;
+        if (job)
+            a->jobs = job->next;
+        pthread_mutex_unlock(&a->probe_mu);
+        if (atomic_load(&a->stopping)) {
+            free(job);
+            return NULL;
+        }
+        kvl_cmd *cmd = calloc(1, sizeof *cmd);
+        int fd = -1;
+        int kind = job->path < 0 ? KVL_CONN_CONTROL : KVL_CONN_DATA;
+        uint16_t idx = job->path < 0 ? 0 : (uint16_t)job->path;
+        kvl_err e = kvl_peer_open_conn(a, job->peer, job->local, job->host, job->port, kind,
+                                       idx, &fd);
+        if (!cmd) {
+            if (fd >= 0)
+                close(fd);
+            free(job);
+            continue;
+        }
+        cmd->type = KVL_CMD_PROBED;
+        cmd->peer = job->peer;
+        cmd->path = job->path;
+        cmd->fd = e ? -1 : fd;
+        if (e)
+            snprintf(cmd->error, sizeof cmd->error, "%s", kvl_last_error());
+        else
+            kvl_sock_nonblock(fd, 1);
+        free(job);
+        post(a, cmd);
+    }
+}
+
+kvl_err kvl_prober_start(kvl_agent *a)
+{
+    pthread_mutex_init(&a->probe_mu, NULL);
+    pthread_cond_init(&a->probe_cv, NULL);
+    if (pthread_create(&a->prober, NULL, prober_main, a) != 0)
+        return kvl_fail(KVL_ERR_SYSTEM, "cannot start the prober thread");
+    a->prober_started = 1;
+    return KVL_OK;
+}
+
+void kvl_prober_stop(kvl_agent *a)
+{
+    if (!a->prober_started)
+        return;
+    pthread_mutex_lock(&a->probe_mu);
+    pthread_cond_broadcast(&a->probe_cv);
+    pthread_mutex_unlock(&a->probe_mu);
+    pthread_join(a->prober, NULL);
+    a->prober_started = 0;
+    while (a->jobs) {
+        kvl_probe_job *j = a->jobs;
+        a->jobs = j->next;
+        free(j);
+    }
+    pthread_mutex_destroy(&a->probe_mu);
+    pthread_cond_destroy(&a->probe_cv);
+}
+
+void kvl_prober_request(kvl_agent *a, kvl_peer *p, int path)
+{
+    kvl_path *pa = path < 0 ? &p->ctrl_path : &p->paths[path];
+    kvl_probe_job *job = calloc(1, sizeof *job);
+    if (!job) {
+        kvl_monitor_probe_failed(a, pa, kvl_now_ns());
+        return;
+    }
+    job->peer = p;
+    job->path = path;
+    snprintf(job->local, sizeof job->local, "%s", pa->local);
+    snprintf(job->host, sizeof job->host, "%s", pa->rhost);
+    job->port = pa->rport;
+    pthread_mutex_lock(&a->probe_mu);
+    kvl_probe_job **tail = &a->jobs;
+    while (*tail)
+        tail = &(*tail)->next;
+    *tail = job;
+    pthread_cond_signal(&a->probe_cv);
+    pthread_mutex_unlock(&a->probe_mu);
+}
+
+void kvl_prober_done(kvl_agent *a, kvl_cmd *cmd)
+{
+    kvl_peer *p = cmd->peer;
+    kvl_path *pa = cmd->path < 0 ? &p->ctrl_path : &p->paths[cmd->path];
+    uint64_t now = kvl_now_ns();
+    kvl_conn *c = cmd->fd >= 0 && !p->replaced ? kvl_conn_new(a, cmd->fd, 0) : NULL;
+    if (!c) {
+        if (cmd->fd >= 0)
+            close(cmd->fd);
+        if (cmd->error[0])
+            snprintf(pa->last_error, sizeof pa->last_error, "%s", cmd->error);
+        kvl_monitor_probe_failed(a, pa, now);
+        return;
+    }
+    kvl_conn_bind_outbound(c, p, cmd->path);
+    if (cmd->path < 0)
+        p->ctrl = c;
+    else
+        pa->conn = c;
+    pa->state = KVL_PATH_UP;
+    pa->backoff_ms = 0;
+    pa->reconnects++;
+    pa->t_progress_ns = now;
+    pa->ping_sent_ns = 0;
+    pa->seen_acked = pa->seen_received = 0;
+    kvl_engine_snapshot_paths(a);
+}

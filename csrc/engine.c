@@ -205,6 +205,20 @@ static void run_commands(kvl_agent *a)
                                p->name, p->paths[0].last_error);
         } else if (cmd->type == KVL_CMD_PROBED) {
             kvl_prober_done(a, cmd);
+        } else if (cmd->type == KVL_CMD_PREPARE) {
+            kvl_buf b = {0};
+            kvl_frame_start(&b);
+            kvl_enc_notify(&b, 0, KVL_OP_PREPARE, cmd->tag, cmd->tag_len);
+            kvl_frame_finish(&b, KVL_F_NOTIFY, 0);
+            kvl_conn *c = p->ctrl;
+            for (uint32_t i = 0; !c && i < p->n_paths; i++)
+                c = p->paths[i].conn;
+            if (c)
+                kvl_conn_send_frame(c, &b);
+            else
+                kvl_buf_free(&b);
+            kvl_monitor_probe_all(p, kvl_now_ns());
+            free(cmd->tag);
         } else if (cmd->type == KVL_CMD_REFRESH) {
             kvl_buf b = {0};
             kvl_frame_start(&b);
@@ -421,6 +435,7 @@ kvl_err kvl_agent_close(kvl_agent *a)
             fail_and_drop(cmd->xfer);
         if (cmd->type == KVL_CMD_PROBED && cmd->fd >= 0)
             close(cmd->fd);
+        free(cmd->tag);
         free(cmd);
     }
     for (kvl_peer *p = a->peers, *next; p; p = next) {

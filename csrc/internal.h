@@ -337,9 +337,17 @@ typedef struct kvl_cmd {
     int path;                  /* PROBED: path index, -1 for the control connection */
     int fd;                    /* PROBED: the new socket, or -1 */
     char error[160];           /* PROBED: why it failed */
+    uint8_t *tag;              /* PREPARE: owned */
+    uint32_t tag_len;
     struct kvl_cmd *next;
 } kvl_cmd;
-enum { KVL_CMD_ADOPT_PEER = 1, KVL_CMD_SUBMIT = 2, KVL_CMD_REFRESH = 3, KVL_CMD_PROBED = 4 };
+enum {
+    KVL_CMD_ADOPT_PEER = 1,
+    KVL_CMD_SUBMIT = 2,
+    KVL_CMD_REFRESH = 3,
+    KVL_CMD_PROBED = 4,
+    KVL_CMD_PREPARE = 5
+};
 
 struct kvl_agent {
     kvl_config cfg;            /* addrs copied below */
@@ -451,6 +459,8 @@ kvl_xfer *kvl_sched_find_xfer(kvl_peer *p, uint64_t id);
 /* ---- monitor.c: the per-tick path monitor ---- */
 void kvl_monitor_init(kvl_agent *a);
 void kvl_monitor_tick(kvl_agent *a, uint64_t now);
+/* Sends a PING on every idle, up data path of p (pre-warm). */
+void kvl_monitor_probe_all(kvl_peer *p, uint64_t now);
 /* A PONG came back on an outbound data connection. */
 void kvl_monitor_on_pong(kvl_peer *p, int path, uint64_t sent_ns, uint64_t now);
 /* A probe failed: the path waits twice as long (up to the cap) before the next. */

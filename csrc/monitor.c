@@ -125,6 +125,15 @@ static void send_ping(kvl_path *pa, uint64_t now)
     }
 }
 
+void kvl_monitor_probe_all(kvl_peer *p, uint64_t now)
+{
+    for (uint32_t i = 0; i < p->n_paths; i++) {
+        kvl_path *pa = &p->paths[i];
+        if (pa->conn && !kvl_conn_is_dead(pa->conn) && !pa->ping_sent_ns)
+            send_ping(pa, now);
+    }
+}
+
 void kvl_monitor_on_pong(kvl_peer *p, int path, uint64_t sent_ns, uint64_t now)
 {
     if (path < 0 || (uint32_t)path >= p->n_paths)

@@ -289,6 +289,40 @@ kvl_err kvl_peer_connect(kvl_agent *a, const char *name, uint64_t instance,
     return KVL_OK;
 }
 
+kvl_err kvl_peer_send_prepare(kvl_peer *p, const void *tag, size_t len)
+{
+    kvl_clear_error();
+    kvl_agent *a = p->agent;
+    if (atomic_load(&a->closed))
+        return kvl_fail(KVL_ERR_CLOSED, "the agent is closed");
+    if (len > KVL_MAX_TAG || (len && !tag))
+        return kvl_fail(KVL_ERR_INVALID_ARG, "prepare: the tag must be at most %d bytes",
+                        KVL_MAX_TAG);
+    kvl_cmd *cmd = calloc(1, sizeof *cmd);
+    uint8_t *copy = malloc(len ? len : 1);
+    if (!cmd || !copy) {
+        free(cmd);
+        free(copy);
+        return kvl_fail(KVL_ERR_NOMEM, "prepare: out of memory");
+    }
+    memcpy(copy, tag, len);
+    cmd->type = KVL_CMD_PREPARE;
+    cmd->peer = p;
+    cmd->tag = copy;
+    cmd->tag_len = (uint32_t)len;
+    pthread_mutex_lock(&a->mu);
+    if (a->cmd_tail)
+        a->cmd_tail->next = cmd;
+    else
+        a->cmd_head = cmd;
+    a->cmd_tail = cmd;
+    pthread_mutex_unlock(&a->mu);
+    uint64_t one = 1;
+    ssize_t rc = write(a->wakefd, &one, sizeof one);
+    (void)rc;
+    return KVL_OK;
+}
+
 kvl_err kvl_peer_find(kvl_agent *a, const char *name, kvl_peer **out)
 {
     kvl_clear_error();

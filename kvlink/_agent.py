@@ -25,6 +25,7 @@ from ._errors import (
     KvlinkError,
     NotRegisteredError,
     OutOfBoundsError,
+    PeerUnreachableError,
     RegistrationError,
     SizeMismatchError,
     UnknownRegionError,
@@ -42,10 +43,12 @@ _MAX_WAIT_MS = 2**31
 
 
 class Op(IntEnum):
-    """Direction of a transfer, from the initiator's point of view."""
+    """Direction of a transfer, from the initiator's point of view; PREPARE
+    marks a pre-warm request (see :meth:`Agent.prepare`)."""
 
     PUSH = 1
     PULL = 2
+    PREPARE = 3
 
 
 class TransferState(IntEnum):
@@ -138,12 +141,24 @@ class TransferInfo:
 
 @dataclass(frozen=True)
 class Notification:
-    """A peer finished a transfer with us and attached ``tag``."""
+    """A peer finished a transfer with us and attached ``tag`` (op PUSH or
+    PULL), or announced one with :meth:`Agent.prepare` (op PREPARE)."""
 
     peer: str
     tag: bytes
     transfer_id: int
     op: Op
+
+    def prepare_request(self) -> dict[str, Any]:
+        """For op PREPARE: what the peer announced ({"nbytes": ..., "layout": ...}).
+
+        Raises:
+            InvalidArgumentError: this is not a PREPARE notification.
+        """
+        if self.op != Op.PREPARE:
+            raise InvalidArgumentError(f"notification: op is {self.op.name}, not PREPARE")
+        data = json.loads(self.tag)
+        return data if isinstance(data, dict) else {}
 
 
 @dataclass(frozen=True)
@@ -601,6 +616,61 @@ class Agent:
             return _remote_regions(p, peer)
         finally:
             self._exit()
+
+    def prepare(
+        self,
+        peer: str,
+        *,
+        nbytes: int | None = None,
+        layout: Any = None,
+        timeout_s: float = 5.0,
+    ) -> list[PathInfo]:
+        """Pre-warm: readies ``peer`` for a transfer while its data is still being
+        computed (call it when prefill starts).  Waits until every path to the
+        peer is up (down paths are re-probed), refreshes the peer's region
+        table, probes every path, and delivers a PREPARE notification with
+        ``nbytes`` and ``layout`` (a :class:`kvlink.kv.PagedLayout` or a dict)
+        so the peer can allocate and register the destination now.  Returns
+        the peer's paths.
+
+        Raises:
+            UnknownPeerError: ``peer`` was not added.
+            PeerUnreachableError: no path came up within ``timeout_s``.
+        """
+        if nbytes is not None and (not isinstance(nbytes, int) or nbytes < 0):
+            raise InvalidArgumentError(f"nbytes: expected a non-negative int, got {nbytes!r}")
+        lay = layout.to_dict() if hasattr(layout, "to_dict") else layout
+        tag = json.dumps({"nbytes": nbytes, "layout": lay}).encode()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            mine = [p for p in self.paths() if p.peer == peer]
+            if not mine:
+                a = self._enter()
+                try:
+                    _find(a, peer)  # raises UnknownPeerError
+                finally:
+                    self._exit()
+            if mine and all(p.state in (PathState.UP, PathState.DEGRADED) for p in mine):
+                break
+            if time.monotonic() >= deadline:
+                if any(p.state in (PathState.UP, PathState.DEGRADED) for p in mine):
+                    break  # go with the paths that are up
+                raise PeerUnreachableError(
+                    f"prepare: no path to peer {peer!r} came up within {timeout_s} s: "
+                    + "; ".join(
+                        f"path {p.index} {p.local}->{p.remote}: {p.last_error}" for p in mine
+                    ),
+                    peer=peer,
+                )
+            time.sleep(0.02)
+        a = self._enter()
+        try:
+            p = _find(a, peer)
+            check(lib.kvl_peer_refresh(p, max(1, int(self.config.connect_timeout_s * 1000))))
+            check(lib.kvl_peer_send_prepare(p, tag, len(tag)), peer=peer)
+        finally:
+            self._exit()
+        return [p for p in self.paths() if p.peer == peer]
 
     # ---- transfers -------------------------------------------------------
 

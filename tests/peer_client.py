@@ -27,11 +27,13 @@ class PeerError(Exception):
 class PeerProcess:
     """Spawns the peer, initialises its agent and relays calls with a timeout."""
 
-    def __init__(self, name: str, nics: str, config: dict[str, Any]) -> None:
+    def __init__(
+        self, name: str, nics: str, config: dict[str, Any], prefix: list[str] | None = None
+    ) -> None:
         self.name = name
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.peer_proc"],
+            [*(prefix or []), sys.executable, "-m", "tests.peer_proc"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             cwd=ROOT,

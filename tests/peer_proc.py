@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -81,10 +82,34 @@ def handle(req: dict[str, Any]) -> dict[str, Any]:
             h.wait(req["wait"])
         return {"id": h.id, "state": h.state.name}
     if cmd == "wait":
-        transfers[req["id"]].wait(req["timeout"])
-        return {}
+        h = transfers[req["id"]]
+        try:
+            h.wait(req["wait_s"])
+        finally:
+            i = h.info()
+        return {
+            "t_submit_ns": i.t_submit_ns,
+            "t_first_ns": i.t_first_byte_ns,
+            "t_done_ns": i.t_done_ns,
+            "retries": i.retries,
+            "chunks": i.chunks_total,
+        }
+    if cmd == "chunks":
+        h = transfers[req["id"]]
+        return {
+            "events": [
+                [e.index, e.path, e.nbytes, e.layers.start, e.layers.stop, e.t_ns]
+                for e in h.chunks(timeout_s=req["wait_s"])
+            ],
+            "t_submit_ns": h.info().t_submit_ns,
+        }
+    if cmd == "prepare":
+        ps = agent.prepare(req["peer"], nbytes=req.get("nbytes"), timeout_s=req["wait_s"])
+        return {"states": [p.state.name for p in ps]}
+    if cmd == "now":
+        return {"ns": time.monotonic_ns()}
     if cmd == "notifications":
-        ns = agent.notifications(timeout_s=req.get("timeout", 0.0))
+        ns = agent.notifications(timeout_s=req.get("wait_s", 0.0))
         return {
             "notifications": [{"peer": n.peer, "tag": n.tag.hex(), "op": n.op.name} for n in ns]
         }

@@ -51,8 +51,9 @@ typedef enum kvl_err {
 } kvl_err;
 
 typedef enum kvl_op {
-    KVL_OP_PUSH = 1, /* local src -> remote dst (remote needs remote_write) */
-    KVL_OP_PULL = 2  /* remote src -> local dst (remote needs remote_read)  */
+    KVL_OP_PUSH = 1,   /* local src -> remote dst (remote needs remote_write) */
+    KVL_OP_PULL = 2,   /* remote src -> local dst (remote needs remote_read)  */
+    KVL_OP_PREPARE = 3 /* not a transfer: a pre-warm request (kvl_peer_send_prepare) */
 } kvl_op;
 
 typedef enum kvl_rights {
@@ -301,6 +302,13 @@ kvl_err kvl_peer_regions(kvl_peer *peer, kvl_region_info *out, size_t cap,
 /* Asks the peer for its current region table over the control connection.
  * Blocks up to timeout_ms.  Thread-safe. */
 kvl_err kvl_peer_refresh(kvl_peer *peer, uint32_t timeout_ms);
+
+/* Pre-warm: delivers tag (at most 4096 bytes; typically the size or layout
+ * of an upcoming transfer) to the peer as a notification with op
+ * KVL_OP_PREPARE, so it can allocate and register the destination while the
+ * data is still being computed, and probes every up path with a PING.
+ * Queued to the engine; does not wait.  Thread-safe. */
+kvl_err kvl_peer_send_prepare(kvl_peer *peer, const void *tag, size_t len);
 
 /* ---- transfers ----------------------------------------------------------- */
 

@@ -50,7 +50,7 @@ def test_pull_256mib_byte_exact(make_agent, spawn_peer, paths):
     h.wait(timeout_s=60)
     assert digest(dst) == src.call("digest", key="kv")["digest"]
     assert np.array_equal(dst[:4096], pattern(BIG, 7)[:4096])
-    got = src.call("notifications", timeout=5)["notifications"]
+    got = src.call("notifications", wait_s=5)["notifications"]
     assert got == [{"peer": "dst", "tag": b"pulled".hex(), "op": "PULL"}]
 
 
@@ -123,8 +123,8 @@ def test_notifications_exactly_once(make_agent, spawn_peer):
     got: list[str] = []
     deadline = time.monotonic() + 10
     while len(got) < len(tags) and time.monotonic() < deadline:
-        got += [n["tag"] for n in rx.call("notifications", timeout=1)["notifications"]]
-    got += [n["tag"] for n in rx.call("notifications", timeout=0.5)["notifications"]]
+        got += [n["tag"] for n in rx.call("notifications", wait_s=1)["notifications"]]
+    got += [n["tag"] for n in rx.call("notifications", wait_s=0.5)["notifications"]]
     assert sorted(got) == sorted(t.hex() for t in tags)
 
 

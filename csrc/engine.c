@@ -119,6 +119,7 @@ void kvl_engine_snapshot_paths(kvl_agent *a)
             o->stall_ms = pa->stall_ms;
             o->reconnects = pa->reconnects;
             o->hedges = pa->hedges;
+            o->t_down_ns = pa->t_down_ns;
             o->chunks_done = pa->chunks_done;
             o->inflight_bytes = pa->inflight_bytes;
             o->est_gbps = pa->bw_Bps / 1e9;

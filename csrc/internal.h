@@ -241,6 +241,7 @@ typedef struct kvl_path {
     uint32_t backoff_ms;
     uint32_t reconnects;
     uint64_t hedges;
+    uint64_t t_down_ns;
     uint64_t chunks_done;
     char last_error[160];
 } kvl_path;

@@ -313,6 +313,7 @@ void kvl_sched_path_down(kvl_peer *p, uint32_t path, const char *why)
 {
     kvl_path *pa = &p->paths[path];
     pa->conn = NULL;
+    pa->t_down_ns = kvl_now_ns();
     snprintf(pa->last_error, sizeof pa->last_error, "%s", why);
     kvl_monitor_probe_failed(p->agent, pa, kvl_now_ns()); /* DOWN, re-probed after a backoff */
     for (kvl_xfer *x = p->active; x; x = x->next_active) {

@@ -181,6 +181,7 @@ class PathInfo:
     stall_ms: int  # time without progress while busy
     reconnects: int  # times re-established after going down
     hedges: int  # straggler copies sent on this path
+    t_down_ns: int  # CLOCK_MONOTONIC time it last went down (0: never)
     last_error: str
 
 
@@ -913,6 +914,7 @@ class Agent:
                     stall_ms=int(p.stall_ms),
                     reconnects=int(p.reconnects),
                     hedges=int(p.hedges),
+                    t_down_ns=int(p.t_down_ns),
                     last_error=cstr(p.last_error),
                 )
                 for p in arr[0 : min(n[0], cap)]

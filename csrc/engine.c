@@ -244,7 +244,8 @@ static void *engine_main(void *arg)
     a->next_tick_ns = kvl_now_ns() + interval;
     while (!atomic_load(&a->stopping)) {
         uint64_t now = kvl_now_ns();
-        int timeout = now >= a->next_tick_ns ? 0 : (int)((a->next_tick_ns - now) / 1000000 + 1);
+        uint64_t next = a->next_stall_ns < a->next_tick_ns ? a->next_stall_ns : a->next_tick_ns;
+        int timeout = now >= next ? 0 : (int)((next - now) / 1000000 + 1);
         int n = epoll_wait(a->epfd, evs, 64, timeout);
         for (int i = 0; i < n; i++) {
             if (evs[i].data.ptr == NULL) {
@@ -257,6 +258,10 @@ static void *engine_main(void *arg)
             }
         }
         now = kvl_now_ns();
+        if (now >= a->next_stall_ns) {
+            kvl_monitor_stall_check(a, now);
+            a->next_stall_ns = now + interval / 4;
+        }
         if (now >= a->next_tick_ns) {
             kvl_monitor_tick(a, now);
             kvl_sched_expire(a, now);

@@ -149,7 +149,8 @@ typedef struct kvl_tcp_sample {
     double delivery_Bps;     /* the kernel's most recent delivery-rate sample */
     uint64_t bytes_acked;    /* cumulative bytes the peer acknowledged */
     uint64_t bytes_received; /* cumulative bytes received */
-    uint32_t last_ack_recv_ms;
+    uint32_t last_ack_recv_ms;  /* since the last TCP ACK arrived */
+    uint32_t last_data_recv_ms; /* since the last data segment arrived */
     uint32_t unacked;        /* segments in flight */
     uint32_t notsent_bytes;
     uint32_t total_retrans;
@@ -231,7 +232,8 @@ typedef struct kvl_path {
     /* monitor (monitor.c) */
     double delivery_Bps;
     double nic_other_Bps;
-    uint64_t t_progress_ns;    /* last time bytes moved either way */
+    uint64_t t_progress_ns;    /* last time bytes moved either way (tick resolution) */
+    uint64_t t_chunk_ns;       /* last chunk verified on this path */
     uint64_t seen_acked, seen_received;
     uint32_t stall_ms;
     uint64_t t_last_ping_ns, ping_sent_ns; /* ping_sent_ns != 0: a probe is outstanding */
@@ -379,6 +381,7 @@ struct kvl_agent {
     uint8_t *scratch;          /* sink for payload bytes that must be drained */
     size_t scratch_len;
     uint64_t next_tick_ns;
+    uint64_t next_stall_ns;
     /* notifications: engine -> callers */
     pthread_mutex_t notif_mu;
     pthread_cond_t notif_cv;
@@ -460,6 +463,8 @@ kvl_xfer *kvl_sched_find_xfer(kvl_peer *p, uint64_t id);
 /* ---- monitor.c: the per-tick path monitor ---- */
 void kvl_monitor_init(kvl_agent *a);
 void kvl_monitor_tick(kvl_agent *a, uint64_t now);
+/* The stall check, run every quarter tick on busy paths only. */
+void kvl_monitor_stall_check(kvl_agent *a, uint64_t now);
 /* Sends a PING on every idle, up data path of p (pre-warm). */
 void kvl_monitor_probe_all(kvl_peer *p, uint64_t now);
 /* A PONG came back on an outbound data connection. */

@@ -3,10 +3,10 @@
  * For every path it samples the kernel's view of the connection (TCP_INFO:
  * RTT, delivery rate, bytes acknowledged and received), probes idle paths
  * with PING frames, reads the local NIC's counters to see traffic that is
- * not ours, and decides when a path is stalled: busy, yet nothing moved for
- * max(3 ticks, stall_factor x its expected chunk time).  A stalled path is
- * cut (abortive close) so its chunks go elsewhere at once instead of waiting
- * for TCP to give up, and down paths are handed to the prober (probe.c).
+ * not ours, and hands down paths to the prober (probe.c).  Every quarter
+ * tick it also checks busy paths for stalls (kvl_monitor_stall_check); a
+ * stalled path is cut (abortive close) so its chunks go elsewhere at once
+ * instead of waiting for TCP to give up.
  */
 #include <ifaddrs.h>
 #include <stdio.h>
@@ -23,6 +23,7 @@
 #define OVERHEAD 1.06          /* wire bytes per payload byte (headers at MTU 1500) */
 #define DEGRADED_SHARE 0.5     /* below half the best path's rate: degraded */
 #define PROBE_BACKOFF_MIN_MS 100
+#define BYTE_STALL_TICKS 2     /* no TCP progress for 2 ticks: the path is dead */
 
 static int read_counter(const char *ifname, const char *which, uint64_t *out)
 {
@@ -147,8 +148,9 @@ void kvl_monitor_on_pong(kvl_peer *p, int path, uint64_t sent_ns, uint64_t now)
     pa->t_progress_ns = now;
 }
 
-/* Expected time of the chunks in flight on this path at its measured rate. */
-static uint64_t stall_limit_ns(kvl_agent *a, const kvl_path *pa)
+/* Chunk-level limit: max(3 ticks, stall_factor x the expected time of the
+ * chunks in flight at the path's measured rate). */
+static uint64_t chunk_limit_ns(kvl_agent *a, const kvl_path *pa)
 {
     uint64_t tick = (uint64_t)a->cfg.monitor_interval_ms * 1000000ull;
     uint64_t limit = 3 * tick;
@@ -159,6 +161,45 @@ static uint64_t stall_limit_ns(kvl_agent *a, const kvl_path *pa)
             limit = expect;
     }
     return limit;
+}
+
+static void cut(kvl_path *pa, const char *what, uint64_t ms)
+{
+    char why[160];
+    snprintf(why, sizeof why, "%s for %llu ms with %llu bytes in flight: path cut", what,
+             (unsigned long long)ms, (unsigned long long)pa->inflight_bytes);
+    kvl_conn_abort(pa->conn, why);
+}
+
+/* Two rules.  Byte level: a busy path on which no TCP acknowledgement and no
+ * data arrived for BYTE_STALL_TICKS ticks is dead (a slow link still acks
+ * every RTT), so it is cut at once; with the kernel's own millisecond
+ * timestamps and a check every quarter tick that is ~200-225 ms after the
+ * last byte moved.  Chunk level: a path that moves bytes but verifies no
+ * chunk for chunk_limit_ns() is cut too, so its chunks go elsewhere. */
+void kvl_monitor_stall_check(kvl_agent *a, uint64_t now)
+{
+    uint64_t tick_ms = a->cfg.monitor_interval_ms;
+    for (kvl_peer *p = a->eng_peers; p; p = p->eng_next) {
+        for (uint32_t i = 0; i < p->n_paths; i++) {
+            kvl_path *pa = &p->paths[i];
+            kvl_tcp_sample s;
+            if (!pa->conn || !pa->inflight_chunks || kvl_conn_sample(pa->conn, &s) != 0)
+                continue;
+            uint64_t busy_ms = (now - pa->busy_start_ns) / 1000000ull;
+            uint64_t quiet = s.last_ack_recv_ms < s.last_data_recv_ms ? s.last_ack_recv_ms
+                                                                       : s.last_data_recv_ms;
+            if (quiet > busy_ms)
+                quiet = busy_ms; /* silence before the path got busy does not count */
+            if (quiet >= BYTE_STALL_TICKS * tick_ms) {
+                cut(pa, "no byte acknowledged or received", quiet);
+                continue;
+            }
+            uint64_t since = pa->t_chunk_ns > pa->busy_start_ns ? pa->t_chunk_ns : pa->busy_start_ns;
+            if (now - since > chunk_limit_ns(a, pa))
+                cut(pa, "no chunk verified", (now - since) / 1000000ull);
+        }
+    }
 }
 
 static void watch_path(kvl_agent *a, kvl_path *pa, uint64_t now)
@@ -176,13 +217,6 @@ static void watch_path(kvl_agent *a, kvl_path *pa, uint64_t now)
     pa->seen_acked = s.bytes_acked;
     pa->seen_received = s.bytes_received;
     pa->stall_ms = (uint32_t)((now - pa->t_progress_ns) / 1000000ull);
-    if (pa->inflight_chunks && now - pa->t_progress_ns > stall_limit_ns(a, pa)) {
-        char why[160];
-        snprintf(why, sizeof why, "no progress for %u ms with %llu bytes in flight: path cut",
-                 pa->stall_ms, (unsigned long long)pa->inflight_bytes);
-        kvl_conn_abort(pa->conn, why);
-        return;
-    }
     if (!pa->inflight_chunks) {
         if (pa->ping_sent_ns && now - pa->ping_sent_ns > PING_LOST_MS * 1000000ull) {
             char why[160];

@@ -277,6 +277,7 @@ void kvl_sched_on_chunk_done(kvl_peer *p, kvl_xfer *x, uint32_t ci, uint32_t pat
         pa->bw_Bps = pa->bw_Bps > 0 ? (1 - EWMA_NEW) * pa->bw_Bps + EWMA_NEW * sample : sample;
     }
     pa->t_progress_ns = now;
+    pa->t_chunk_ns = now;
     pa->chunks_done++;
     kvl_xfer_chunk_done(x, ci, pa->index, now);
     if (!kvl_xfer_running(x)) {

@@ -160,6 +160,7 @@ static int tcp_sample(int fd, kvl_tcp_sample *out)
     out->bytes_acked = ti.tcpi_bytes_acked;
     out->bytes_received = ti.tcpi_bytes_received;
     out->last_ack_recv_ms = ti.tcpi_last_ack_recv;
+    out->last_data_recv_ms = ti.tcpi_last_data_recv;
     out->unacked = ti.tcpi_unacked;
     out->notsent_bytes = ti.tcpi_notsent_bytes;
     out->total_retrans = ti.tcpi_total_retrans;

@@ -19,6 +19,10 @@
 #define KVL_MAX_REGIONS 8192     /* regions per agent: bounds the region table frame */
 #define KVL_MAX_TAG 4096
 #define KVL_MAX_CHUNK (1ull << 30)
+/* Chunks per path a transfer is split into at least (above min_chunk_bytes):
+ * enough that a path slowing down mid-transfer holds little of the work and
+ * the tail evens out; measured on the testbed (docs/BENCHMARKS.md). */
+#define KVL_CHUNKS_PER_PATH 16
 
 /* ---- errors.c ---- */
 kvl_err kvl_fail(kvl_err err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -151,6 +155,7 @@ typedef struct kvl_tcp_sample {
     uint64_t bytes_received; /* cumulative bytes received */
     uint32_t last_ack_recv_ms;  /* since the last TCP ACK arrived */
     uint32_t last_data_recv_ms; /* since the last data segment arrived */
+    int app_limited;            /* the delivery-rate sample was limited by us, not the path */
     uint32_t unacked;        /* segments in flight */
     uint32_t notsent_bytes;
     uint32_t total_retrans;
@@ -298,6 +303,7 @@ struct kvl_xfer {
     uint8_t *fails;            /* per chunk: copies lost to errors (limit: max_attempts) */
     uint64_t *t_sent_ns;
     uint32_t next_chunk;       /* next never-sent chunk */
+    uint64_t bytes_pending;    /* bytes of chunks not in flight and not done */
     uint32_t *retry;           /* chunks to resend first */
     uint32_t n_retry;
     uint32_t *layer_left;      /* chunks not yet verified, per layer */

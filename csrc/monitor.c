@@ -24,6 +24,7 @@
 #define DEGRADED_SHARE 0.5     /* below half the best path's rate: degraded */
 #define PROBE_BACKOFF_MIN_MS 100
 #define BYTE_STALL_TICKS 2     /* no TCP progress for 2 ticks: the path is dead */
+#define SLOWDOWN 0.7           /* kernel rate below 70% of the estimate: follow it down */
 
 static int read_counter(const char *ifname, const char *which, uint64_t *out)
 {
@@ -154,13 +155,15 @@ static uint64_t chunk_limit_ns(kvl_agent *a, const kvl_path *pa)
 {
     uint64_t tick = (uint64_t)a->cfg.monitor_interval_ms * 1000000ull;
     uint64_t limit = 3 * tick;
-    if (pa->bw_Bps > 0 && pa->inflight_chunks) {
-        double chunk = (double)pa->inflight_bytes / pa->inflight_chunks;
-        uint64_t expect = (uint64_t)(chunk / pa->bw_Bps * 1e9 * a->cfg.stall_factor);
-        if (expect > limit)
-            limit = expect;
-    }
-    return limit;
+    /* the kernel's delivery rate stands in until a chunk has been timed;
+     * with neither, only the byte-level rule applies (a slow path that has
+     * yet to finish its first chunk must not be cut for being slow) */
+    double rate = pa->bw_Bps > 0 ? pa->bw_Bps : pa->delivery_Bps;
+    if (rate <= 0 || !pa->inflight_chunks)
+        return UINT64_MAX;
+    double chunk = (double)pa->inflight_bytes / pa->inflight_chunks;
+    uint64_t expect = (uint64_t)(chunk / rate * 1e9 * a->cfg.stall_factor);
+    return expect > limit ? expect : limit;
 }
 
 static void cut(kvl_path *pa, const char *what, uint64_t ms)
@@ -209,8 +212,14 @@ static void watch_path(kvl_agent *a, kvl_path *pa, uint64_t now)
         return;
     if (s.rtt_us > 0 && pa->inflight_chunks)
         pa->rtt_us = s.rtt_us;
-    if (s.delivery_Bps > 0)
+    if (s.delivery_Bps > 0 && !s.app_limited) {
         pa->delivery_Bps = s.delivery_Bps;
+        /* chunk completions update the rate only per chunk; a link that
+         * slows down shows in the kernel's samples within a tick, so a busy
+         * path's estimate follows them down at once */
+        if (pa->inflight_chunks && pa->bw_Bps > 0 && s.delivery_Bps < SLOWDOWN * pa->bw_Bps)
+            pa->bw_Bps = 0.5 * (pa->bw_Bps + s.delivery_Bps);
+    }
     if (s.bytes_acked != pa->seen_acked || s.bytes_received != pa->seen_received ||
         !pa->inflight_chunks)
         pa->t_progress_ns = now;

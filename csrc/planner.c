@@ -12,7 +12,6 @@
 
 #include "internal.h"
 
-#define CHUNKS_PER_PATH 4   /* enough chunks per path to even out the tail */
 #define ALIGN 4096u         /* chunk sizes stay page multiples */
 
 static const kvl_segment *sort_base;
@@ -54,7 +53,7 @@ static uint64_t pick_target(const kvl_segment *segs, const uint32_t *order, size
                             uint64_t min_chunk)
 {
     uint64_t target = chunk_bytes;
-    uint64_t spread = ceil_div(total, (uint64_t)n_paths * CHUNKS_PER_PATH);
+    uint64_t spread = ceil_div(total, (uint64_t)n_paths * KVL_CHUNKS_PER_PATH);
     if (spread < target)
         target = spread;
     uint32_t first_layer = segs[order[0]].layer;

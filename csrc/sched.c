@@ -53,6 +53,7 @@ static kvl_xfer *next_chunk(kvl_peer *p, uint32_t *ci)
 
 static void take_chunk(kvl_xfer *x, uint32_t ci)
 {
+    x->bytes_pending -= x->plan.chunks[ci].bytes;
     if (x->n_retry && x->retry[0] == ci) {
         memmove(x->retry, x->retry + 1, (x->n_retry - 1) * sizeof *x->retry);
         x->n_retry--;
@@ -171,6 +172,33 @@ static void hedge(kvl_peer *p, double prior)
     }
 }
 
+static kvl_path *slower_but_in_time(kvl_peer *p, uint64_t bytes, double prior)
+{
+    kvl_agent *a = p->agent;
+    double remaining = 0, agg = 0;
+    for (kvl_xfer *x = p->active; x; x = x->next_active)
+        if (kvl_xfer_running(x))
+            remaining += (double)x->bytes_pending;
+    kvl_path *alt = NULL;
+    double alt_t = 0;
+    for (uint32_t i = 0; i < p->n_paths; i++) {
+        kvl_path *pa = &p->paths[i];
+        if (!path_usable(pa))
+            continue;
+        double bw = plan_bps(pa, prior);
+        remaining += (double)pa->inflight_bytes;
+        agg += bw;
+        if (!window_open(a, pa))
+            continue;
+        double t = (double)(pa->inflight_bytes + bytes) / bw + pa->rtt_us * 1e-6;
+        if (!alt || t < alt_t) {
+            alt = pa;
+            alt_t = t;
+        }
+    }
+    return alt && agg > 0 && alt_t <= remaining / agg ? alt : NULL;
+}
+
 void kvl_sched_dispatch(kvl_peer *p)
 {
     kvl_agent *a = p->agent;
@@ -205,8 +233,15 @@ void kvl_sched_dispatch(kvl_peer *p)
                     best_t = t;
                 }
             }
-            if (best && !window_open(a, best))
-                return; /* the earliest finish is there: wait for it */
+            if (best && !window_open(a, best)) {
+                /* The earliest finish is on a full path.  A path with room
+                 * still takes the chunk if it would deliver it before all the
+                 * remaining work is done at the aggregate rate: a slow path
+                 * then helps instead of becoming the straggler. */
+                best = slower_but_in_time(p, bytes, prior);
+                if (!best)
+                    return; /* wait for the fast path */
+            }
         }
         if (!best)
             return; /* kvl_sched_path_down already failed what it had to */
@@ -308,6 +343,7 @@ void kvl_sched_requeue(kvl_peer *p, kvl_xfer *x, uint32_t ci, kvl_err err, const
         return;
     }
     x->retry[x->n_retry++] = ci;
+    x->bytes_pending += x->plan.chunks[ci].bytes;
 }
 
 void kvl_sched_path_down(kvl_peer *p, uint32_t path, const char *why)

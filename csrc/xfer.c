@@ -287,6 +287,7 @@ kvl_err kvl_xfer_submit(kvl_agent *a, kvl_peer *p, int op, const kvl_segment *se
     for (size_t i = 0; i < n_segs; i++)
         x->info.bytes_total += segs[i].len;
     x->info.chunks_total = (uint32_t)x->plan.n_chunks;
+    x->bytes_pending = x->info.bytes_total;
     x->info.layers = x->plan.n_layers;
     x->info.t_submit_ns = now;
     cmd->type = KVL_CMD_SUBMIT;

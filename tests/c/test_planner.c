@@ -9,7 +9,7 @@
 #include <pthread.h>
 #include <string.h>
 
-#include "kvlink.h"
+#include "internal.h" /* KVL_CHUNKS_PER_PATH */
 #include "test_main.h"
 
 #define KiB 1024ull
@@ -71,7 +71,7 @@ static unsigned long verify_plan(const plan_args *a, const kvl_plan *p)
            (unsigned long long)floor_, (unsigned long long)a->chunk_bytes);
     CHECKF(p->chunk_target % ALIGN == 0 || p->chunk_target == a->chunk_bytes,
            "chunk_target %llu is not a page multiple", (unsigned long long)p->chunk_target);
-    uint64_t spread = ceil_div(total, (uint64_t)a->n_paths * 4);
+    uint64_t spread = ceil_div(total, (uint64_t)a->n_paths * KVL_CHUNKS_PER_PATH);
     uint64_t want_max = max_u64(round_up(spread, ALIGN), round_up(floor_, ALIGN));
     CHECKF(p->chunk_target <= want_max, "chunk_target %llu above %llu (total %llu, %u paths)",
            (unsigned long long)p->chunk_target, (unsigned long long)want_max,
@@ -259,7 +259,7 @@ static void test_random(void)
     printf("random plans: 3000, %lu chunks checked\n", chunks);
 }
 
-/* One segment of S bytes: target = clamp(roundup_4KiB(ceil(S / 4P)),
+/* One segment of S bytes: target = clamp(roundup_4KiB(ceil(S / (C*P))),
  * min_chunk, chunk_bytes) when min_chunk is a page multiple, and the chunk
  * count follows from it. */
 static void check_single(uint64_t S, uint32_t P, uint64_t chunk_bytes, uint64_t min_chunk)
@@ -270,7 +270,7 @@ static void check_single(uint64_t S, uint32_t P, uint64_t chunk_bytes, uint64_t 
     if (!CHECK(make(&a, &p) == KVL_OK))
         return;
     uint64_t want =
-        min_u64(chunk_bytes, max_u64(min_chunk, round_up(ceil_div(S, 4ull * P), ALIGN)));
+        min_u64(chunk_bytes, max_u64(min_chunk, round_up(ceil_div(S, (uint64_t)KVL_CHUNKS_PER_PATH * P), ALIGN)));
     CHECKF(p.chunk_target == want,
            "S=%llu P=%u chunk=%llu min=%llu: target %llu, rule gives %llu",
            (unsigned long long)S, P, (unsigned long long)chunk_bytes,
@@ -284,17 +284,17 @@ static void check_single(uint64_t S, uint32_t P, uint64_t chunk_bytes, uint64_t 
 
 static void test_single_segment(void)
 {
-    /* Exact: S = 4P pages per chunk -> exactly 4 chunks per path. */
+    /* Exact: S = C*P pages per chunk -> exactly C chunks per path. */
     for (uint32_t P = 1; P <= 8; P++) {
         for (uint64_t pages = 1; pages <= 64; pages *= 2) {
-            uint64_t S = 4ull * P * pages * ALIGN;
+            uint64_t S = (uint64_t)KVL_CHUNKS_PER_PATH * P * pages * ALIGN;
             kvl_segment seg = {.len = S};
             kvl_plan p;
             if (CHECK(kvl_plan_make(&seg, 1, P, 64 * MiB, 4 * KiB, 16, &p) == KVL_OK))
-                CHECKF(p.n_chunks == 4ull * P && p.chunk_target == pages * ALIGN,
+                CHECKF(p.n_chunks == (uint64_t)KVL_CHUNKS_PER_PATH * P && p.chunk_target == pages * ALIGN,
                        "S=%llu P=%u: %zu chunks of %llu, expected %u of %llu",
                        (unsigned long long)S, P, p.n_chunks,
-                       (unsigned long long)p.chunk_target, 4 * P,
+                       (unsigned long long)p.chunk_target, KVL_CHUNKS_PER_PATH * P,
                        (unsigned long long)(pages * ALIGN));
             kvl_plan_free(&p);
         }

@@ -66,11 +66,14 @@ def test_plan_covers_every_byte_once_in_layer_major_order(
     assert seen == sorted(range(len(segs)), key=lambda i: (layers[i], i))
 
 
-@pytest.mark.parametrize("total,paths,expected_chunks", [(256 * MiB, 4, 16), (1 << 30, 4, 16)])
-def test_small_transfers_spread_over_paths(total, paths, expected_chunks):
+PER_PATH = 16  # KVL_CHUNKS_PER_PATH in csrc/internal.h
+
+
+@pytest.mark.parametrize("total,paths", [(256 * MiB, 4), (1 << 30, 4), (2 << 30, 4), (8 << 30, 2)])
+def test_transfers_spread_over_paths(total, paths):
     chunks, _, target, _ = make_plan(segs_from([total], [0]), paths, 64 * MiB, MiB, 8192)
-    assert len(chunks) == expected_chunks
-    assert target == min(64 * MiB, total // (4 * paths))
+    assert target == min(64 * MiB, total // (PER_PATH * paths))
+    assert len(chunks) == total // target
 
 
 def test_first_layer_is_split_over_all_paths():

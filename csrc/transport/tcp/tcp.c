@@ -161,6 +161,7 @@ static int tcp_sample(int fd, kvl_tcp_sample *out)
     out->bytes_received = ti.tcpi_bytes_received;
     out->last_ack_recv_ms = ti.tcpi_last_ack_recv;
     out->last_data_recv_ms = ti.tcpi_last_data_recv;
+    out->app_limited = ti.tcpi_delivery_rate_app_limited;
     out->unacked = ti.tcpi_unacked;
     out->notsent_bytes = ti.tcpi_notsent_bytes;
     out->total_retrans = ti.tcpi_total_retrans;

@@ -22,7 +22,7 @@
 /* Chunks per path a transfer is split into at least (above min_chunk_bytes):
  * enough that a path slowing down mid-transfer holds little of the work and
  * the tail evens out; measured on the testbed (docs/BENCHMARKS.md). */
-#define KVL_CHUNKS_PER_PATH 16
+#define KVL_CHUNKS_PER_PATH 32
 
 /* ---- errors.c ---- */
 kvl_err kvl_fail(kvl_err err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));

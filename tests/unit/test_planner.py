@@ -66,7 +66,7 @@ def test_plan_covers_every_byte_once_in_layer_major_order(
     assert seen == sorted(range(len(segs)), key=lambda i: (layers[i], i))
 
 
-PER_PATH = 16  # KVL_CHUNKS_PER_PATH in csrc/internal.h
+PER_PATH = 32  # KVL_CHUNKS_PER_PATH in csrc/internal.h
 
 
 @pytest.mark.parametrize("total,paths", [(256 * MiB, 4), (1 << 30, 4), (2 << 30, 4), (8 << 30, 2)])

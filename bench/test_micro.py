@@ -1,0 +1,266 @@
+"""Micro-benchmarks: the chunk planner, crc32c and the cost of one more chunk.
+
+Run (not part of ``make test``; pyproject's testpaths is tests/), about 20 s::
+
+    .venv/bin/python -m pytest bench/test_micro.py --benchmark-only
+
+Add ``--benchmark-json out.json`` to keep every figure, ``extra_info`` included.
+The derived figures (crc32c GB/s, per-chunk overhead in microseconds) are also
+printed after the table, under "kvlink micro-benchmark summary" (bench/conftest.py).
+
+Groups:
+  planner    kvl_plan_make on a 1 GiB segment and on a paged KV transfer of
+             65,152 segments, and kv.block_segments building those segments.
+  crc32c     kvl_crc32c on 4 KiB, 512 KiB (cached) and 64 MiB (DRAM) buffers.
+  per-chunk  a 64 MiB push between two in-process agents over loopback:1 cut
+             into 1, 16, 64 and 256 chunks; the per-chunk cost is
+             (t(N) - t(1)) / (N - 1), from medians and from minima.
+
+GB/s are 1e9 bytes per second.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import kvlink
+from kvlink import kv
+from kvlink._native import check, ffi, lib, make_plan
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+Array = np.ndarray[Any, Any]
+
+MAX_PIECES = 8192  # KVL_MAX_PIECES in csrc/internal.h: what the engine passes
+PATHS = 4
+
+# The paged case: 32 layers x 2 planes (K, V) of 4096 blocks of 32 KiB; 2000
+# scattered prefill blocks go to a fresh, contiguous run of decode blocks.
+LAYERS, BLOCKS, BLOCK_BYTES, MOVED = 32, 4096, 32 * KiB, 2000
+
+
+def _stats(benchmark: Any) -> Any | None:
+    """The timing statistics of a finished benchmark (None under --benchmark-disable)."""
+    meta = getattr(benchmark, "stats", None)
+    return None if meta is None else meta.stats
+
+
+def _plan_c(segs: Array, n_paths: int, chunk: int, min_chunk: int) -> None:
+    """kvl_plan_make + kvl_plan_free, as the engine calls them at submit (no
+    copying of the plan into numpy, which make_plan does for tests)."""
+    plan = ffi.new("kvl_plan *")
+    rc = lib.kvl_plan_make(
+        ffi.cast("const kvl_segment *", segs.ctypes.data),
+        len(segs),
+        n_paths,
+        chunk,
+        min_chunk,
+        MAX_PIECES,
+        plan,
+    )
+    lib.kvl_plan_free(plan)
+    check(rc)
+
+
+def _paged_case() -> tuple[kv.PagedLayout, kv.PagedLayout, Array, Array]:
+    """(src layout, dst layout, src block ids, dst block ids) of the paged case."""
+    layer_bytes = 2 * BLOCKS * BLOCK_BYTES
+    src = kv.PagedLayout(
+        regions=(1,) * LAYERS,
+        offsets=tuple(i * layer_bytes for i in range(LAYERS)),
+        num_blocks=BLOCKS,
+        block_bytes=BLOCK_BYTES,
+        planes=2,
+    )
+    dst = kv.PagedLayout(
+        regions=(7,) * LAYERS,
+        offsets=tuple(i * layer_bytes for i in range(LAYERS)),
+        num_blocks=BLOCKS,
+        block_bytes=BLOCK_BYTES,
+        planes=2,
+    )
+    rng = np.random.default_rng(0)  # fixed, so every run plans the same segments
+    src_blocks = np.sort(rng.choice(BLOCKS, MOVED, replace=False))
+    dst_blocks = np.arange(MOVED)
+    return src, dst, src_blocks, dst_blocks
+
+
+# ---- planner -------------------------------------------------------------
+
+
+@pytest.mark.benchmark(group="planner", max_time=0.5)
+def test_plan_1gib_one_segment(benchmark: Any, bench_report: list[str]) -> None:
+    """kvl_plan_make for one 1 GiB segment over 4 paths (128 chunks of 8 MiB).
+
+    The planner runs on the submitting thread before the first byte moves, so
+    its time adds straight to time-to-first-byte of every push; this is the
+    common case of a contiguous buffer and should be a few microseconds.
+    """
+    segs = np.zeros(1, dtype=kvlink.SEGMENT_DTYPE)
+    segs["src_region"], segs["dst_region"], segs["len"] = 1, 1, GiB
+    chunks, pieces, target, _ = make_plan(segs, PATHS, 64 * MiB, MiB, MAX_PIECES)
+    assert len(chunks) == 128 and target == 8 * MiB
+
+    benchmark(_plan_c, segs, PATHS, 64 * MiB, MiB)
+    benchmark.extra_info.update(segments=1, chunks=len(chunks), pieces=len(pieces))
+    st = _stats(benchmark)
+    if st is not None:
+        bench_report.append(f"planner, 1 GiB / 1 segment:        {st.median * 1e6:9.1f} us median")
+
+
+@pytest.mark.benchmark(group="planner", max_time=0.5)
+def test_plan_paged_kv(benchmark: Any, bench_report: list[str]) -> None:
+    """kvl_plan_make for a paged KV transfer: 32 layers x 2 planes x 2000
+    scattered 32 KiB blocks (3.9 GiB, 65,152 segments after merging runs) over
+    4 paths.
+
+    This is the shape a vLLM-style prefill -> decode handoff submits: tens of
+    thousands of small segments.  The planner sorts them layer-major and packs
+    them into chunks; it must stay well under a millisecond per 1000 blocks so
+    it never shows next to the transfer itself (~1 s for 3.9 GiB at 4 GB/s).
+    """
+    src, dst, sb, db = _paged_case()
+    segs = kv.block_segments(src, dst, sb, db)
+    chunks, pieces, target, n_layers = make_plan(segs, PATHS, 64 * MiB, MiB, MAX_PIECES)
+    assert n_layers == LAYERS and int(segs["len"].sum()) == LAYERS * 2 * MOVED * BLOCK_BYTES
+
+    benchmark(_plan_c, segs, PATHS, 64 * MiB, MiB)
+    benchmark.extra_info.update(
+        segments=len(segs), chunks=len(chunks), pieces=len(pieces), chunk_target=target
+    )
+    st = _stats(benchmark)
+    if st is not None:
+        bench_report.append(
+            f"planner, paged KV / {len(segs)} segments: {st.median * 1e6:9.1f} us median "
+            f"({st.median * 1e9 / len(segs):.1f} ns per segment; {len(chunks)} chunks, "
+            f"{len(pieces)} pieces)"
+        )
+
+
+@pytest.mark.benchmark(group="planner", max_time=0.5)
+def test_block_segments_paged_kv(benchmark: Any, bench_report: list[str]) -> None:
+    """kv.block_segments for the same paged case: 2000 block ids -> 65,152
+    segments (numpy, vectorised).
+
+    The caller pays this before kvl_plan_make on every KV handoff, so the two
+    together are the host-side cost of turning a block table into a transfer.
+    """
+    src, dst, sb, db = _paged_case()
+    segs = benchmark(kv.block_segments, src, dst, sb, db)
+    assert len(segs) == LAYERS * 2 * (np.count_nonzero(np.diff(sb) != 1) + 1)
+    benchmark.extra_info.update(blocks=MOVED, segments=len(segs))
+    st = _stats(benchmark)
+    if st is not None:
+        bench_report.append(f"kv.block_segments, paged KV:      {st.median * 1e6:9.1f} us median")
+
+
+# ---- crc32c --------------------------------------------------------------
+
+
+@pytest.mark.benchmark(group="crc32c", max_time=0.5)
+@pytest.mark.parametrize(
+    "nbytes", [4 * KiB, 512 * KiB, 64 * MiB], ids=["4KiB", "512KiB-cached", "64MiB-dram"]
+)
+def test_crc32c(benchmark: Any, bench_report: list[str], nbytes: int) -> None:
+    """kvl_crc32c throughput, called through cffi on one buffer over and over.
+
+    Every payload byte is checksummed once on each side, so crc32c GB/s bounds
+    what one engine thread can verify.  512 KiB is the engine's I/O batch
+    (IO_BATCH in csrc/conn.c: the crc pass runs while it is still in L2);
+    64 MiB is twice the L3 and streams from DRAM.  At 4 KiB the cffi call
+    (a few hundred ns) dominates: that is the floor for a Python caller, not
+    for the engine, which calls it from C.
+    """
+    assert lib.kvl_crc32c(0, b"123456789", 9) == 0xE3069283  # the Castagnoli check value
+    buf = (np.arange(nbytes, dtype=np.uint32) * 2654435761).astype(np.uint8)
+    ptr = ffi.from_buffer(buf)
+
+    benchmark(lib.kvl_crc32c, 0, ptr, nbytes)
+    hw = bool(lib.kvl_crc32c_hw())
+    benchmark.extra_info.update(nbytes=nbytes, hw=hw)
+    st = _stats(benchmark)
+    if st is not None:
+        bps = nbytes / st.median
+        benchmark.extra_info["bytes_per_s"] = bps
+        benchmark.extra_info["GB/s"] = round(bps / 1e9, 2)
+        bench_report.append(
+            f"crc32c {nbytes // KiB:>6} KiB: {bps / 1e9:6.2f} GB/s median "
+            f"({'hardware' if hw else 'table'})"
+        )
+
+
+# ---- per-chunk overhead --------------------------------------------------
+
+PUSH_BYTES = 64 * MiB
+_push_s: dict[int, tuple[float, float]] = {}  # chunks -> (median s, min s), filled in order
+
+
+@pytest.fixture
+def loopback_pair(request: pytest.FixtureRequest) -> Iterator[tuple[kvlink.Agent, Any, Any]]:
+    """tx and rx agents over loopback:1 cutting pushes into ``request.param``-byte
+    chunks (chunk_bytes = min_chunk_bytes, so the planner cannot change the
+    count), with a 64 MiB source and a 64 MiB destination "kv"; both closed after."""
+    chunk = request.param
+    cfg = kvlink.Config(nics="loopback:1", chunk_bytes=chunk, min_chunk_bytes=chunk)
+    with kvlink.Agent("tx", cfg) as tx, kvlink.Agent("rx", cfg) as rx:
+        src = (np.arange(PUSH_BYTES, dtype=np.uint32) * 2654435761).astype(np.uint8)
+        dst = np.zeros(PUSH_BYTES, dtype=np.uint8)
+        tx.register(src)
+        rx.register(dst, remote_write=True, name="kv")
+        tx.add_peer(rx.metadata())
+        yield tx, src, dst
+
+
+@pytest.mark.benchmark(group="per-chunk")
+@pytest.mark.parametrize(
+    "loopback_pair",
+    [64 * MiB, 4 * MiB, 1 * MiB, 256 * KiB],
+    ids=["1chunk-64MiB", "16chunks-4MiB", "64chunks-1MiB", "256chunks-256KiB"],
+    indirect=True,
+)
+def test_push_64mib_per_chunk(
+    benchmark: Any, bench_report: list[str], loopback_pair: tuple[kvlink.Agent, Any, Any]
+) -> None:
+    """One 64 MiB push over loopback:1, cut into 1, 16, 64 or 256 chunks.
+
+    Each chunk costs a header, a crc32c trailer, a receiver-side verify and an
+    acknowledgement, plus scheduler work on both engines.  The bytes are the
+    same in every case, so (t(N) - t(1)) / (N - 1) is what one more chunk
+    costs; it is what decides how small chunk_bytes and min_chunk_bytes can
+    go (docs/BENCHMARKS.md, "Chunk size and the small-transfer floor").
+    Pedantic mode, 2 warm-up pushes (connect, first-touch) and 25 timed.
+    The 1-chunk case runs first and is the baseline of the others.
+    """
+    tx, src, dst = loopback_pair
+    n_expected = PUSH_BYTES // tx.config.chunk_bytes
+    last: list[kvlink.Transfer] = []
+
+    def push() -> None:
+        last[:] = [tx.push("rx", src=src, dst="kv").wait(10)]
+
+    benchmark.pedantic(push, rounds=25, warmup_rounds=2, iterations=1)
+
+    info = last[0].info()
+    assert info.state == kvlink.TransferState.DONE and info.retries == 0
+    assert info.chunks_total == n_expected
+    assert np.array_equal(src, dst)
+    n = info.chunks_total
+    benchmark.extra_info.update(chunks=n, chunk_bytes=PUSH_BYTES // n)
+    st = _stats(benchmark)
+    if st is None:
+        return
+    _push_s[n] = (st.median, st.min)
+    line = (
+        f"push 64 MiB in {n:>3} chunks: {st.median * 1e3:7.2f} ms median, "
+        f"{st.min * 1e3:7.2f} ms min, {PUSH_BYTES / st.median / 1e9:5.2f} GB/s"
+    )
+    if n > 1 and 1 in _push_s:
+        med1, min1 = _push_s[1]
+        per_med = (st.median - med1) / (n - 1) * 1e6
+        per_min = (st.min - min1) / (n - 1) * 1e6
+        benchmark.extra_info.update(per_chunk_us_median=per_med, per_chunk_us_min=per_min)
+        line += f"; per extra chunk {per_med:6.1f} us (medians), {per_min:6.1f} us (minima)"
+    bench_report.append(line)

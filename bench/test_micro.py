@@ -195,6 +195,7 @@ def test_crc32c(benchmark: Any, bench_report: list[str], nbytes: int) -> None:
 # ---- per-chunk overhead --------------------------------------------------
 
 PUSH_BYTES = 64 * MiB
+PUSH_ROUNDS = 100
 _push_s: dict[int, tuple[float, float]] = {}  # chunks -> (median s, min s), filled in order
 
 
@@ -241,7 +242,7 @@ def test_push_64mib_per_chunk(
     def push() -> None:
         last[:] = [tx.push("rx", src=src, dst="kv").wait(10)]
 
-    benchmark.pedantic(push, rounds=25, warmup_rounds=2, iterations=1)
+    benchmark.pedantic(push, rounds=PUSH_ROUNDS, warmup_rounds=2, iterations=1)
 
     info = last[0].info()
     assert info.state == kvlink.TransferState.DONE and info.retries == 0

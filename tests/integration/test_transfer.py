@@ -35,7 +35,10 @@ def test_push_256mib_byte_exact(make_agent, spawn_peer, paths):
     assert rx.call("digest", key="kv")["digest"] == digest(src)
     used = [p for p in tx.paths() if p.bytes_sent]
     assert len(used) == paths, f"expected every path to carry chunks: {tx.paths()}"
-    assert sum(p.bytes_sent for p in tx.paths()) == BIG
+    sent = sum(p.bytes_sent for p in tx.paths())
+    extra_copies = sum(p.hedges for p in tx.paths()) + h.info().retries
+    # exactly the payload, unless a straggler was hedged or a chunk re-sent
+    assert sent == BIG or (sent > BIG and extra_copies > 0), (sent, extra_copies)
 
 
 @pytest.mark.parametrize("paths", [1, 4])

@@ -79,8 +79,10 @@ def test_aggregate_uses_every_link(pair):
     p = pair(256 * MiB, links=4, rate="1gbit")
     p.wait(p.push())
     assert p.verified()
-    sent = [x["bytes_sent"] for x in p.paths()]
-    assert sum(sent) == 256 * MiB
+    paths = p.paths()
+    sent = [x["bytes_sent"] for x in paths]
+    hedged = sum(x["hedges"] for x in paths)
+    assert sum(sent) == 256 * MiB or (sum(sent) > 256 * MiB and hedged), (sent, hedged)
     assert min(sent) > 0.15 * sum(sent), f"every link carries its share: {sent}"
 
 

@@ -216,8 +216,9 @@ static void watch_path(kvl_agent *a, kvl_path *pa, uint64_t now)
         pa->delivery_Bps = s.delivery_Bps;
         /* chunk completions update the rate only per chunk; a link that
          * slows down shows in the kernel's samples within a tick, so a busy
-         * path's estimate follows them down at once */
-        if (pa->inflight_chunks && pa->bw_Bps > 0 && s.delivery_Bps < SLOWDOWN * pa->bw_Bps)
+         * path's estimate follows them down at once (once past its ramp-up) */
+        if (pa->inflight_chunks && pa->bw_Bps > 0 && s.delivery_Bps < SLOWDOWN * pa->bw_Bps &&
+            now - pa->busy_start_ns > 2 * (uint64_t)a->cfg.monitor_interval_ms * 1000000ull)
             pa->bw_Bps = 0.5 * (pa->bw_Bps + s.delivery_Bps);
     }
     if (s.bytes_acked != pa->seen_acked || s.bytes_received != pa->seen_received ||

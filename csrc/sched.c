@@ -17,6 +17,7 @@
 #define EWMA_NEW 0.3           /* weight of a new rate sample: adapts in ~3 chunks */
 #define DEFAULT_BPS 1e9        /* prior for a path without samples: ties go by load */
 #define HEDGE_GAIN 2.0         /* hedge only if the copy would finish in under half the time */
+#define SHORT_BUSY_NS 50000000ull /* busy periods under 50 ms only raise the rate estimate */
 
 static int path_usable(const kvl_path *pa)
 {
@@ -309,7 +310,14 @@ void kvl_sched_on_chunk_done(kvl_peer *p, kvl_xfer *x, uint32_t ci, uint32_t pat
     pa->busy_bytes += x->plan.chunks[ci].bytes;
     if (now > pa->busy_start_ns) {
         double sample = (double)pa->busy_bytes * 1e9 / (double)(now - pa->busy_start_ns);
-        pa->bw_Bps = pa->bw_Bps > 0 ? (1 - EWMA_NEW) * pa->bw_Bps + EWMA_NEW * sample : sample;
+        /* A short busy period is mostly connection ramp-up (slow start after
+         * idle): it may raise the estimate but not lower it, or a path that
+         * got little work would keep getting little work. */
+        int short_period = now - pa->busy_start_ns < SHORT_BUSY_NS;
+        if (pa->bw_Bps <= 0)
+            pa->bw_Bps = sample;
+        else if (!short_period || sample > pa->bw_Bps)
+            pa->bw_Bps = (1 - EWMA_NEW) * pa->bw_Bps + EWMA_NEW * sample;
     }
     pa->t_progress_ns = now;
     pa->t_chunk_ns = now;

@@ -314,9 +314,10 @@ void kvl_sched_on_chunk_done(kvl_peer *p, kvl_xfer *x, uint32_t ci, uint32_t pat
          * idle): it may raise the estimate but not lower it, or a path that
          * got little work would keep getting little work. */
         int short_period = now - pa->busy_start_ns < SHORT_BUSY_NS;
-        if (pa->bw_Bps <= 0)
-            pa->bw_Bps = sample;
-        else if (!short_period || sample > pa->bw_Bps)
+        if (pa->bw_Bps <= 0) {
+            if (!short_period)
+                pa->bw_Bps = sample; /* until then the path plans with the prior */
+        } else if (!short_period || sample > pa->bw_Bps)
             pa->bw_Bps = (1 - EWMA_NEW) * pa->bw_Bps + EWMA_NEW * sample;
     }
     pa->t_progress_ns = now;

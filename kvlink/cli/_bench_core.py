@@ -136,7 +136,7 @@ class Bootstrap:
 @dataclass
 class RunSpec:
     sizes: list[int]
-    chunks: list[int]
+    chunks: list[int]  # 0 = the library's default planning
     op: str = "push"
     iters: int = 5
     warmup: int = 1
@@ -175,7 +175,12 @@ def run(
         )
     try:
         for chunk in spec.chunks:
-            cfg = kvlink.Config(nics=nics, chunk_bytes=chunk, min_chunk_bytes=min(chunk, 1 << 20))
+            # 0 = the library's own planning; otherwise every chunk is exactly `chunk`
+            cfg = (
+                kvlink.Config(nics=nics)
+                if chunk == 0
+                else kvlink.Config(nics=nics, chunk_bytes=chunk, min_chunk_bytes=chunk)
+            )
             with kvlink.Agent(f"kvlink-bench-run-{chunk}", cfg) as agent:
                 local = np.empty(need, np.uint8)
                 fill(local, 1)

@@ -73,6 +73,10 @@ def size_list(text: str) -> list[int]:
     return [parse_size(t) for t in text.split(",") if t.strip()]
 
 
+def chunk_list(text: str) -> list[int]:
+    return [0 if t.strip() == "auto" else parse_size(t) for t in text.split(",") if t.strip()]
+
+
 def fmt_size(n: int) -> str:
     for unit, mult in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= mult and n % mult == 0:
@@ -82,7 +86,12 @@ def fmt_size(n: int) -> str:
 
 def common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", type=size_list, default=[1 << 30], help="sweep list (16MiB,1GiB)")
-    p.add_argument("--chunk", type=size_list, default=[64 << 20], help="chunk_bytes sweep list")
+    p.add_argument(
+        "--chunk",
+        type=chunk_list,
+        default=[0],
+        help="exact chunk sizes to sweep (4MiB,64MiB); default auto: the planner's choice",
+    )
     p.add_argument("--op", choices=["push", "pull"], default="push")
     p.add_argument("--mem", choices=["host", "cuda"], default="host")
     p.add_argument("--iters", type=int, default=5)
@@ -210,7 +219,7 @@ class Reporter:
                 r["tool"],
                 r.get("op", "-"),
                 fmt_size(r["size_bytes"]),
-                fmt_size(r["chunk_bytes"]) if r.get("chunk_bytes") else "-",
+                "auto" if r.get("chunk_bytes") == 0 else fmt_size(r["chunk_bytes"] or 0),
                 str(r.get("concurrency", 1)),
                 f"{r['gbps']:.3f}",
                 f"{r['limit_gbps']:.3f}" if r.get("limit_gbps") else "-",
@@ -247,12 +256,13 @@ class Reporter:
                 [r[key] for r in rs],
                 [r["gbps"] for r in rs],
                 marker="o",
-                label=f"kvlink ({'size' if by_chunk else 'chunk'} {fmt_size(g)})",
+                label=f"kvlink ({'size' if by_chunk else 'chunk'} {fmt_size(g) if g else 'auto'})",
             )
         limits = [r["limit_gbps"] for r in rows if r.get("limit_gbps")]
         if limits:
             ax.axhline(max(limits), color="grey", linestyle="--", label="iperf3, same paths")
         ax.set_xscale("log", base=2)
+        ax.set_ylim(bottom=0)
         ax.set_xlabel("chunk size (bytes)" if by_chunk else "transfer size (bytes)")
         ax.set_ylabel("GB/s (1e9 bytes/s)")
         ax.set_title(
@@ -329,7 +339,7 @@ def spec_from(args: argparse.Namespace) -> Any:
     from ._bench_core import RunSpec
 
     if args.quick:
-        args.size, args.chunk = [16 << 20], [4 << 20]
+        args.size, args.chunk = [16 << 20], [0]
         args.iters, args.warmup = 2, 1
     return RunSpec(
         sizes=args.size,

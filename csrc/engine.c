@@ -27,6 +27,34 @@ uint64_t kvl_now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+struct timespec kvl_deadline_ts(uint32_t timeout_ms)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    ts.tv_sec += timeout_ms / 1000;
+    ts.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+    if (ts.tv_nsec >= 1000000000L) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000L;
+    }
+    return ts;
+}
+
+void kvl_engine_post(kvl_agent *a, kvl_cmd *cmd)
+{
+    cmd->next = NULL;
+    pthread_mutex_lock(&a->mu);
+    if (a->cmd_tail)
+        a->cmd_tail->next = cmd;
+    else
+        a->cmd_head = cmd;
+    a->cmd_tail = cmd;
+    pthread_mutex_unlock(&a->mu);
+    uint64_t one = 1;
+    ssize_t rc = write(a->wakefd, &one, sizeof one);
+    (void)rc; /* a full eventfd counter still wakes the engine */
+}
+
 /* ---- notifications ---- */
 
 void kvl_engine_notify_inbound(kvl_agent *a, const char *peer, const kvl_msg_notify *m)
@@ -52,14 +80,7 @@ void kvl_engine_notify_inbound(kvl_agent *a, const char *peer, const kvl_msg_not
 kvl_err kvl_next_notification(kvl_agent *a, uint32_t timeout_ms, kvl_notification *out)
 {
     kvl_clear_error();
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    ts.tv_sec += timeout_ms / 1000;
-    ts.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
-    if (ts.tv_nsec >= 1000000000L) {
-        ts.tv_sec++;
-        ts.tv_nsec -= 1000000000L;
-    }
+    struct timespec ts = kvl_deadline_ts(timeout_ms);
     pthread_mutex_lock(&a->notif_mu);
     int rc = 0;
     while (!a->notif_head && rc == 0 && !atomic_load(&a->stopping))

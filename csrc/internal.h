@@ -7,6 +7,7 @@
 #endif
 
 #include <pthread.h>
+#include <time.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <sys/uio.h>
@@ -497,6 +498,10 @@ kvl_err kvl_peer_open_conn(kvl_agent *a, kvl_peer *p, const char *local, const c
                            uint16_t port, int kind, uint16_t path, int *fd);
 
 /* ---- engine.c ---- */
+/* Queues a command for the engine thread and wakes it.  Takes cmd over. */
+void kvl_engine_post(kvl_agent *a, kvl_cmd *cmd);
+/* CLOCK_MONOTONIC deadline timeout_ms from now, for pthread_cond_timedwait. */
+struct timespec kvl_deadline_ts(uint32_t timeout_ms);
 void kvl_engine_notify_inbound(kvl_agent *a, const char *peer, const kvl_msg_notify *m);
 void kvl_engine_snapshot_paths(kvl_agent *a);
 

@@ -267,19 +267,11 @@ kvl_err kvl_peer_connect(kvl_agent *a, const char *name, uint64_t instance,
         old->replaced = 1;
     p->next = a->peers;
     a->peers = p;
-    if (a->cmd_tail)
-        a->cmd_tail->next = cmd;
-    else
-        a->cmd_head = cmd;
-    a->cmd_tail = cmd;
     pthread_mutex_unlock(&a->mu);
-    uint64_t one = 1;
-    ssize_t rc = write(a->wakefd, &one, sizeof one);
-    (void)rc;
-    /* return once the engine owns the connections, so paths() shows them */
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    ts.tv_sec += 5; /* the engine takes commands within one loop iteration */
+    kvl_engine_post(a, cmd);
+    /* return once the engine owns the connections, so paths() shows them;
+     * the engine takes commands within one loop iteration */
+    struct timespec ts = kvl_deadline_ts(5000);
     pthread_mutex_lock(&p->mu);
     int wrc = 0;
     while (!p->adopted && !atomic_load(&a->stopping) && wrc == 0)
@@ -310,16 +302,7 @@ kvl_err kvl_peer_send_prepare(kvl_peer *p, const void *tag, size_t len)
     cmd->peer = p;
     cmd->tag = copy;
     cmd->tag_len = (uint32_t)len;
-    pthread_mutex_lock(&a->mu);
-    if (a->cmd_tail)
-        a->cmd_tail->next = cmd;
-    else
-        a->cmd_head = cmd;
-    a->cmd_tail = cmd;
-    pthread_mutex_unlock(&a->mu);
-    uint64_t one = 1;
-    ssize_t rc = write(a->wakefd, &one, sizeof one);
-    (void)rc;
+    kvl_engine_post(a, cmd);
     return KVL_OK;
 }
 
@@ -366,25 +349,9 @@ kvl_err kvl_peer_refresh(kvl_peer *p, uint32_t timeout_ms)
     pthread_mutex_unlock(&p->mu);
     cmd->type = KVL_CMD_REFRESH;
     cmd->peer = p;
-    pthread_mutex_lock(&a->mu);
-    if (a->cmd_tail)
-        a->cmd_tail->next = cmd;
-    else
-        a->cmd_head = cmd;
-    a->cmd_tail = cmd;
-    pthread_mutex_unlock(&a->mu);
-    uint64_t one = 1;
-    ssize_t rc = write(a->wakefd, &one, sizeof one);
-    (void)rc;
+    kvl_engine_post(a, cmd);
 
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    ts.tv_sec += timeout_ms / 1000;
-    ts.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
-    if (ts.tv_nsec >= 1000000000L) {
-        ts.tv_sec++;
-        ts.tv_nsec -= 1000000000L;
-    }
+    struct timespec ts = kvl_deadline_ts(timeout_ms);
     pthread_mutex_lock(&p->mu);
     int rcw = 0;
     while (p->regions_gen == gen && p->refresh_pending && rcw == 0)

@@ -14,20 +14,6 @@
 
 #include "internal.h"
 
-static void post(kvl_agent *a, kvl_cmd *cmd)
-{
-    pthread_mutex_lock(&a->mu);
-    if (a->cmd_tail)
-        a->cmd_tail->next = cmd;
-    else
-        a->cmd_head = cmd;
-    a->cmd_tail = cmd;
-    pthread_mutex_unlock(&a->mu);
-    uint64_t one = 1;
-    ssize_t rc = write(a->wakefd, &one, sizeof one);
-    (void)rc;
-}
-
 static void *prober_main(void *arg)
 {
     kvl_agent *a = arg;
@@ -64,7 +50,7 @@ static void *prober_main(void *arg)
         else
             kvl_sock_nonblock(fd, 1);
         free(job);
-        post(a, cmd);
+        kvl_engine_post(a, cmd);
     }
 }
 

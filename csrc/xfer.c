@@ -179,13 +179,6 @@ static kvl_err alloc_state(kvl_xfer *x)
     return KVL_OK;
 }
 
-static void wake_engine(kvl_agent *a)
-{
-    uint64_t one = 1;
-    ssize_t rc = write(a->wakefd, &one, sizeof one);
-    (void)rc; /* a full eventfd counter still wakes the engine */
-}
-
 kvl_err kvl_xfer_submit(kvl_agent *a, kvl_peer *p, int op, const kvl_segment *segs,
                         size_t n_segs, const void *notify, size_t notify_len,
                         uint32_t timeout_ms, kvl_xfer **out)
@@ -294,13 +287,8 @@ kvl_err kvl_xfer_submit(kvl_agent *a, kvl_peer *p, int op, const kvl_segment *se
     cmd->xfer = x;
     pthread_mutex_lock(&a->mu);
     x->id = x->info.id = ++a->next_xfer_id;
-    if (a->cmd_tail)
-        a->cmd_tail->next = cmd;
-    else
-        a->cmd_head = cmd;
-    a->cmd_tail = cmd;
     pthread_mutex_unlock(&a->mu);
-    wake_engine(a);
+    kvl_engine_post(a, cmd);
     *out = x;
     return KVL_OK;
 fail:
@@ -378,14 +366,7 @@ void kvl_xfer_publish(kvl_xfer *x)
 static int wait_until(kvl_xfer *x, int (*pred)(kvl_xfer *, uint32_t), uint32_t arg,
                       uint32_t timeout_ms)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    ts.tv_sec += timeout_ms / 1000;
-    ts.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
-    if (ts.tv_nsec >= 1000000000L) {
-        ts.tv_sec++;
-        ts.tv_nsec -= 1000000000L;
-    }
+    struct timespec ts = kvl_deadline_ts(timeout_ms);
     while (!pred(x, arg))
         if (pthread_cond_timedwait(&x->cv, &x->mu, &ts) == ETIMEDOUT)
             return pred(x, arg) ? 0 : -1;

@@ -73,6 +73,8 @@ struct kvl_conn {
     size_t trailer_got;
     /* what the payload in progress belongs to */
     kvl_msg_status pst;    /* DATA: the ACK we will send */
+    kvl_rx_xfer *rx;       /* DATA: ownership entry while this copy places bytes */
+    int drained;           /* DATA: this copy is not placed; answer pst.status as is */
     kvl_xfer *px;          /* READ_RESP: the transfer being filled (io_ref held) */
     kvl_region **prefs;
     int nprefs, prefs_cap;
@@ -516,6 +518,7 @@ static void on_data(kvl_conn *c)
     c->pst.xfer = m.xfer;
     c->pst.chunk = m.chunk;
     c->pst.attempt = m.attempt;
+    c->drained = 0;
     uint64_t declared = 0, total;
     for (uint32_t i = 0; i < m.n_pieces; i++) {
         kvl_wire_piece p;
@@ -526,7 +529,18 @@ static void on_data(kvl_conn *c)
         kvl_conn_fail(c, KVL_ERR_PROTOCOL, "DATA frame: pieces and payload length disagree");
         return;
     }
-    resolve_pieces(c, &m, KVL_REMOTE_WRITE, &c->pst, &total);
+    if (resolve_pieces(c, &m, KVL_REMOTE_WRITE, &c->pst, &total) == 0) {
+        uint32_t drain_status = KVL_OK;
+        uint64_t instance = c->ib ? c->ib->instance : 0;
+        if (!kvl_rx_claim(c->a, instance, m.xfer, m.chunk, m.attempt, &c->rx, &drain_status)) {
+            /* another copy owns or already verified this chunk: drain ours */
+            release_prefs(c);
+            c->pst.status = drain_status;
+            c->rx = NULL;
+            drain_all(c);
+            c->drained = 1;
+        }
+    }
     if (c->pst.status != KVL_OK)
         drain_all(c);
 }
@@ -580,6 +594,8 @@ static kvl_xfer *match_chunk(kvl_conn *c, const kvl_msg_status *st)
 
 static void on_status_error(kvl_conn *c, kvl_xfer *x, const kvl_msg_status *st)
 {
+    if (st->status == KVL_RX_SUPERSEDED)
+        return; /* a newer copy of this chunk is the one that counts */
     if (st->status == KVL_ERR_CHECKSUM) {
         kvl_sched_requeue(c->peer, x, st->chunk, KVL_ERR_CHECKSUM, st->msg);
         return;
@@ -635,6 +651,11 @@ static void on_read_resp(kvl_conn *c)
     const kvl_piece *pc = &x->plan.pieces[ch->first_piece];
     for (uint32_t i = 0; i < ch->n_pieces; i++)
         iov_add(c->dst, &c->ndst, x->local_ptr[pc[i].seg] + pc[i].seg_offset, pc[i].len);
+    if (st.attempt < x->powner[st.chunk]) {
+        drain_all(c); /* a newer copy of this chunk is already being placed */
+        return;
+    }
+    x->powner[st.chunk] = st.attempt;
     c->px = x;
     x->io_refs++;
 }
@@ -688,6 +709,16 @@ static void on_ping(kvl_conn *c)
     kvl_conn_send_frame(c, &b);
 }
 
+static void on_end(kvl_conn *c)
+{
+    uint64_t xfer;
+    if (kvl_dec_token(c->body, c->h.body_len, &xfer)) {
+        kvl_conn_fail(c, KVL_ERR_PROTOCOL, kvl_last_error());
+        return;
+    }
+    kvl_rx_end(c->a, c->ib ? c->ib->instance : 0, xfer);
+}
+
 static void on_pong(kvl_conn *c)
 {
     uint64_t token;
@@ -731,6 +762,8 @@ static void on_body(kvl_conn *c)
         on_regions(c);
     else if (t == KVL_F_PING && !c->outbound)
         on_ping(c);
+    else if (t == KVL_F_END && !c->outbound)
+        on_end(c);
     else if (t == KVL_F_PONG && out_data)
         on_pong(c);
     else {
@@ -761,13 +794,25 @@ static void on_payload_done(kvl_conn *c)
     int crc_ok = want == c->crc;
     if (c->h.type == KVL_F_DATA) {
         release_prefs(c);
-        if (c->pst.status == KVL_OK && !crc_ok) {
+        if (c->rx) {
+            kvl_rx_xfer *r = c->rx;
+            c->rx = NULL;
+            int owner = kvl_rx_owns(r, c->pst.chunk, c->pst.attempt);
+            int settled_elsewhere = !owner && !r->ended && c->pst.chunk < r->n &&
+                                    r->chunks[c->pst.chunk].settled;
+            kvl_rx_done(r, c->pst.chunk, c->pst.attempt, owner && crc_ok);
+            if (!owner) { /* lost the chunk to another copy mid-way */
+                c->pst.status = settled_elsewhere ? KVL_OK : KVL_RX_SUPERSEDED;
+                c->drained = 1;
+            }
+        }
+        if (c->pst.status == KVL_OK && !crc_ok && !c->drained) {
             c->pst.status = KVL_ERR_CHECKSUM;
             snprintf(c->pst.msg, sizeof c->pst.msg,
                      "payload crc32c mismatch on '%s' (computed %08x, sender %08x)", c->a->name,
                      c->crc, want);
         }
-        if (c->pst.status == KVL_OK)
+        if (c->pst.status == KVL_OK && !c->drained)
             c->rx_payload += c->h.payload_len;
         send_status(c, KVL_F_ACK, &c->pst, NULL);
         return;
@@ -778,7 +823,7 @@ static void on_payload_done(kvl_conn *c)
     if (!x)
         return;
     x->io_refs--;
-    if (match_chunk(c, &c->pst) == x) {
+    if (match_chunk(c, &c->pst) == x && x->powner[c->pst.chunk] == c->pst.attempt) {
         if (crc_ok) {
             c->rx_payload += c->h.payload_len;
             kvl_sched_on_chunk_done(c->peer, x, c->pst.chunk, (uint32_t)c->path, kvl_now_ns());
@@ -795,9 +840,14 @@ static void on_payload_done(kvl_conn *c)
  * 0 on EOF, -1 with errno on error. */
 static ssize_t read_payload(kvl_conn *c)
 {
-    if (c->px && (!kvl_xfer_running(c->px) || c->px->cstate[c->pst.chunk] == KVL_CHUNK_DONE)) {
-        /* the transfer failed, or another copy of this chunk was verified
-         * first: the destination must not change anymore */
+    int lost = c->px && (!kvl_xfer_running(c->px) ||
+                         c->px->cstate[c->pst.chunk] == KVL_CHUNK_DONE ||
+                         c->px->powner[c->pst.chunk] != c->pst.attempt);
+    if (c->rx && !kvl_rx_owns(c->rx, c->pst.chunk, c->pst.attempt))
+        lost = 1;
+    if (lost) {
+        /* the transfer failed, or another copy of this chunk owns it or was
+         * verified: the destination must not change through this copy */
         for (int i = c->dst_idx; i < c->ndst; i++)
             c->dst[i].iov_base = NULL;
     }
@@ -976,6 +1026,10 @@ void kvl_conn_fail(kvl_conn *c, kvl_err err, const char *why)
     close(c->fd);
     c->fd = -1;
     release_prefs(c);
+    if (c->rx) {
+        kvl_rx_done(c->rx, c->pst.chunk, c->pst.attempt, 0);
+        c->rx = NULL;
+    }
     if (c->px) {
         c->px->io_refs--;
         c->px = NULL;

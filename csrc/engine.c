@@ -285,6 +285,7 @@ static void *engine_main(void *arg)
         }
         if (now >= a->next_tick_ns) {
             kvl_monitor_tick(a, now);
+            kvl_rx_expire(a, now);
             kvl_sched_expire(a, now);
             kvl_conn_expire(a, now);
             kvl_engine_snapshot_paths(a);
@@ -448,9 +449,11 @@ kvl_err kvl_agent_close(kvl_agent *a)
     uint64_t one = 1;
     ssize_t rc = write(a->wakefd, &one, sizeof one);
     (void)rc;
-    kvl_prober_stop(a); /* first: it posts commands to the engine */
+    /* the engine first (it queues probe jobs), then the prober (it posts
+     * commands, which the teardown below drains) */
     if (a->thread_started)
         pthread_join(a->thread, NULL);
+    kvl_prober_stop(a);
     pthread_mutex_lock(&a->notif_mu);
     pthread_cond_broadcast(&a->notif_cv);
     pthread_mutex_unlock(&a->notif_mu);
@@ -484,6 +487,7 @@ kvl_err kvl_agent_close(kvl_agent *a)
         free(p->regions);
         free(p);
     }
+    kvl_rx_free_all(a);
     for (kvl_inbound *ib = a->inbound, *next; ib; ib = next) {
         next = ib->next;
         free(ib);

@@ -54,7 +54,8 @@ enum kvl_frame_type {
     KVL_F_REGIONS = 9,     /* region table */
     KVL_F_PING = 10,       /* idle-path probe: echo my token */
     KVL_F_PONG = 11,       /* the echo */
-    KVL_F_TYPE_MAX = 11
+    KVL_F_END = 12,        /* push finished (either way): drain any late copy */
+    KVL_F_TYPE_MAX = 12
 };
 
 enum kvl_conn_kind { KVL_CONN_CONTROL = 0, KVL_CONN_DATA = 1 };
@@ -302,6 +303,7 @@ struct kvl_xfer {
     uint8_t *hpath;            /* per chunk: path of a hedge copy, or KVL_NO_PATH */
     uint32_t *hattempt;        /* per chunk: attempt number of the hedge copy */
     uint8_t *fails;            /* per chunk: copies lost to errors (limit: max_attempts) */
+    uint32_t *powner;          /* pull, per chunk: the attempt placing bytes (newest wins) */
     uint64_t *t_sent_ns;
     uint32_t next_chunk;       /* next never-sent chunk */
     uint64_t bytes_pending;    /* bytes of chunks not in flight and not done */
@@ -385,6 +387,7 @@ struct kvl_agent {
     kvl_conn *dead;            /* closed this iteration; freed at its end */
     kvl_xfer *all_xfers;
     kvl_inbound *inbound;
+    struct kvl_rx_xfer *rx_xfers; /* chunk ownership of inbound pushes (inbound.c) */
     uint8_t *scratch;          /* sink for payload bytes that must be drained */
     size_t scratch_len;
     uint64_t next_tick_ns;
@@ -496,6 +499,33 @@ void kvl_prober_done(kvl_agent *a, kvl_cmd *cmd);
 /* peer.c: blocking connect + handshake, shared by add_peer and the prober */
 kvl_err kvl_peer_open_conn(kvl_agent *a, kvl_peer *p, const char *local, const char *host,
                            uint16_t port, int kind, uint16_t path, int *fd);
+
+/* ---- inbound.c: which copy of a pushed chunk may write ---- */
+#define KVL_RX_SUPERSEDED 100 /* wire-only ACK status: a newer copy owns the chunk */
+typedef struct kvl_rx_chunk {
+    uint32_t owner;   /* newest attempt seen: the only one allowed to place */
+    uint8_t settled;  /* a copy was verified in place */
+} kvl_rx_chunk;
+typedef struct kvl_rx_xfer {
+    uint64_t instance, xfer;  /* the sender agent instance and its transfer id */
+    kvl_rx_chunk *chunks;
+    uint32_t n;
+    int ended;                /* the sender said END: every late copy is drained */
+    int refs;                 /* connections placing bytes for it right now */
+    uint64_t t_last_ns;
+    struct kvl_rx_xfer *next;
+} kvl_rx_xfer;
+/* 1: this copy owns the chunk and may place (*out referenced); 0: drain it
+ * and answer *drain_status (KVL_OK if another copy is already verified). */
+int kvl_rx_claim(kvl_agent *a, uint64_t instance, uint64_t xfer, uint32_t chunk,
+                 uint32_t attempt, kvl_rx_xfer **out, uint32_t *drain_status);
+/* Still the owner?  Checked before every read into the destination. */
+int kvl_rx_owns(const kvl_rx_xfer *r, uint32_t chunk, uint32_t attempt);
+/* The copy finished (verified or not); drops the reference. */
+void kvl_rx_done(kvl_rx_xfer *r, uint32_t chunk, uint32_t attempt, int verified);
+void kvl_rx_end(kvl_agent *a, uint64_t instance, uint64_t xfer);
+void kvl_rx_expire(kvl_agent *a, uint64_t now);
+void kvl_rx_free_all(kvl_agent *a);
 
 /* ---- engine.c ---- */
 /* Queues a command for the engine thread and wakes it.  Takes cmd over. */

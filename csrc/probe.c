@@ -73,6 +73,7 @@ void kvl_prober_stop(kvl_agent *a)
     pthread_mutex_unlock(&a->probe_mu);
     pthread_join(a->prober, NULL);
     a->prober_started = 0;
+    /* both threads are gone: nothing else touches the queue now */
     while (a->jobs) {
         kvl_probe_job *j = a->jobs;
         a->jobs = j->next;

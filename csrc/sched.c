@@ -415,8 +415,26 @@ void kvl_sched_expire(kvl_agent *a, uint64_t now)
     }
 }
 
+/* Tells the receiver of a push that no copy of its chunks counts any more. */
+static void send_end(kvl_peer *p, kvl_xfer *x)
+{
+    kvl_conn *c = p->ctrl && !kvl_conn_is_dead(p->ctrl) ? p->ctrl : NULL;
+    for (uint32_t i = 0; !c && i < p->n_paths; i++)
+        if (path_usable(&p->paths[i]))
+            c = p->paths[i].conn;
+    if (!c)
+        return;
+    kvl_buf b = {0};
+    kvl_frame_start(&b);
+    kvl_enc_token(&b, x->id);
+    kvl_frame_finish(&b, KVL_F_END, 0);
+    kvl_conn_send_frame(c, &b);
+}
+
 static void retire(kvl_peer *p, kvl_xfer *x, kvl_xfer *prev)
 {
+    if (x->op == KVL_OP_PUSH)
+        send_end(p, x);
     if (prev)
         prev->next_active = x->next_active;
     else

@@ -42,6 +42,7 @@ static void xfer_free(kvl_xfer *x)
     free(x->pattempt);
     free(x->hattempt);
     free(x->fails);
+    free(x->powner);
     free(x->t_sent_ns);
     free(x->retry);
     free(x->layer_left);
@@ -157,6 +158,7 @@ static kvl_err alloc_state(kvl_xfer *x)
     x->pattempt = calloc(nc, sizeof *x->pattempt);
     x->hattempt = calloc(nc, sizeof *x->hattempt);
     x->fails = calloc(nc, 1);
+    x->powner = calloc(nc, sizeof *x->powner);
     x->t_sent_ns = calloc(nc, sizeof *x->t_sent_ns);
     x->retry = calloc(nc, sizeof *x->retry);
     x->events = calloc(nc, sizeof *x->events);
@@ -164,7 +166,7 @@ static kvl_err alloc_state(kvl_xfer *x)
     x->layer_done = malloc(nl);
     if (!x->cstate || !x->attempt || !x->cpath || !x->t_sent_ns || !x->retry || !x->events ||
         !x->layer_left || !x->layer_done || !x->hpath || !x->pattempt || !x->hattempt ||
-        !x->fails)
+        !x->fails || !x->powner)
         return kvl_fail(KVL_ERR_NOMEM, "submit: out of memory for %zu chunks", nc);
     for (size_t ci = 0; ci < nc; ci++) {
         const kvl_chunk *ch = &x->plan.chunks[ci];

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import threading
 import time
 import weakref
@@ -770,7 +771,7 @@ class Agent:
                     len(segs),
                     tag,
                     len(tag),
-                    _ms(timeout) if timeout else 0,
+                    max(1, math.ceil(timeout * 1000)) if timeout else 0,
                     out,
                 ),
                 peer=peer,

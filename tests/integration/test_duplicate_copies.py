@@ -1,0 +1,112 @@
+"""Two copies of one pushed chunk (a re-send or a hedge) never both write: a
+scripted sender speaks the wire protocol to a real receiving agent and plays
+the hedge race, including a late, corrupt loser after the transfer completed."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import numpy as np
+
+from kvlink._native import ffi, lib
+
+MAGIC = 0x4B4C564B
+F_HELLO, F_HELLO_ACK, F_DATA, F_ACK, F_NOTIFY, F_PING, F_PONG, F_END = 1, 2, 3, 4, 7, 10, 11, 12
+SUPERSEDED = 100
+L = 1 << 20
+
+
+def crc(b: bytes) -> int:
+    return int(lib.kvl_crc32c(0, ffi.from_buffer(b), len(b)))
+
+
+def frame(t: int, body: bytes, payload_len: int = 0) -> bytes:
+    return struct.pack("<IBBHIIQ", MAGIC, 1, t, 0, len(body), crc(body), payload_len) + body
+
+
+def recv_exact(s: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        got = s.recv(n - len(out))
+        assert got, "connection closed"
+        out += got
+    return out
+
+
+def recv_frame(s: socket.socket) -> tuple[int, bytes]:
+    _, _, t, _, bl, _, _ = struct.unpack("<IBBHIIQ", recv_exact(s, 24))
+    return t, recv_exact(s, bl)
+
+
+def connect(addr: tuple[str, int], kind: int, path: int) -> socket.socket:
+    s = socket.create_connection(addr, timeout=10)
+    name = b"scripted-tx"
+    s.sendall(frame(F_HELLO, struct.pack("<QBHH", 77, kind, path, len(name)) + name))
+    t, body = recv_frame(s)
+    assert t == F_HELLO_ACK and struct.unpack_from("<I", body)[0] == 0, body
+    return s
+
+
+def data(xfer: int, chunk: int, attempt: int, region: int, n: int) -> bytes:
+    body = struct.pack("<QIII", xfer, chunk, attempt, 1) + struct.pack("<QQQ", region, 0, n)
+    return frame(F_DATA, body, n)
+
+
+def ack(s: socket.socket) -> tuple[int, int, int]:
+    t, body = recv_frame(s)
+    assert t == F_ACK
+    _, chunk, attempt, status = struct.unpack_from("<QIII", body)
+    return chunk, attempt, status
+
+
+def test_late_corrupt_loser_never_lands(make_agent):
+    rx = make_agent("rx-dup", nics="loopback:2")
+    dst = np.zeros(L, np.uint8)
+    rid = rx.register(dst, remote_write=True).id
+    (h0, p0), (h1, p1) = rx.addresses
+    ctrl, d0, d1 = connect((h0, p0), 0, 0), connect((h0, p0), 1, 0), connect((h1, p1), 1, 1)
+    try:
+        good = bytes([0x11]) * L
+        # copy 1 (slow path): header and half of its payload arrive
+        d0.sendall(data(7, 0, 1, rid, L) + good[: L // 2])
+        # copy 2 (the hedge) overtakes it and is verified
+        d1.sendall(data(7, 0, 2, rid, L) + good + struct.pack("<I", crc(good)))
+        assert ack(d1) == (0, 2, 0)
+        ctrl.sendall(frame(F_NOTIFY, struct.pack("<QII", 7, 1, 4) + b"done"))
+        assert [n.tag for n in rx.notifications(timeout_s=5)] == [b"done"]
+        dst[:] = 0xEE  # the application owns the buffer now
+        # the rest of copy 1 arrives late and corrupt: drained, not placed
+        d0.sendall(bytes([0x22]) * (L // 2) + struct.pack("<I", 0))
+        chunk, attempt, status = ack(d0)
+        assert (chunk, attempt) == (0, 1) and status in (0, SUPERSEDED)
+        assert (dst == 0xEE).all(), "a superseded copy wrote into the destination"
+        # after END even a brand-new copy of that transfer is drained
+        ctrl.sendall(frame(F_END, struct.pack("<Q", 7)) + frame(F_PING, struct.pack("<Q", 1)))
+        assert recv_frame(ctrl)[0] == F_PONG  # END processed (same connection, in order)
+        d1.sendall(data(7, 1, 9, rid, L) + good + struct.pack("<I", crc(good)))
+        assert ack(d1)[2] == SUPERSEDED
+        assert (dst == 0xEE).all()
+    finally:
+        for s in (ctrl, d0, d1):
+            s.close()
+
+
+def test_newer_copy_takes_over_and_older_stops_writing(make_agent):
+    rx = make_agent("rx-dup2", nics="loopback:2")
+    dst = np.zeros(L, np.uint8)
+    rid = rx.register(dst, remote_write=True).id
+    (h0, p0), (h1, p1) = rx.addresses
+    d0, d1 = connect((h0, p0), 1, 0), connect((h1, p1), 1, 1)
+    try:
+        good = bytes(range(256)) * (L // 256)
+        d0.sendall(data(8, 0, 1, rid, L) + good[: L // 4])  # old copy, a quarter in
+        d1.sendall(data(8, 0, 2, rid, L) + good[: L // 2])  # newer copy takes the chunk
+        d0.sendall(bytes([0x33]) * (3 * L // 4) + struct.pack("<I", 0))  # old copy: garbage
+        assert ack(d0) == (0, 1, SUPERSEDED)
+        d1.sendall(good[L // 2 :] + struct.pack("<I", crc(good)))
+        assert ack(d1) == (0, 2, 0)
+        assert dst.tobytes() == good, "only the owning copy's bytes are in place"
+    finally:
+        d0.close()
+        d1.close()

@@ -1,0 +1,920 @@
+"""kvlink against peer libraries: the same 1 GiB host-memory write between two processes.
+
+    python bench/peers/compare.py --where loopback|testbed|both [--size 1GiB] [--iters 3]
+                                  [--peers mooncake,nixl,ucxx,iperf3] [--json out.jsonl]
+
+Install the peers first: ``bash bench/peers/setup.sh`` (one virtual environment per peer under
+bench/peers/.venvs/). A peer that is not installed, does not import or fails to run is still a
+row of the table, with the reason. The testbed needs root (it builds the ``kvlpc*``
+namespaces: 4 veth links with tbf at 2gbit on both ends, removed at the end).
+
+Targets (the issue's; each checked on the ratio of medians, paired per-iteration medians
+shown beside):
+    loopback  kvlink / Mooncake TCP >= 1.5   kvlink / NIXL-UCX >= 1.5   kvlink / iperf3 >= 0.9
+    testbed   kvlink / NIXL-UCX >= 1.8       kvlink / Mooncake TCP >= 3.5
+              kvlink / iperf3 >= 0.97
+ucxx is measured and its ratio printed, with no target.
+
+What runs (every tool in two fresh processes per run; on the testbed the writer is in
+namespace a and the target in namespace b):
+  * kvlink: tests/peer_proc.py agents (tests/peer_client.PeerProcess), nics ``loopback:4`` on
+    loopback (kvlink's way to open several TCP paths on one host) or the side's four testbed
+    addresses. Seconds are the engine's t_done - t_submit (t_done: the last chunk's verified
+    acknowledgement came back). Both buffers are checked with blake2b afterwards.
+  * mooncake / nixl / ucxx: bench/peers/<peer>_worker.py in the peer's venv (see each
+    worker's docstring for the API calls and for how it was given the links). Seconds run
+    from the initiator starting the write to the target knowing the data is in its memory
+    (nixl: the WRITE's notification arrives; ucxx: its receive completes). Mooncake's public
+    API gives the target no such signal, so its clock ends when transfer_sync_write returns
+    (by then its last few MB may still be in socket buffers: under 1% of 1 GiB). The
+    target's buffer is checked word by word afterwards.
+  * iperf3: loopback ``-n SIZE``, one stream; testbed one stream per link (SIZE/4 each), all
+    four at once, seconds = the longest stream's bytes / receiver-side rate.
+  * Every tool's first write is an untimed warm-up of min(SIZE, 256 MiB) in the same
+    processes (connections, lanes, kvlink's path estimates); iperf3 has none. Every timed
+    write starts after 1 s of quiet (kvlink's NIC monitor counts earlier traffic as load).
+  * CPU s: both processes over the timed write (peers: getrusage in the workers; kvlink:
+    /proc/PID/stat; iperf3: wait4 of client and server, whole runs). Softirq work that runs in
+    ksoftirqd is charged to no tool.
+  * Device byte counters around each timed write: "wire" is the bytes sent over the payload
+    (about 1.0 for TCP; near 0 would mean shared memory; on loopback the counter is the
+    host's lo, which other work shares); "links" is how many of the four testbed veths (side
+    a) carried at least 5% of the bytes.
+  * Tools are interleaved, order reversed every iteration (A/B/A/B); medians reported. A tool
+    that fails stops being run in that place and keeps its row, with the reason.
+  * Contrast rows, only when named in ``--peers``: ``nixl-defrails`` (NIXL with the four
+    devices named but UCX's default rail limits), ``nixl-spin`` (NIXL polling
+    check_xfer_state without sleeping, as its examples do) and ``kvlink-1path`` (kvlink over
+    one TCP connection: loopback:1, or link 0 of the testbed).
+
+GB/s are 1e9 bytes per second. The JSON output has one object per line: a "meta" line, one
+"run" (or "failure") line per run, one "summary" per tool and place, one "ratio" per peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import re
+import select
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+VENVS = HERE / ".venvs"
+MiB, GiB = 1 << 20, 1 << 30
+USER_HZ = os.sysconf("SC_CLK_TCK")
+
+PEERS = ("mooncake", "nixl", "ucxx")
+# Optional contrast rows, run only when named in --peers: the same worker and venv as the
+# peer before the "-", configured differently.
+#   nixl-defrails: UCX_NET_DEVICES names the four links but UCX's rail limits stay at their
+#   defaults (UCX_MAX_RMA_RAILS=1, UCX_MAX_RNDV_RAILS=2, UCX_MAX_EAGER_RAILS=1).
+#   nixl-spin: check_xfer_state polled back to back, as NIXL's examples do (the nixl row
+#   sleeps 200 us between polls, which is faster on this 2-core machine).
+#   kvlink-1path: kvlink with one address per side, so one TCP connection (like the peers on
+#   loopback; on the testbed, one link).
+VARIANTS = ("nixl-defrails", "nixl-spin", "kvlink-1path")
+TOOLS = ("kvlink", *PEERS, *VARIANTS, "iperf3")
+LABEL = {
+    "kvlink": "kvlink",
+    "mooncake": "Mooncake TE (TCP)",
+    "nixl": "NIXL (UCX, TCP)",
+    "nixl-defrails": "NIXL, default rails",
+    "nixl-spin": "NIXL, spin polling",
+    "kvlink-1path": "kvlink, 1 path",
+    "ucxx": "ucxx (UCX, TCP)",
+    "iperf3": "iperf3",
+}
+# (where, peer, minimum of kvlink GB/s / peer GB/s); peers absent here get a ratio, no target.
+TARGETS: dict[tuple[str, str], float] = {
+    ("loopback", "mooncake"): 1.5,
+    ("loopback", "nixl"): 1.5,
+    ("loopback", "iperf3"): 0.9,
+    ("testbed", "nixl"): 1.8,
+    ("testbed", "mooncake"): 3.5,
+    ("testbed", "iperf3"): 0.97,
+}
+TB_LINKS, TB_RATE, TB_TAG = 4, "2gbit", "pc"
+WARM_BYTES = 256 * MiB
+QUIET_S = 1.0
+# A link that carried less than this share of a run's bytes is not counted as used.
+LINK_USED_SHARE = 0.05
+# Slowest rate any tool is expected to reach (one 2gbit link, with margin), for timeouts.
+SLOWEST_BPS = 0.1e9
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+class PeerUnavailable(BenchError):
+    """The peer cannot run here at all (not installed, does not import)."""
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"cannot parse size {text!r}; write e.g. 1GiB or 256MiB")
+    mult = {"": 1, "K": 1 << 10, "M": MiB, "G": GiB, "T": 1 << 40}[m.group(2).upper()]
+    return int(float(m.group(1)) * mult)
+
+
+def fmt_size(n: int) -> str:
+    for unit, mult in (("GiB", GiB), ("MiB", MiB)):
+        if n >= mult and n % mult == 0:
+            return f"{n // mult}{unit}"
+    return f"{n}B"
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def proc_cpu_s(pid: int) -> float:
+    """utime + stime of a live process, all its threads, from /proc (clock-tick resolution)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / USER_HZ
+
+
+def transfer_timeout_s(size: int) -> float:
+    return size / SLOWEST_BPS + 60
+
+
+# ---- one place where the two processes run ----------------------------------------------
+
+
+class Where:
+    """Loopback, or the two sides of a testbed: addresses, exec prefixes and link counters."""
+
+    name = "loopback"
+
+    def prefix(self, side: str) -> list[str]:
+        return []
+
+    def host(self, side: str) -> str:
+        return "127.0.0.1"
+
+    def kvlink_nics(self, side: str, one_path: bool = False) -> str:
+        return "loopback:1" if one_path else "loopback:4"
+
+    def ucx_env(self, side: str) -> dict[str, str]:
+        return {"UCX_NET_DEVICES": "lo"}
+
+    def link_tx_bytes(self) -> list[int]:
+        # All of the host's loopback traffic, so other work adds to it: a sanity check that
+        # a tool really went through TCP (UCX would use shared memory if allowed), no more.
+        with open("/sys/class/net/lo/statistics/tx_bytes") as f:
+            return [int(f.read())]
+
+
+class TestbedWhere(Where):
+    name = "testbed"
+
+    def __init__(self, tb: Any) -> None:
+        self.tb = tb
+
+    def prefix(self, side: str) -> list[str]:
+        return list(self.tb.exec_prefix(side))
+
+    def host(self, side: str) -> str:
+        return str(self.tb.address(side, 0))
+
+    def kvlink_nics(self, side: str, one_path: bool = False) -> str:
+        return self.tb.address(side, 0) if one_path else ",".join(self.tb.addresses(side))
+
+    def ucx_env(self, side: str) -> dict[str, str]:
+        n = str(self.tb.links)
+        return {
+            # UCX's way to use several NICs: name them all, and raise the per-protocol rail
+            # limits (defaults: 1 for RMA and eager, 2 for rendezvous) to the number of links.
+            "UCX_NET_DEVICES": ",".join(self.tb.device(side, i) for i in range(self.tb.links)),
+            "UCX_MAX_RMA_RAILS": n,
+            "UCX_MAX_RNDV_RAILS": n,
+            "UCX_MAX_EAGER_RAILS": n,
+        }
+
+    def link_tx_bytes(self) -> list[int]:
+        out = subprocess.run(
+            ["ip", "-n", self.tb.namespace("a"), "-s", "-j", "link", "show"],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout  # fmt: skip
+        by_name = {d["ifname"]: d for d in json.loads(out)}
+        return [
+            int(by_name[self.tb.device("a", i)]["stats64"]["tx"]["bytes"])
+            for i in range(self.tb.links)
+        ]
+
+
+# ---- results ---------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    tool: str
+    where: str
+    iteration: int
+    size_bytes: int
+    seconds: float
+    cpu_s: float
+    cpu_tx_s: float
+    cpu_rx_s: float
+    verified: bool
+    warm_s: float | None = None
+    link_bytes: list[int] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def gbps(self) -> float:
+        return self.size_bytes / self.seconds / 1e9
+
+    def wire_ratio(self) -> float | None:
+        """Bytes the network devices sent during the run over the payload (>= 1 with TCP)."""
+        return None if self.link_bytes is None else sum(self.link_bytes) / self.size_bytes
+
+    def links_used(self) -> int | None:
+        if not self.link_bytes or len(self.link_bytes) < 2:
+            return None
+        total = sum(self.link_bytes)
+        return sum(1 for b in self.link_bytes if total and b / total >= LINK_USED_SHARE)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "kind": "run",
+            "tool": self.tool,
+            "where": self.where,
+            "iteration": self.iteration,
+            "size_bytes": self.size_bytes,
+            "seconds": self.seconds,
+            "gbps": self.gbps,
+            "cpu_s": self.cpu_s,
+            "cpu_tx_s": self.cpu_tx_s,
+            "cpu_rx_s": self.cpu_rx_s,
+            "verified": self.verified,
+            "warm_s": self.warm_s,
+            "link_bytes": self.link_bytes,
+            "links_used": self.links_used(),
+            "wire_ratio": self.wire_ratio(),
+            **self.extra,
+        }
+
+
+# ---- peer workers ----------------------------------------------------------------------
+
+
+def base_peer(tool: str) -> str:
+    """The venv and worker a tool runs with: "nixl" for "nixl-defrails"."""
+    return tool.split("-", 1)[0]
+
+
+def peer_unavailable_reason(peer: str) -> str | None:
+    peer = base_peer(peer)
+    py = VENVS / peer / "bin" / "python"
+    status = VENVS / f"{peer}.status"
+    if status.exists():
+        text = status.read_text().strip()
+        if text != "ok":
+            return f"setup.sh: {text}"
+    if not py.exists():
+        return f"not installed: run `bash {HERE.relative_to(ROOT)}/setup.sh {peer}`"
+    return None
+
+
+class Worker:
+    """One bench/peers/<peer>_worker.py process, spoken to in JSON lines with timeouts."""
+
+    def __init__(
+        self, peer: str, role: str, argv: list[str], env: dict[str, str], prefix: list[str]
+    ) -> None:
+        self.tag = f"{peer} {role}"
+        self.err = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
+        base = base_peer(peer)
+        py = VENVS / base / "bin" / "python"
+        cmd = [*prefix, str(py), str(HERE / f"{base}_worker.py"), "--role", role, *argv]
+        self.p = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.err,
+            env={**os.environ, **env},
+            cwd=HERE,
+        )
+        self._buf = b""
+
+    def send(self, cmd: str, **args: Any) -> None:
+        assert self.p.stdin is not None
+        try:
+            self.p.stdin.write((json.dumps({"cmd": cmd, **args}) + "\n").encode())
+            self.p.stdin.flush()
+        except BrokenPipeError:
+            raise BenchError(f"{self.tag}: worker exited{self.stderr_tail()}") from None
+
+    def recv(self, timeout_s: float) -> dict[str, Any]:
+        assert self.p.stdout is not None
+        fd = self.p.stdout.fileno()
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise BenchError(f"{self.tag}: no answer in {timeout_s:.0f} s{self.stderr_tail()}")
+            r, _, _ = select.select([fd], [], [], left)
+            if r:
+                data = os.read(fd, 1 << 20)
+                if not data:
+                    self.p.wait(5)
+                    raise BenchError(
+                        f"{self.tag}: worker exited (rc={self.p.returncode}){self.stderr_tail()}"
+                    )
+                self._buf += data
+        line, self._buf = self._buf.split(b"\n", 1)
+        rep: dict[str, Any] = json.loads(line)
+        if not rep.pop("ok"):
+            raise BenchError(f"{self.tag}: {rep['error']}: {rep['message']}{self.stderr_tail()}")
+        return rep
+
+    def call(self, cmd: str, timeout_s: float = 60.0, **args: Any) -> dict[str, Any]:
+        self.send(cmd, **args)
+        return self.recv(timeout_s)
+
+    def stderr_tail(self, n: int = 1500) -> str:
+        self.err.seek(0)
+        text = self.err.read().decode(errors="replace")
+        lines = [ln for ln in text.splitlines() if ln.strip()]
+        tail = "\n".join(lines[-12:])[-n:]
+        return f"\n--- {self.tag} stderr (tail) ---\n{tail}" if tail else ""
+
+    def close(self) -> None:
+        if self.p.poll() is None:
+            with contextlib.suppress(Exception):
+                self.call("exit", timeout_s=10)
+            try:
+                self.p.wait(10)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait(10)
+        for f in (self.p.stdin, self.p.stdout):
+            if f:
+                with contextlib.suppress(OSError):
+                    f.close()
+        self.err.close()
+
+
+def peer_env(peer: str, where: Where, side: str) -> dict[str, str]:
+    env = {"PYTHONUNBUFFERED": "1"}
+    if base_peer(peer) in ("nixl", "ucxx"):
+        # TCP only: between two processes on one host UCX would otherwise pick shared memory.
+        env.update(UCX_TLS="tcp", **where.ucx_env(side))
+    if peer == "nixl-defrails":
+        env = {k: v for k, v in env.items() if "_RAILS" not in k}
+    if base_peer(peer) == "nixl":
+        env["UCX_MODULES"] = "^ib,ib_mlx5,ib_mlx5_ext"  # peers.md: else a segfault at exit
+    if peer == "ucxx":
+        env["UCX_PROTO_ENABLE"] = "n"  # peers.md: 1.50 GB/s instead of 0.68 over TCP
+    return env
+
+
+def run_peer(peer: str, where: Where, size: int, it: int) -> Run:
+    reason = peer_unavailable_reason(peer)
+    if reason:
+        raise PeerUnavailable(reason)
+    base = base_peer(peer)
+    workers: list[Worker] = []
+    try:
+        argv = ["--size", str(size)]
+        if peer == "nixl-spin":
+            argv += ["--poll-sleep-us", "0"]
+        target = Worker(
+            peer, "target", [*argv, "--host", where.host("b")], peer_env(peer, where, "b"),
+            where.prefix("b"),
+        )  # fmt: skip
+        workers.append(target)
+        init = Worker(
+            peer, "initiator", [*argv, "--host", where.host("a")], peer_env(peer, where, "a"),
+            where.prefix("a"),
+        )  # fmt: skip
+        workers.append(init)
+        info = target.recv(120)["info"]
+        init_info = init.recv(120)["info"]  # its "ready": buffer allocated and registered
+        warm = init.call(
+            "connect", timeout_s=transfer_timeout_s(WARM_BYTES) + 60, info=info,
+            warm_bytes=min(size, WARM_BYTES),
+        )  # fmt: skip
+        init.call("fill", timeout_s=120, seed=it + 1)
+        time.sleep(QUIET_S)
+        links0 = where.link_tx_bytes()
+        rx0 = target.call("cpu")["cpu_s"]
+        done_args: dict[str, Any] = {}
+        if base == "ucxx":
+            done_args = {"messages": 2}  # the warm-up and the timed one
+        elif base == "nixl":
+            done_args = {"tag": f"run{it + 1}", "peer": init_info["name"]}
+        if done_args:
+            # The target notes when the data is in its memory: the end of the clock.
+            target.send("await_done", **done_args)
+        # tag: the notification NIXL's WRITE carries (the other workers ignore it).
+        res = init.call("run", timeout_s=transfer_timeout_s(size) + 60, tag=f"run{it + 1}")
+        if done_args:
+            done = target.recv(timeout_s=transfer_timeout_s(size) + 60)
+            rx1, t_end = done["cpu_s"], max(int(done["t_ns"]), int(res["t1_ns"]))
+        else:
+            # Mooncake's public API gives the target no completion signal: the initiator's
+            # transfer_sync_write return ends the clock (its last bytes may still be in socket
+            # buffers then: a few MB, under 1% of 1 GiB).
+            rx1, t_end = target.call("cpu")["cpu_s"], int(res["t1_ns"])
+        links1 = where.link_tx_bytes()
+        ver = target.call("verify", timeout_s=300, seed=it + 1, **done_args)
+        seconds = (t_end - int(res["t0_ns"])) / 1e9
+        return Run(
+            tool=peer,
+            where=where.name,
+            iteration=it,
+            size_bytes=size,
+            seconds=seconds,
+            cpu_s=float(res["cpu_s"]) + rx1 - rx0,
+            cpu_tx_s=float(res["cpu_s"]),
+            cpu_rx_s=rx1 - rx0,
+            verified=bool(ver["verified"]),
+            warm_s=float(warm["warm_s"]),
+            link_bytes=[b - a for a, b in zip(links0, links1, strict=True)],
+            extra={
+                "bad_at": ver.get("bad_at"),
+                "seconds_initiator": float(res["seconds"]),
+                "end_at": "target" if done_args else "initiator",
+                "env_a": peer_env(peer, where, "a"),
+            },
+        )
+    finally:
+        for w in reversed(workers):
+            w.close()
+
+
+# ---- kvlink ----------------------------------------------------------------------------
+
+
+def run_kvlink(where: Where, size: int, it: int, one_path: bool = False) -> Run:
+    sys.path.insert(0, str(ROOT))
+    from tests.peer_client import PeerProcess  # needs ROOT on sys.path
+
+    procs: list[Any] = []
+    try:
+        nics = {side: where.kvlink_nics(side, one_path) for side in "ab"}
+        rx = PeerProcess(f"rx{it}", nics["b"], {}, prefix=where.prefix("b") or None)
+        procs.append(rx)
+        tx = PeerProcess(f"tx{it}", nics["a"], {}, prefix=where.prefix("a") or None)
+        procs.append(tx)
+        # Both at once: generating and registering 1 GiB takes seconds in each process.
+        for p, kw in (
+            (rx, {"key": "dst", "seed": None, "remote_write": True, "name": "kv"}),
+            (tx, {"key": "src", "seed": it + 1}),
+        ):
+            assert p.proc.stdin
+            p.proc.stdin.write(json.dumps({"cmd": "alloc", "nbytes": size, **kw}) + "\n")
+            p.proc.stdin.flush()
+        for p in (rx, tx):
+            assert p.proc.stdout
+            r, _, _ = select.select([p.proc.stdout], [], [], 300)
+            rep = json.loads(p.proc.stdout.readline()) if r else None
+            if not rep or not rep["ok"]:
+                raise BenchError(f"kvlink alloc failed: {rep}")
+        peer = tx.call("add_peer", metadata=rx.metadata.decode())["peer"]
+        wait_s = transfer_timeout_s(size)
+        sub = tx.call("push", peer=peer, local="src", remote="kv", nbytes=min(size, WARM_BYTES))
+        w = tx.call("wait", timeout=wait_s + 30, id=sub["id"], wait_s=wait_s)
+        warm_s = (w["t_done_ns"] - w["t_submit_ns"]) / 1e9
+        time.sleep(QUIET_S)
+        links0 = where.link_tx_bytes()
+        c0 = [proc_cpu_s(p.proc.pid) for p in (tx, rx)]
+        sub = tx.call("push", peer=peer, local="src", remote="kv")
+        w = tx.call("wait", timeout=wait_s + 30, id=sub["id"], wait_s=wait_s)
+        c1 = [proc_cpu_s(p.proc.pid) for p in (tx, rx)]
+        links1 = where.link_tx_bytes()
+        # Both digests at once (blake2b of 1 GiB takes about a second each).
+        for p, key in ((tx, "src"), (rx, "dst")):
+            assert p.proc.stdin
+            p.proc.stdin.write(json.dumps({"cmd": "digest", "key": key}) + "\n")
+            p.proc.stdin.flush()
+        digests = []
+        for p in (tx, rx):
+            assert p.proc.stdout
+            r, _, _ = select.select([p.proc.stdout], [], [], 300)
+            rep = json.loads(p.proc.stdout.readline()) if r else None
+            if not rep or not rep["ok"]:
+                raise BenchError(f"kvlink digest failed: {rep}")
+            digests.append(rep["digest"])
+        return Run(
+            tool="kvlink-1path" if one_path else "kvlink",
+            where=where.name,
+            iteration=it,
+            size_bytes=size,
+            seconds=(w["t_done_ns"] - w["t_submit_ns"]) / 1e9,
+            cpu_s=(c1[0] - c0[0]) + (c1[1] - c0[1]),
+            cpu_tx_s=c1[0] - c0[0],
+            cpu_rx_s=c1[1] - c0[1],
+            verified=digests[0] == digests[1],
+            warm_s=warm_s,
+            link_bytes=[b - a for a, b in zip(links0, links1, strict=True)],
+            extra={"retries": w.get("retries"), "chunks": w.get("chunks"),
+                   "nics_a": nics["a"]},
+        )  # fmt: skip
+    finally:
+        for p in reversed(procs):
+            try:
+                p.stop()
+            except Exception:
+                p.kill()
+
+
+# ---- iperf3 ----------------------------------------------------------------------------
+
+
+def _listening(pid: int, port: int) -> bool:
+    # /proc/PID/net/tcp* is the table of PID's network namespace.
+    for table in ("tcp6", "tcp"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/net/{table}") as f:
+            next(f)
+            for line in f:
+                cols = line.split()
+                if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                    return True
+    return False
+
+
+def _wait4(p: subprocess.Popen[Any], timeout_s: float) -> float:
+    """Reap ``p``; its CPU seconds (rusage, all threads)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pid, status, ru = os.wait4(p.pid, os.WNOHANG)
+        if pid:
+            p.returncode = os.waitstatus_to_exitcode(status)
+            return float(ru.ru_utime + ru.ru_stime)
+        if time.monotonic() > deadline:
+            p.kill()
+            raise BenchError(f"iperf3 (pid {p.pid}) did not finish in {timeout_s:.0f} s")
+        time.sleep(0.005)
+
+
+def run_iperf3(where: Where, size: int, it: int) -> Run:
+    if shutil.which("iperf3") is None:
+        raise PeerUnavailable("iperf3 is not installed (apt-get install iperf3)")
+    tb = getattr(where, "tb", None)
+    n = 1 if tb is None else tb.links
+    each = [size // n + (1 if i < size % n else 0) for i in range(n)]
+    ports = [5301 + i for i in range(n)]
+    procs: list[subprocess.Popen[Any]] = []
+    with contextlib.ExitStack() as stack:
+        outs = [stack.enter_context(tempfile.TemporaryFile()) for _ in range(n)]
+        errs = stack.enter_context(tempfile.TemporaryFile())
+
+        def reap() -> None:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    with contextlib.suppress(ChildProcessError, subprocess.TimeoutExpired):
+                        p.wait(5)
+
+        stack.callback(reap)
+        time.sleep(QUIET_S)
+        servers = []
+        for i in range(n):
+            bind = [] if tb is None else ["-B", tb.address("b", i)]
+            argv = [*where.prefix("b"), "iperf3", "-s", "-1", *bind, "-p", str(ports[i])]
+            servers.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=errs))
+            procs.append(servers[-1])
+        deadline = time.monotonic() + 10
+        for srv, port in zip(servers, ports, strict=True):
+            while not _listening(srv.pid, port):
+                if srv.poll() is not None or time.monotonic() > deadline:
+                    errs.seek(0)
+                    raise BenchError(f"iperf3 -s did not listen on {port}: {errs.read()!r}")
+                time.sleep(0.01)
+        links0 = where.link_tx_bytes()
+        clients = []
+        for i in range(n):
+            dst = "127.0.0.1" if tb is None else tb.address("b", i)
+            bind = [] if tb is None else ["-B", tb.address("a", i)]
+            argv = [*where.prefix("a"), "iperf3", "-c", dst, *bind, "-p", str(ports[i]),
+                    "-n", str(each[i]), "--json"]  # fmt: skip
+            clients.append(subprocess.Popen(argv, stdout=outs[i], stderr=errs))
+            procs.append(clients[-1])
+        cpu_tx = sum(_wait4(c, transfer_timeout_s(size)) for c in clients)
+        links1 = where.link_tx_bytes()
+        cpu_rx = sum(_wait4(s, 30) for s in servers)
+        res = []
+        for i, out in enumerate(outs):
+            out.seek(0)
+            text = out.read().decode()
+            try:
+                r = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise BenchError(f"iperf3 -c (stream {i}) printed no JSON: {text[:300]!r}") from exc
+            if "error" in r:
+                raise BenchError(f"iperf3 (stream {i}): {r['error']}")
+            res.append(r)
+    sent = [int(r["end"]["sum_sent"]["bytes"]) for r in res]
+    bps = [float(r["end"]["sum_received"]["bits_per_second"]) for r in res]
+    secs = [b * 8 / r for b, r in zip(sent, bps, strict=True)]
+    return Run(
+        tool="iperf3",
+        where=where.name,
+        iteration=it,
+        size_bytes=sum(sent),
+        seconds=max(secs),
+        cpu_s=cpu_tx + cpu_rx,
+        cpu_tx_s=cpu_tx,
+        cpu_rx_s=cpu_rx,
+        verified=True,  # nothing to check: iperf3 sends one buffer over and over
+        link_bytes=[b - a for a, b in zip(links0, links1, strict=True)],
+        extra={
+            "streams": n,
+            "stream_gbit": [r / 1e9 for r in bps],
+            "retransmits": [int(r["end"]["sum_sent"].get("retransmits", 0)) for r in res],
+        },
+    )
+
+
+# ---- the loop --------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    runs: list[Run] = field(default_factory=list)
+    failure: str | None = None  # why the tool has no (more) runs
+
+
+def run_tool(tool: str, where: Where, size: int, it: int) -> Run:
+    if tool in ("kvlink", "kvlink-1path"):
+        return run_kvlink(where, size, it, one_path=tool == "kvlink-1path")
+    if tool == "iperf3":
+        return run_iperf3(where, size, it)
+    return run_peer(tool, where, size, it)
+
+
+def measure(
+    where: Where, tools: list[str], size: int, iters: int, emit: Callable[[dict[str, Any]], None]
+) -> dict[str, Outcome]:
+    out = {t: Outcome() for t in tools}
+    for it in range(iters):
+        order = tools if it % 2 == 0 else tools[::-1]
+        for tool in order:
+            o = out[tool]
+            if o.failure:
+                continue
+            log(f"[{where.name}] iteration {it + 1}/{iters}: {tool}")
+            try:
+                run = run_tool(tool, where, size, it)
+            except Exception as exc:  # any failure of one tool is a row with its reason
+                o.failure = (
+                    str(exc) if isinstance(exc, BenchError) else f"{type(exc).__name__}: {exc}"
+                )
+                log(f"[{where.name}] {tool} FAILED: {o.failure}")
+                emit({"kind": "failure", "tool": tool, "where": where.name, "iteration": it,
+                      "reason": o.failure})  # fmt: skip
+                continue
+            o.runs.append(run)
+            emit(run.as_dict())
+            used = run.links_used()
+            log(
+                f"[{where.name}] {tool}: {run.gbps:.3f} GB/s, {run.seconds:.3f} s, "
+                f"CPU {run.cpu_s:.2f} s, verified {run.verified}"
+                + ("" if used is None else f", links used {used} {run.link_bytes}")
+            )
+            if not run.verified:
+                o.failure = f"data check failed in iteration {it + 1} ({run.extra})"
+    return out
+
+
+@contextlib.contextmanager
+def testbed_where() -> Iterator[TestbedWhere]:
+    import kvlink.testbed as kt
+
+    ok, why = kt.is_available()
+    if not ok:
+        raise BenchError(f"testbed unavailable: {why}")
+    with kt.Testbed(links=TB_LINKS, rate=TB_RATE, tag=TB_TAG) as tb:
+        yield TestbedWhere(tb)
+
+
+# ---- report ----------------------------------------------------------------------------
+
+
+def short_reason(text: str) -> str:
+    first = text.strip().splitlines()[0] if text.strip() else text
+    return first if len(first) <= 110 else first[:107] + "..."
+
+
+def print_table(where: str, out: dict[str, Outcome]) -> None:
+    print(f"\n{where}:")
+    head = (
+        f"{'tool':<20} {'GB/s':>7} {'min-max':>13} {'s':>7} {'CPU s':>6} {'wire':>5} "
+        f"{'links':>5}  note"
+    )
+    print(head)
+    print("-" * len(head))
+    for tool, o in out.items():
+        if not o.runs:
+            print(f"{LABEL[tool]:<20} {'-':>7} {'-':>13} {'-':>7} {'-':>6} {'-':>5} {'-':>5}  "
+                  f"cannot run: {short_reason(o.failure or 'no runs')}")  # fmt: skip
+            continue
+        g = [r.gbps for r in o.runs]
+        used = sorted({u for r in o.runs if (u := r.links_used()) is not None})
+        links = "/".join(str(u) for u in used) or "-"
+        note = f"{len(o.runs)} runs"
+        if o.failure:
+            note += f"; then failed: {short_reason(o.failure)}"
+        if not all(r.verified for r in o.runs):
+            note += "; DATA CHECK FAILED"
+        print(
+            f"{LABEL[tool]:<20} {median(g):>7.3f} {min(g):>6.3f}-{max(g):<6.3f} "
+            f"{median([r.seconds for r in o.runs]):>7.3f} "
+            f"{median([r.cpu_s for r in o.runs]):>6.2f} "
+            f"{median([r.wire_ratio() or 0.0 for r in o.runs]):>5.2f} {links:>5}  {note}"
+        )
+
+
+def ratios(
+    where: str, out: dict[str, Outcome], emit: Callable[[dict[str, Any]], None]
+) -> list[bool]:
+    kv = out.get("kvlink")
+    print(f"\n{where}: kvlink / peer (GB/s, ratio of medians; paired = median of per-iteration "
+          "ratios)")  # fmt: skip
+    verdicts = []
+    for tool, o in out.items():
+        if tool == "kvlink":
+            continue
+        target = TARGETS.get((where, tool))
+        want = f">= {target}" if target is not None else "(no target)"
+        if not kv or not kv.runs or not o.runs:
+            who = "kvlink" if not kv or not kv.runs else LABEL[tool]
+            why = (kv.failure if who == "kvlink" and kv else o.failure) or "no runs"
+            print(f"  kvlink / {LABEL[tool]:<20} {want:<12} n/a   ({who} could not run: "
+                  f"{short_reason(why)})")  # fmt: skip
+            emit({"kind": "ratio", "where": where, "peer": tool, "target": target,
+                  "ratio": None, "pass": None, "reason": why})  # fmt: skip
+            if target is not None:
+                verdicts.append(False)
+            continue
+        r = median([x.gbps for x in kv.runs]) / median([x.gbps for x in o.runs])
+        # Pair by iteration: a tool that failed part-way has fewer runs.
+        theirs = {x.iteration: x for x in o.runs}
+        paired = median(
+            [a.gbps / theirs[a.iteration].gbps for a in kv.runs if a.iteration in theirs]
+        )
+        ok = None if target is None else r >= target
+        verdict = "" if ok is None else ("PASS" if ok else "FAIL")
+        print(f"  kvlink / {LABEL[tool]:<20} {want:<12} {r:6.2f}  (paired {paired:.2f})  "
+              f"{verdict}")  # fmt: skip
+        emit({"kind": "ratio", "where": where, "peer": tool, "target": target, "ratio": r,
+              "paired": paired, "pass": ok})  # fmt: skip
+        if ok is not None:
+            verdicts.append(ok)
+    return verdicts
+
+
+# ---- main ------------------------------------------------------------------------------
+
+
+def _reexec_with_kvlink_venv() -> None:
+    """The issue's command is `python bench/peers/compare.py`: use the venv kvlink lives in."""
+    try:
+        import kvlink  # noqa: F401
+    except ImportError:
+        py = ROOT / ".venv" / "bin" / "python"
+        # Compare prefixes, not interpreters: a venv's python is a symlink to the base one.
+        if py.exists() and Path(sys.prefix).resolve() != py.parent.parent.resolve():
+            os.execv(str(py), [str(py), *sys.argv])
+        raise
+
+
+def _sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds the with-blocks: the testbed comes down
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--where", choices=("loopback", "testbed", "both"), default="both")
+    ap.add_argument("--size", type=parse_size, default=GiB, help="bytes per write (1GiB)")
+    ap.add_argument("--iters", type=int, default=3, help="interleaved runs per tool")
+    ap.add_argument("--peers", default=",".join((*PEERS, "iperf3")),
+                    help="which peers to run beside kvlink; contrast rows: "
+                    f"{', '.join(VARIANTS)} (see the top of this file)")  # fmt: skip
+    ap.add_argument("--json", type=Path, help="write one JSON object per line here")
+    args = ap.parse_args(argv)
+    peers = [p.strip() for p in args.peers.split(",") if p.strip()]
+    known = (*PEERS, *VARIANTS, "iperf3")
+    if bad := [p for p in peers if p not in known]:
+        ap.error(f"--peers: unknown {bad}; choose from {','.join(known)}")
+    if args.iters < 1:
+        ap.error("--iters: at least 1")
+    if args.size % (8 * TB_LINKS) or args.size < 64 * MiB:
+        ap.error(f"--size: at least 64MiB and a multiple of {8 * TB_LINKS} bytes")
+    _reexec_with_kvlink_venv()
+    import kvlink
+
+    tools = ["kvlink", *[t for t in TOOLS if t in peers]]
+    wheres = ["loopback", "testbed"] if args.where == "both" else [args.where]
+    signal.signal(signal.SIGTERM, _sigterm)
+    jf = open(args.json, "w") if args.json else None  # noqa: SIM115
+
+    def emit(obj: dict[str, Any]) -> None:
+        if jf:
+            jf.write(json.dumps(obj) + "\n")
+            jf.flush()
+
+    versions: dict[str, str | None] = {"kvlink": kvlink.__version__}
+    for p in PEERS:
+        pip = VENVS / p / "bin" / "pip"
+        if pip.exists():
+            listed = subprocess.run([str(pip), "list", "--format=json"], capture_output=True,
+                                    text=True, timeout=60, check=False).stdout  # fmt: skip
+            with contextlib.suppress(json.JSONDecodeError):
+                versions[p] = ", ".join(
+                    f"{d['name']} {d['version']}" for d in json.loads(listed)
+                    if re.match(r"(mooncake|nixl|ucxx|libucx)", d["name"], re.I)
+                )  # fmt: skip
+    if shutil.which("iperf3"):
+        versions["iperf3"] = subprocess.run(
+            ["iperf3", "--version"], capture_output=True, text=True, check=False
+        ).stdout.splitlines()[0]
+    now = datetime.datetime.now(datetime.timezone.utc)
+    meta = {
+        "kind": "meta",
+        "command": shlex.join(["python", *sys.argv]),
+        "utc": now.strftime("%Y-%m-%d %H:%M:%S"),
+        "host": platform.node(),
+        "kernel": platform.release(),
+        "cpus": os.cpu_count(),
+        "loadavg": os.getloadavg(),
+        "versions": versions,
+        "size_bytes": args.size,
+        "iters": args.iters,
+        "tools": tools,
+        "where": wheres,
+        "testbed": {"links": TB_LINKS, "rate": TB_RATE, "tag": TB_TAG},
+        "warm_bytes": min(args.size, WARM_BYTES),
+        "quiet_s": QUIET_S,
+    }
+    emit(meta)
+    print(f"peers: {meta['utc']} UTC, {fmt_size(args.size)} write, {args.iters} iters, "
+          f"load average {' '.join(f'{x:.2f}' for x in meta['loadavg'])}")  # fmt: skip
+    for k, v in versions.items():
+        print(f"  {k}: {v or 'not installed'}")
+    results: dict[str, dict[str, Outcome]] = {}
+    verdicts: list[bool] = []
+    try:
+        for w in wheres:
+            if w == "loopback":
+                results[w] = measure(Where(), tools, args.size, args.iters, emit)
+            else:
+                try:
+                    with testbed_where() as tw:
+                        results[w] = measure(tw, tools, args.size, args.iters, emit)
+                except BenchError as exc:
+                    results[w] = {t: Outcome(failure=str(exc)) for t in tools}
+        for w, out in results.items():
+            where_label = w if w == "loopback" else f"testbed {TB_LINKS} x {TB_RATE}"
+            print_table(where_label, out)
+            for tool, o in out.items():
+                if o.runs:
+                    emit({"kind": "summary", "where": w, "tool": tool,
+                          "gbps_median": median([r.gbps for r in o.runs]),
+                          "gbps_min": min(r.gbps for r in o.runs),
+                          "gbps_max": max(r.gbps for r in o.runs),
+                          "cpu_s_median": median([r.cpu_s for r in o.runs]),
+                          "runs": len(o.runs), "failure": o.failure})  # fmt: skip
+                else:
+                    emit({"kind": "summary", "where": w, "tool": tool, "runs": 0,
+                          "failure": o.failure})  # fmt: skip
+        for w, out in results.items():
+            verdicts += ratios(w, out, emit)
+    finally:
+        if jf:
+            jf.close()
+    if verdicts:
+        print(f"\n{sum(verdicts)} of {len(verdicts)} targets pass")
+    else:
+        print("\nno targets in this selection (contrast rows only)")
+    return 0 if verdicts and all(verdicts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -59,7 +59,6 @@ import datetime
 import json
 import os
 import platform
-import select
 import shlex
 import shutil
 import signal
@@ -74,6 +73,7 @@ from pathlib import Path
 from typing import Any
 
 from loopback import BenchError, GiB, MiB, fmt_size, parse_size  # bench/loopback.py
+from loopback import Worker as LoopbackWorker
 
 import kvlink
 import kvlink.testbed as kt
@@ -105,8 +105,9 @@ def median(xs: list[float]) -> float:
 # ---- the kvlink workers --------------------------------------------------------
 
 
-class Worker:
-    """bench/_mn_proc.py in one side's namespace, spoken to in JSON lines."""
+class Worker(LoopbackWorker):
+    """bench/_mn_proc.py in one side's namespace, spoken to in JSON lines (the
+    protocol and its client are bench/loopback.py's; only the spawning differs)."""
 
     def __init__(self, tb: kt.Testbed, side: str, tag: str) -> None:
         self.tag = tag
@@ -120,55 +121,14 @@ class Worker:
             stderr=self.err,
             env=dict(os.environ, PYTHONPATH=str(WORKER.parent.parent)),
         )
+        self.pid = self.p.pid
         self._buf = b""
 
-    def send(self, cmd: str, **args: Any) -> None:
-        assert self.p.stdin is not None
-        self.p.stdin.write((json.dumps({"cmd": cmd, **args}) + "\n").encode())
-        self.p.stdin.flush()
-
-    def recv(self, timeout_s: float = 120.0) -> dict[str, Any]:
-        assert self.p.stdout is not None
-        fd = self.p.stdout.fileno()
-        deadline = time.monotonic() + timeout_s
-        while b"\n" not in self._buf:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise BenchError(f"{self.tag}: no answer in {timeout_s} s{self.stderr_tail()}")
-            r, _, _ = select.select([fd], [], [], left)
-            if r:
-                data = os.read(fd, 1 << 20)
-                if not data:
-                    raise BenchError(f"{self.tag}: worker exited{self.stderr_tail()}")
-                self._buf += data
-        line, self._buf = self._buf.split(b"\n", 1)
-        reply: dict[str, Any] = json.loads(line)
-        if not reply.pop("ok"):
-            raise BenchError(f"{self.tag}: {reply['type']}: {reply['error']}{self.stderr_tail()}")
-        return reply
-
-    def call(self, cmd: str, answer_s: float = 120.0, **args: Any) -> dict[str, Any]:
-        self.send(cmd, **args)
-        return self.recv(answer_s)
-
-    def stderr_tail(self, n: int = 3000) -> str:
-        self.err.seek(0)
-        text = self.err.read().decode(errors="replace")[-n:]
-        return f"\n--- {self.tag} stderr ---\n{text}" if text.strip() else ""
-
     def close(self) -> None:
-        if self.p.poll() is None:
-            with contextlib.suppress(BenchError, OSError):
-                self.call("exit", answer_s=15)
-            try:
-                self.p.wait(10)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait()
+        super().close()
         for f in (self.p.stdin, self.p.stdout):
             if f is not None:
                 f.close()
-        self.err.close()
 
 
 @dataclass

@@ -4,6 +4,7 @@ joined by shaped veth links, with links cut, slowed and restored mid-transfer.""
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from typing import Any
 
@@ -170,3 +171,24 @@ def test_prepare_then_push(pair):
     p.rx.call("alloc", key="kv", nbytes=32 * MiB, remote_write=True, name="kv")
     p.wait(p.push())
     assert p.verified()
+
+
+def test_competing_traffic_is_seen_and_avoided(pair):
+    p = pair(256 * MiB, links=2, rate="1gbit")
+    a0, b0 = p.tb.address("a", 0), p.tb.address("b", 0)
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    server = p.tb.run("b", ["iperf3", "-s", "-1", "-B", b0, "-p", "5399"], **quiet)
+    time.sleep(0.3)
+    client = p.tb.run("a", ["iperf3", "-c", b0, "-B", a0, "-p", "5399", "-t", "8"], **quiet)
+    try:
+        time.sleep(1.5)  # the monitor sees the NIC busy with traffic that is not ours
+        other = p.paths()[0]["nic_other_gbps"]
+        assert other > 0.05, f"iperf3 on link 0 is reported as other traffic: {other}"
+        p.wait(p.push())
+        assert p.verified()
+        sent = [x["bytes_sent"] for x in p.paths()]
+        assert sent[0] < 0.8 * sent[1], f"the busy link got less of the transfer: {sent}"
+    finally:
+        for proc in (client, server):
+            proc.kill()
+            proc.wait(10)

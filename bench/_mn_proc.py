@@ -30,21 +30,18 @@ Commands (``cmd`` field; ``agent`` names one of this process's agents):
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
-import traceback
 from typing import Any
 
+import numpy as np
+
 # Before anything that could write to stdout is imported.
-_PROTO = os.fdopen(os.dup(1), "w", buffering=1)
-os.dup2(2, 1)
+from _worker_loop import serve
 
-import numpy as np  # noqa: E402
-
-import kvlink  # noqa: E402
-from kvlink import kv  # noqa: E402
+import kvlink
+from kvlink import kv
 
 _BLOCK = 1 << 20  # uint64 words per fill/verify step: 8 MiB temporaries
 # Counters of paths() whose change over one transfer is reported.
@@ -213,23 +210,7 @@ class Worker:
 
 
 def main() -> int:
-    w = Worker()
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        req = json.loads(line)
-        cmd = req.pop("cmd")
-        try:
-            if cmd.startswith("_") or not hasattr(w, cmd):
-                raise ValueError(f"unknown command {cmd!r}")
-            reply = {"ok": True, **getattr(w, cmd)(**req)}
-        except Exception as exc:  # reported to the driver, which decides
-            traceback.print_exc()
-            reply = {"ok": False, "error": str(exc), "type": type(exc).__name__}
-        _PROTO.write(json.dumps(reply) + "\n")
-        if cmd == "exit":
-            break
-    return 0
+    return serve(Worker())
 
 
 if __name__ == "__main__":

@@ -27,21 +27,18 @@ resolution.
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import sys
 import time
-import traceback
 from typing import Any
 
+import numpy as np
+
 # Before anything that could write to stdout is imported.
-_PROTO = os.fdopen(os.dup(1), "w", buffering=1)
-os.dup2(2, 1)
+from _worker_loop import serve
 
-import numpy as np  # noqa: E402
-
-import kvlink  # noqa: E402
+import kvlink
 
 _BLOCK = 1 << 16  # uint64 words per fill/verify step: 512 KiB temporaries, lost in the RSS
 
@@ -200,23 +197,7 @@ class Worker:
 
 
 def main() -> int:
-    w = Worker()
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        req = json.loads(line)
-        cmd = req.pop("cmd")
-        try:
-            if cmd.startswith("_") or not hasattr(w, cmd):
-                raise ValueError(f"unknown command {cmd!r}")
-            reply = {"ok": True, **getattr(w, cmd)(**req)}
-        except Exception as exc:  # reported to the driver, which decides
-            traceback.print_exc()
-            reply = {"ok": False, "error": str(exc), "type": type(exc).__name__}
-        _PROTO.write(json.dumps(reply) + "\n")
-        if cmd == "exit":
-            break
-    return 0
+    return serve(Worker())
 
 
 if __name__ == "__main__":

@@ -75,6 +75,21 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * mult)
 
 
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def iperf3_json(text: str, what: str) -> dict[str, Any]:
+    """An iperf3 --json report, or a BenchError saying what went wrong."""
+    try:
+        res: dict[str, Any] = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise BenchError(f"{what} printed no JSON: {text[:300]!r}") from exc
+    if "error" in res:
+        raise BenchError(f"{what}: {res['error']}")
+    return res
+
+
 def fmt_size(n: int) -> str:
     for unit, mult in (("GiB", GiB), ("MiB", MiB), ("KiB", 1 << 10)):
         if n >= mult and n % mult == 0:
@@ -575,12 +590,7 @@ def run_iperf3(size: int, streams: int, perf_dir: Path | None = None) -> Sample:
                 server.wait()
         out.seek(0)
         text = out.read().decode()
-    try:
-        res = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise BenchError(f"iperf3 -c printed no JSON: {text[:500]!r}") from exc
-    if "error" in res:
-        raise BenchError(f"iperf3: {res['error']}")
+    res = iperf3_json(text, "iperf3 -c")
     # The issue's yardstick is sum_received's rate.  Its byte count stops short
     # of -n by what is still in the socket buffer when the sender finishes
     # (~6 MB here), so size and seconds are -n and -n / that rate.

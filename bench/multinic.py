@@ -62,7 +62,6 @@ import platform
 import shlex
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -72,7 +71,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loopback import BenchError, GiB, MiB, fmt_size, parse_size  # bench/loopback.py
+from loopback import (  # bench/loopback.py
+    BenchError,
+    GiB,
+    MiB,
+    fmt_size,
+    iperf3_json,
+    median,
+    parse_size,
+)
 from loopback import Worker as LoopbackWorker
 
 import kvlink
@@ -96,10 +103,6 @@ Emit = Callable[[dict[str, Any]], None]
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
 
 
 # ---- the kvlink workers --------------------------------------------------------
@@ -354,14 +357,7 @@ def run_iperf3(tb: kt.Testbed, stream_bytes: list[int], timeout_s: float) -> Ipe
         res = []
         for i, out in enumerate(outs):
             out.seek(0)
-            text = out.read().decode()
-            try:
-                r = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise BenchError(f"iperf3 -c (link {i}) printed no JSON: {text[:300]!r}") from exc
-            if "error" in r:
-                raise BenchError(f"iperf3 (link {i}): {r['error']}")
-            res.append(r)
+            res.append(iperf3_json(out.read().decode(), f"iperf3 -c (link {i})"))
     sent = [int(r["end"]["sum_sent"]["bytes"]) for r in res]
     bps = [float(r["end"]["sum_received"]["bits_per_second"]) for r in res]
     secs = [b * 8 / r for b, r in zip(sent, bps, strict=True)]

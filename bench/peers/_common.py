@@ -43,6 +43,12 @@ def cpu_s() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
+def timed_result(nbytes: int, t0: int, t1: int, cpu0: float, cpu1: float) -> dict[str, Any]:
+    """The answer to "run": one timed write of ``nbytes`` between t0 and t1 (ns)."""
+    s = (t1 - t0) / 1e9
+    return {"seconds": s, "gbps": nbytes / s / 1e9, "cpu_s": cpu1 - cpu0, "t0_ns": t0, "t1_ns": t1}
+
+
 def now_ns() -> int:
     # CLOCK_MONOTONIC is one clock for every process on the host, network namespaces included.
     return time.monotonic_ns()

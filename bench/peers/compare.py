@@ -64,7 +64,6 @@ import select
 import shlex
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -77,7 +76,17 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 VENVS = HERE / ".venvs"
-MiB, GiB = 1 << 20, 1 << 30
+sys.path.insert(0, str(HERE.parent))  # bench/: the helpers the other benchmarks use
+from loopback import (  # noqa: E402
+    BenchError,
+    GiB,
+    MiB,
+    fmt_size,
+    iperf3_json,
+    median,
+    parse_size,
+)
+
 USER_HZ = os.sysconf("SC_CLK_TCK")
 
 PEERS = ("mooncake", "nixl", "ucxx")
@@ -119,35 +128,12 @@ LINK_USED_SHARE = 0.05
 SLOWEST_BPS = 0.1e9
 
 
-class BenchError(RuntimeError):
-    pass
-
-
 class PeerUnavailable(BenchError):
     """The peer cannot run here at all (not installed, does not import)."""
 
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?\s*", text, re.IGNORECASE)
-    if not m:
-        raise argparse.ArgumentTypeError(f"cannot parse size {text!r}; write e.g. 1GiB or 256MiB")
-    mult = {"": 1, "K": 1 << 10, "M": MiB, "G": GiB, "T": 1 << 40}[m.group(2).upper()]
-    return int(float(m.group(1)) * mult)
-
-
-def fmt_size(n: int) -> str:
-    for unit, mult in (("GiB", GiB), ("MiB", MiB)):
-        if n >= mult and n % mult == 0:
-            return f"{n // mult}{unit}"
-    return f"{n}B"
-
-
-def median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
 
 
 def proc_cpu_s(pid: int) -> float:
@@ -622,14 +608,7 @@ def run_iperf3(where: Where, size: int, it: int) -> Run:
         res = []
         for i, out in enumerate(outs):
             out.seek(0)
-            text = out.read().decode()
-            try:
-                r = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise BenchError(f"iperf3 -c (stream {i}) printed no JSON: {text[:300]!r}") from exc
-            if "error" in r:
-                raise BenchError(f"iperf3 (stream {i}): {r['error']}")
-            res.append(r)
+            res.append(iperf3_json(out.read().decode(), f"iperf3 -c (stream {i})"))
     sent = [int(r["end"]["sum_sent"]["bytes"]) for r in res]
     bps = [float(r["end"]["sum_received"]["bits_per_second"]) for r in res]
     secs = [b * 8 / r for b, r in zip(sent, bps, strict=True)]

@@ -69,14 +69,7 @@ def main() -> None:
             t1, cpu1 = c.now_ns(), c.cpu_s()
             if rc != 0:
                 raise RuntimeError(f"transfer_sync_write = {rc}")
-            s = (t1 - t0) / 1e9
-            return {
-                "seconds": s,
-                "gbps": args.size / s / 1e9,
-                "cpu_s": cpu1 - cpu0,
-                "t0_ns": t0,
-                "t1_ns": t1,
-            }
+            return c.timed_result(args.size, t0, t1, cpu0, cpu1)
         raise ValueError(f"{args.role}: unknown command {cmd!r}")
 
     info: dict[str, Any] = {}

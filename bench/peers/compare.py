@@ -76,6 +76,23 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 VENVS = HERE / ".venvs"
+
+
+def _reexec_with_kvlink_venv() -> None:
+    """The issue's command is `python bench/peers/compare.py`: use the venv kvlink lives in."""
+    try:
+        import kvlink  # noqa: F401
+    except ImportError:
+        py = ROOT / ".venv" / "bin" / "python"
+        # Compare prefixes, not interpreters: a venv's python is a symlink to the base one.
+        if py.exists() and Path(sys.prefix).resolve() != py.parent.parent.resolve():
+            os.execv(str(py), [str(py), *sys.argv])
+        raise
+
+
+if __name__ == "__main__":
+    _reexec_with_kvlink_venv()
+
 sys.path.insert(0, str(HERE.parent))  # bench/: the helpers the other benchmarks use
 from loopback import (  # noqa: E402
     BenchError,
@@ -87,18 +104,26 @@ from loopback import (  # noqa: E402
     parse_size,
 )
 
+from kvlink.cli import _peers  # noqa: E402
+from kvlink.cli._peers import (  # noqa: E402
+    PEER_VARIANTS,
+    PEERS,
+    QUIET_S,
+    WARM_BYTES,
+    PeerError,
+    PeerUnavailable,
+    Run,
+    TestbedWhere,
+    Where,
+    transfer_timeout_s,
+)
+
 USER_HZ = os.sysconf("SC_CLK_TCK")
 
-PEERS = ("mooncake", "nixl", "ucxx")
-# Optional contrast rows, run only when named in --peers: the same worker and venv as the
-# peer before the "-", configured differently.
-#   nixl-defrails: UCX_NET_DEVICES names the four links but UCX's rail limits stay at their
-#   defaults (UCX_MAX_RMA_RAILS=1, UCX_MAX_RNDV_RAILS=2, UCX_MAX_EAGER_RAILS=1).
-#   nixl-spin: check_xfer_state polled back to back, as NIXL's examples do (the nixl row
-#   sleeps 200 us between polls, which is faster on this 2-core machine).
-#   kvlink-1path: kvlink with one address per side, so one TCP connection (like the peers on
-#   loopback; on the testbed, one link).
-VARIANTS = ("nixl-defrails", "nixl-spin", "kvlink-1path")
+# Contrast rows, run only when named in --peers: kvlink's own is kvlink-1path, kvlink with one
+# address per side, so one TCP connection (like the peers on loopback; on the testbed, one
+# link); the NIXL ones are described in kvlink/cli/_peers.py.
+VARIANTS = (*PEER_VARIANTS, "kvlink-1path")
 TOOLS = ("kvlink", *PEERS, *VARIANTS, "iperf3")
 LABEL = {
     "kvlink": "kvlink",
@@ -120,16 +145,6 @@ TARGETS: dict[tuple[str, str], float] = {
     ("testbed", "iperf3"): 0.97,
 }
 TB_LINKS, TB_RATE, TB_TAG = 4, "2gbit", "pc"
-WARM_BYTES = 256 * MiB
-QUIET_S = 1.0
-# A link that carried less than this share of a run's bytes is not counted as used.
-LINK_USED_SHARE = 0.05
-# Slowest rate any tool is expected to reach (one 2gbit link, with margin), for timeouts.
-SLOWEST_BPS = 0.1e9
-
-
-class PeerUnavailable(BenchError):
-    """The peer cannot run here at all (not installed, does not import)."""
 
 
 def log(msg: str) -> None:
@@ -143,315 +158,8 @@ def proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / USER_HZ
 
 
-def transfer_timeout_s(size: int) -> float:
-    return size / SLOWEST_BPS + 60
-
-
-# ---- one place where the two processes run ----------------------------------------------
-
-
-class Where:
-    """Loopback, or the two sides of a testbed: addresses, exec prefixes and link counters."""
-
-    name = "loopback"
-
-    def prefix(self, side: str) -> list[str]:
-        return []
-
-    def host(self, side: str) -> str:
-        return "127.0.0.1"
-
-    def kvlink_nics(self, side: str, one_path: bool = False) -> str:
-        return "loopback:1" if one_path else "loopback:4"
-
-    def ucx_env(self, side: str) -> dict[str, str]:
-        return {"UCX_NET_DEVICES": "lo"}
-
-    def link_tx_bytes(self) -> list[int]:
-        # All of the host's loopback traffic, so other work adds to it: a sanity check that
-        # a tool really went through TCP (UCX would use shared memory if allowed), no more.
-        with open("/sys/class/net/lo/statistics/tx_bytes") as f:
-            return [int(f.read())]
-
-
-class TestbedWhere(Where):
-    name = "testbed"
-
-    def __init__(self, tb: Any) -> None:
-        self.tb = tb
-
-    def prefix(self, side: str) -> list[str]:
-        return list(self.tb.exec_prefix(side))
-
-    def host(self, side: str) -> str:
-        return str(self.tb.address(side, 0))
-
-    def kvlink_nics(self, side: str, one_path: bool = False) -> str:
-        return self.tb.address(side, 0) if one_path else ",".join(self.tb.addresses(side))
-
-    def ucx_env(self, side: str) -> dict[str, str]:
-        n = str(self.tb.links)
-        return {
-            # UCX's way to use several NICs: name them all, and raise the per-protocol rail
-            # limits (defaults: 1 for RMA and eager, 2 for rendezvous) to the number of links.
-            "UCX_NET_DEVICES": ",".join(self.tb.device(side, i) for i in range(self.tb.links)),
-            "UCX_MAX_RMA_RAILS": n,
-            "UCX_MAX_RNDV_RAILS": n,
-            "UCX_MAX_EAGER_RAILS": n,
-        }
-
-    def link_tx_bytes(self) -> list[int]:
-        out = subprocess.run(
-            ["ip", "-n", self.tb.namespace("a"), "-s", "-j", "link", "show"],
-            capture_output=True, text=True, timeout=30, check=True,
-        ).stdout  # fmt: skip
-        by_name = {d["ifname"]: d for d in json.loads(out)}
-        return [
-            int(by_name[self.tb.device("a", i)]["stats64"]["tx"]["bytes"])
-            for i in range(self.tb.links)
-        ]
-
-
-# ---- results ---------------------------------------------------------------------------
-
-
-@dataclass
-class Run:
-    tool: str
-    where: str
-    iteration: int
-    size_bytes: int
-    seconds: float
-    cpu_s: float
-    cpu_tx_s: float
-    cpu_rx_s: float
-    verified: bool
-    warm_s: float | None = None
-    link_bytes: list[int] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def gbps(self) -> float:
-        return self.size_bytes / self.seconds / 1e9
-
-    def wire_ratio(self) -> float | None:
-        """Bytes the network devices sent during the run over the payload (>= 1 with TCP)."""
-        return None if self.link_bytes is None else sum(self.link_bytes) / self.size_bytes
-
-    def links_used(self) -> int | None:
-        if not self.link_bytes or len(self.link_bytes) < 2:
-            return None
-        total = sum(self.link_bytes)
-        return sum(1 for b in self.link_bytes if total and b / total >= LINK_USED_SHARE)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "kind": "run",
-            "tool": self.tool,
-            "where": self.where,
-            "iteration": self.iteration,
-            "size_bytes": self.size_bytes,
-            "seconds": self.seconds,
-            "gbps": self.gbps,
-            "cpu_s": self.cpu_s,
-            "cpu_tx_s": self.cpu_tx_s,
-            "cpu_rx_s": self.cpu_rx_s,
-            "verified": self.verified,
-            "warm_s": self.warm_s,
-            "link_bytes": self.link_bytes,
-            "links_used": self.links_used(),
-            "wire_ratio": self.wire_ratio(),
-            **self.extra,
-        }
-
-
-# ---- peer workers ----------------------------------------------------------------------
-
-
-def base_peer(tool: str) -> str:
-    """The venv and worker a tool runs with: "nixl" for "nixl-defrails"."""
-    return tool.split("-", 1)[0]
-
-
-def peer_unavailable_reason(peer: str) -> str | None:
-    peer = base_peer(peer)
-    py = VENVS / peer / "bin" / "python"
-    status = VENVS / f"{peer}.status"
-    if status.exists():
-        text = status.read_text().strip()
-        if text != "ok":
-            return f"setup.sh: {text}"
-    if not py.exists():
-        return f"not installed: run `bash {HERE.relative_to(ROOT)}/setup.sh {peer}`"
-    return None
-
-
-class Worker:
-    """One bench/peers/<peer>_worker.py process, spoken to in JSON lines with timeouts."""
-
-    def __init__(
-        self, peer: str, role: str, argv: list[str], env: dict[str, str], prefix: list[str]
-    ) -> None:
-        self.tag = f"{peer} {role}"
-        self.err = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
-        base = base_peer(peer)
-        py = VENVS / base / "bin" / "python"
-        cmd = [*prefix, str(py), str(HERE / f"{base}_worker.py"), "--role", role, *argv]
-        self.p = subprocess.Popen(
-            cmd,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.err,
-            env={**os.environ, **env},
-            cwd=HERE,
-        )
-        self._buf = b""
-
-    def send(self, cmd: str, **args: Any) -> None:
-        assert self.p.stdin is not None
-        try:
-            self.p.stdin.write((json.dumps({"cmd": cmd, **args}) + "\n").encode())
-            self.p.stdin.flush()
-        except BrokenPipeError:
-            raise BenchError(f"{self.tag}: worker exited{self.stderr_tail()}") from None
-
-    def recv(self, timeout_s: float) -> dict[str, Any]:
-        assert self.p.stdout is not None
-        fd = self.p.stdout.fileno()
-        deadline = time.monotonic() + timeout_s
-        while b"\n" not in self._buf:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise BenchError(f"{self.tag}: no answer in {timeout_s:.0f} s{self.stderr_tail()}")
-            r, _, _ = select.select([fd], [], [], left)
-            if r:
-                data = os.read(fd, 1 << 20)
-                if not data:
-                    self.p.wait(5)
-                    raise BenchError(
-                        f"{self.tag}: worker exited (rc={self.p.returncode}){self.stderr_tail()}"
-                    )
-                self._buf += data
-        line, self._buf = self._buf.split(b"\n", 1)
-        rep: dict[str, Any] = json.loads(line)
-        if not rep.pop("ok"):
-            raise BenchError(f"{self.tag}: {rep['error']}: {rep['message']}{self.stderr_tail()}")
-        return rep
-
-    def call(self, cmd: str, timeout_s: float = 60.0, **args: Any) -> dict[str, Any]:
-        self.send(cmd, **args)
-        return self.recv(timeout_s)
-
-    def stderr_tail(self, n: int = 1500) -> str:
-        self.err.seek(0)
-        text = self.err.read().decode(errors="replace")
-        lines = [ln for ln in text.splitlines() if ln.strip()]
-        tail = "\n".join(lines[-12:])[-n:]
-        return f"\n--- {self.tag} stderr (tail) ---\n{tail}" if tail else ""
-
-    def close(self) -> None:
-        if self.p.poll() is None:
-            with contextlib.suppress(Exception):
-                self.call("exit", timeout_s=10)
-            try:
-                self.p.wait(10)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait(10)
-        for f in (self.p.stdin, self.p.stdout):
-            if f:
-                with contextlib.suppress(OSError):
-                    f.close()
-        self.err.close()
-
-
-def peer_env(peer: str, where: Where, side: str) -> dict[str, str]:
-    env = {"PYTHONUNBUFFERED": "1"}
-    if base_peer(peer) in ("nixl", "ucxx"):
-        # TCP only: between two processes on one host UCX would otherwise pick shared memory.
-        env.update(UCX_TLS="tcp", **where.ucx_env(side))
-    if peer == "nixl-defrails":
-        env = {k: v for k, v in env.items() if "_RAILS" not in k}
-    if base_peer(peer) == "nixl":
-        env["UCX_MODULES"] = "^ib,ib_mlx5,ib_mlx5_ext"  # peers.md: else a segfault at exit
-    if peer == "ucxx":
-        env["UCX_PROTO_ENABLE"] = "n"  # peers.md: 1.50 GB/s instead of 0.68 over TCP
-    return env
-
-
 def run_peer(peer: str, where: Where, size: int, it: int) -> Run:
-    reason = peer_unavailable_reason(peer)
-    if reason:
-        raise PeerUnavailable(reason)
-    base = base_peer(peer)
-    workers: list[Worker] = []
-    try:
-        argv = ["--size", str(size)]
-        if peer == "nixl-spin":
-            argv += ["--poll-sleep-us", "0"]
-        target = Worker(
-            peer, "target", [*argv, "--host", where.host("b")], peer_env(peer, where, "b"),
-            where.prefix("b"),
-        )  # fmt: skip
-        workers.append(target)
-        init = Worker(
-            peer, "initiator", [*argv, "--host", where.host("a")], peer_env(peer, where, "a"),
-            where.prefix("a"),
-        )  # fmt: skip
-        workers.append(init)
-        info = target.recv(120)["info"]
-        init_info = init.recv(120)["info"]  # its "ready": buffer allocated and registered
-        warm = init.call(
-            "connect", timeout_s=transfer_timeout_s(WARM_BYTES) + 60, info=info,
-            warm_bytes=min(size, WARM_BYTES),
-        )  # fmt: skip
-        init.call("fill", timeout_s=120, seed=it + 1)
-        time.sleep(QUIET_S)
-        links0 = where.link_tx_bytes()
-        rx0 = target.call("cpu")["cpu_s"]
-        done_args: dict[str, Any] = {}
-        if base == "ucxx":
-            done_args = {"messages": 2}  # the warm-up and the timed one
-        elif base == "nixl":
-            done_args = {"tag": f"run{it + 1}", "peer": init_info["name"]}
-        if done_args:
-            # The target notes when the data is in its memory: the end of the clock.
-            target.send("await_done", **done_args)
-        # tag: the notification NIXL's WRITE carries (the other workers ignore it).
-        res = init.call("run", timeout_s=transfer_timeout_s(size) + 60, tag=f"run{it + 1}")
-        if done_args:
-            done = target.recv(timeout_s=transfer_timeout_s(size) + 60)
-            rx1, t_end = done["cpu_s"], max(int(done["t_ns"]), int(res["t1_ns"]))
-        else:
-            # Mooncake's public API gives the target no completion signal: the initiator's
-            # transfer_sync_write return ends the clock (its last bytes may still be in socket
-            # buffers then: a few MB, under 1% of 1 GiB).
-            rx1, t_end = target.call("cpu")["cpu_s"], int(res["t1_ns"])
-        links1 = where.link_tx_bytes()
-        ver = target.call("verify", timeout_s=300, seed=it + 1, **done_args)
-        seconds = (t_end - int(res["t0_ns"])) / 1e9
-        return Run(
-            tool=peer,
-            where=where.name,
-            iteration=it,
-            size_bytes=size,
-            seconds=seconds,
-            cpu_s=float(res["cpu_s"]) + rx1 - rx0,
-            cpu_tx_s=float(res["cpu_s"]),
-            cpu_rx_s=rx1 - rx0,
-            verified=bool(ver["verified"]),
-            warm_s=float(warm["warm_s"]),
-            link_bytes=[b - a for a, b in zip(links0, links1, strict=True)],
-            extra={
-                "bad_at": ver.get("bad_at"),
-                "seconds_initiator": float(res["seconds"]),
-                "end_at": "target" if done_args else "initiator",
-                "env_a": peer_env(peer, where, "a"),
-            },
-        )
-    finally:
-        for w in reversed(workers):
-            w.close()
+    return _peers.run_peer(HERE, peer, where, size, it)
 
 
 # ---- kvlink ----------------------------------------------------------------------------
@@ -663,7 +371,9 @@ def measure(
                 run = run_tool(tool, where, size, it)
             except Exception as exc:  # any failure of one tool is a row with its reason
                 o.failure = (
-                    str(exc) if isinstance(exc, BenchError) else f"{type(exc).__name__}: {exc}"
+                    str(exc)
+                    if isinstance(exc, (BenchError, PeerError))
+                    else f"{type(exc).__name__}: {exc}"
                 )
                 log(f"[{where.name}] {tool} FAILED: {o.failure}")
                 emit({"kind": "failure", "tool": tool, "where": where.name, "iteration": it,
@@ -772,18 +482,6 @@ def ratios(
 # ---- main ------------------------------------------------------------------------------
 
 
-def _reexec_with_kvlink_venv() -> None:
-    """The issue's command is `python bench/peers/compare.py`: use the venv kvlink lives in."""
-    try:
-        import kvlink  # noqa: F401
-    except ImportError:
-        py = ROOT / ".venv" / "bin" / "python"
-        # Compare prefixes, not interpreters: a venv's python is a symlink to the base one.
-        if py.exists() and Path(sys.prefix).resolve() != py.parent.parent.resolve():
-            os.execv(str(py), [str(py), *sys.argv])
-        raise
-
-
 def _sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)  # unwinds the with-blocks: the testbed comes down
 
@@ -806,7 +504,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--iters: at least 1")
     if args.size % (8 * TB_LINKS) or args.size < 64 * MiB:
         ap.error(f"--size: at least 64MiB and a multiple of {8 * TB_LINKS} bytes")
-    _reexec_with_kvlink_venv()
     import kvlink
 
     tools = ["kvlink", *[t for t in TOOLS if t in peers]]

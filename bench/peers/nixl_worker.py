@@ -6,11 +6,12 @@ Protocol: see _common.py. Public API only, as in NIXL's Python examples: ``nixl_
 nixl_agent_config(backends=["UCX"]))``, ``register_memory([(ptr, n, 0, "")], "DRAM")``,
 ``get_agent_metadata`` / ``add_remote_agent``, ``get_xfer_descs``, ``initialize_xfer("WRITE",
 ...)``, ``transfer`` and ``check_xfer_state`` polled until "DONE"; the target learns of completion
-from the WRITE's notification (``check_remote_xfer_done``), which ends compare.py's clock.
+from the WRITE's notification (``check_remote_xfer_done``), which ends the clock.
 ``initialize_xfer`` (request preparation) runs before the clock starts.
 
-UCX is configured only through its environment, which compare.py sets: ``UCX_TLS=tcp`` (else
-UCX would use shared memory between two processes on one host, which is not a network),
+UCX is configured only through its environment, which kvlink/cli/_peers.py sets (for
+compare.py and kvlink-bench): ``UCX_TLS=tcp`` (else UCX would use shared memory between two
+processes on one host, which is not a network),
 ``UCX_NET_DEVICES`` (lo, or this side's four testbed veths), ``UCX_MODULES=^ib,...`` (peers.md:
 without it the process segfaults at exit) and, on the testbed, the multi-rail limits
 UCX_MAX_RMA_RAILS / UCX_MAX_RNDV_RAILS / UCX_MAX_EAGER_RAILS raised to the number of links.

@@ -7,13 +7,13 @@ Protocol: see _common.py. ucxx's public Python API (``ucxx.create_listener``,
 "write" here is two-sided: the target posts a receive into its pre-faulted buffer and the
 initiator sends its buffer; for a message this size UCX uses its rendezvous protocol, which
 moves the data zero-copy into the posted buffer. The clock starts at the initiator's
-``send()`` of the data (an 8-byte size header goes first, outside the clock) and compare.py
+``send()`` of the data (an 8-byte size header goes first, outside the clock) and the driver
 stops it when the target's receive completes ("await_done").
 
-UCX is configured only through its environment, which compare.py sets: ``UCX_TLS=tcp`` (no
-shared memory between the two processes), ``UCX_NET_DEVICES``, ``UCX_PROTO_ENABLE=n``
-(peers.md: 1.50 GB/s instead of 0.68 on loopback) and, on the testbed, UCX_MAX_RNDV_RAILS /
-UCX_MAX_EAGER_RAILS raised to the number of links.
+UCX is configured only through its environment, which kvlink/cli/_peers.py sets (for
+compare.py and kvlink-bench): ``UCX_TLS=tcp`` (no shared memory between the two processes),
+``UCX_NET_DEVICES``, ``UCX_PROTO_ENABLE=n`` (peers.md: 1.50 GB/s instead of 0.68 on loopback)
+and, on the testbed, UCX_MAX_RNDV_RAILS / UCX_MAX_EAGER_RAILS raised to the number of links.
 """
 
 from __future__ import annotations

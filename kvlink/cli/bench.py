@@ -28,6 +28,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -84,6 +85,13 @@ def fmt_size(n: int) -> str:
     return f"{n / 1e6:g}MB" if n >= 10**6 else f"{n}B"
 
 
+def chunk_label(chunk_bytes: int | None) -> str:
+    """A result's chunk column: auto (the planner's choice), a size, or - (not kvlink)."""
+    if chunk_bytes is None:
+        return "-"
+    return "auto" if chunk_bytes == 0 else fmt_size(chunk_bytes)
+
+
 def common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", type=size_list, default=[1 << 30], help="sweep list (16MiB,1GiB)")
     p.add_argument(
@@ -103,6 +111,12 @@ def common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--csv", metavar="FILE", help="also write the results as CSV")
     p.add_argument("--plot", metavar="FILE.png", help="throughput vs size (or chunk size)")
     p.add_argument("--compare", default="iperf3", help="iperf3,mooncake,nixl,ucxx or none")
+    p.add_argument(
+        "--peers-dir",
+        metavar="DIR",
+        help="bench/peers of a kvlink checkout, with the peers installed by its setup.sh "
+        "(default: $KVLINK_PEERS_DIR, else found from the checkout or the current directory)",
+    )
     p.add_argument("--quick", action="store_true", help="tiny run for smoke tests")
 
 
@@ -219,7 +233,7 @@ class Reporter:
                 r["tool"],
                 r.get("op", "-"),
                 fmt_size(r["size_bytes"]),
-                "auto" if r.get("chunk_bytes") == 0 else fmt_size(r["chunk_bytes"] or 0),
+                chunk_label(r.get("chunk_bytes")),
                 str(r.get("concurrency", 1)),
                 f"{r['gbps']:.3f}",
                 f"{r['limit_gbps']:.3f}" if r.get("limit_gbps") else "-",
@@ -366,6 +380,12 @@ def check_args(args: argparse.Namespace) -> str | None:
     bad = [p for p in args.compare.split(",") if p and p != "none" and p not in PEERS]
     if bad:
         return f"--compare: unknown {bad}; choose from {','.join(PEERS)} or none"
+    libs = [p for p in args.compare.split(",") if p in ("mooncake", "nixl", "ucxx")]
+    if args.command == "run" and libs:
+        return (
+            f"--compare {','.join(libs)}: peer libraries are compared by `kvlink-bench loopback` "
+            "and `kvlink-bench testbed`; between two hosts run each library's own tool"
+        )
     return None
 
 
@@ -454,6 +474,19 @@ def run_remote(
     return rows
 
 
+def report_limit(rep: Reporter, limit: float | None, nbytes: int, paths: int) -> float | None:
+    """Reports iperf3's result as a row of its own (or a note when it is missing)."""
+    if limit is None:
+        rep.note("iperf3 not found: no limit measured (apt-get install iperf3)")
+        return None
+    rep.result({
+        "tool": "iperf3", "op": "push", "size_bytes": nbytes, "chunk_bytes": None,
+        "paths": paths, "seconds": nbytes / limit / 1e9, "gbps": limit, "first_layer_s": None,
+        "p50_s": None, "p99_s": None, "cpu_s": None, "limit_gbps": limit, "ratio_to_limit": 1.0,
+    })  # fmt: skip
+    return limit
+
+
 def with_limit(rows: list[dict[str, Any]], limit: float | None) -> list[dict[str, Any]]:
     for r in rows:
         r["limit_gbps"] = limit
@@ -475,29 +508,10 @@ def cmd_loopback(args: argparse.Namespace, rep: Reporter) -> int:
         lo: list[tuple[list[str], str, list[str], str]] = [
             ([], "127.0.0.1", [], f"127.0.0.{i + 1}") for i in range(paths)
         ]
-        limit = iperf3_gbps(lo, max(spec.sizes) * spec.concurrency)
-        if limit is None:
-            rep.note("iperf3 not found: no limit measured (apt-get install iperf3)")
-        else:
-            rep.result(
-                {
-                    "tool": "iperf3",
-                    "op": "push",
-                    "size_bytes": need,
-                    "chunk_bytes": None,
-                    "paths": paths,
-                    "seconds": need / limit / 1e9,
-                    "gbps": limit,
-                    "first_layer_s": None,
-                    "p50_s": None,
-                    "p99_s": None,
-                    "cpu_s": None,
-                    "limit_gbps": limit,
-                    "ratio_to_limit": 1.0,
-                }
-            )
-    report_peers(args, rep)
-    for r in with_limit(rows, limit):
+        limit = report_limit(rep, iperf3_gbps(lo, need), need, paths)
+    from ._peers import Where
+
+    for r in [*with_limit(rows, limit), *run_peers(args, rep, Where(), limit)]:
         rep.result(r)
     return 0
 
@@ -528,20 +542,62 @@ def cmd_testbed(args: argparse.Namespace, rep: Reporter) -> int:
                 (tb.exec_prefix("b"), b, tb.exec_prefix("a"), a)
                 for a, b in zip(tb.addresses("a"), tb.addresses("b"), strict=True)
             ]
-            limit = iperf3_gbps(pairs, need)
-        report_peers(args, rep)
-        for r in with_limit(rows, limit):
+            limit = report_limit(rep, iperf3_gbps(pairs, need), need, len(pairs))
+        from ._peers import TestbedWhere
+
+        for r in [*with_limit(rows, limit), *run_peers(args, rep, TestbedWhere(tb), limit)]:
             rep.result(r)
     return 0
 
 
-def report_peers(args: argparse.Namespace, rep: Reporter) -> None:
-    for peer in args.compare.split(","):
-        if peer in ("mooncake", "nixl", "ucxx"):
-            rep.note(
-                f"{peer}: not run by kvlink-bench (it needs its own virtualenv); "
-                "run bench/peers/compare.py from a kvlink checkout"
-            )
+def run_peers(
+    args: argparse.Namespace, rep: Reporter, where: Any, limit: float | None
+) -> list[dict[str, Any]]:
+    """Each peer named in --compare: one timed write of every size, --iters times, each in
+    fresh processes (kvlink/cli/_peers.py).  A peer that cannot run is a note with why."""
+    from . import _peers
+
+    peers = [p for p in args.compare.split(",") if p in _peers.PEERS]
+    if not peers:
+        return []
+    if args.op != "push" or args.concurrency != 1 or args.layers != 1:
+        rep.note("peers run one plain write (push) of each size; --op/--concurrency/--layers "
+                 "apply to kvlink only")  # fmt: skip
+    peers_dir = _peers.find_peers_dir(args.peers_dir)
+    rows = []
+    for peer in peers:
+        if reason := _peers.unavailable_reason(peers_dir, peer):
+            rep.note(f"{peer}: cannot run: {reason}")
+            continue
+        for size in args.size:
+            if size % 8:
+                rep.note(f"{peer}: {size} bytes skipped: the peer workers need a multiple of 8")
+                continue
+            runs = []
+            try:
+                for it in range(args.iters):
+                    rep.progress(f"{peer} {fmt_size(size)}", it, args.iters)
+                    runs.append(_peers.run_peer(peers_dir, peer, where, size, it))
+            except _peers.PeerError as exc:
+                rep.note(f"{peer} {fmt_size(size)}: failed: {exc}")
+                continue
+            if not all(r.verified for r in runs):
+                bad = next(r for r in runs if not r.verified)
+                rep.note(f"{peer} {fmt_size(size)}: data check failed ({bad.extra})")
+                continue
+            secs = sorted(r.seconds for r in runs)
+            p50 = statistics.median(secs)
+            gbps = size / p50 / 1e9
+            rows.append({
+                "tool": peer, "op": "push", "size_bytes": size, "chunk_bytes": None,
+                "paths": where.links, "seconds": p50, "gbps": gbps, "first_layer_s": None,
+                "p50_s": p50, "p99_s": secs[min(len(secs) - 1, int(0.99 * len(secs)))],
+                "cpu_s": statistics.median(r.cpu_s for r in runs),
+                "cpu_cores": statistics.median(r.cpu_s / r.seconds for r in runs),
+                "limit_gbps": limit, "ratio_to_limit": gbps / limit if limit else None,
+                "verified": True,
+            })  # fmt: skip
+    return rows
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -78,3 +78,24 @@ def test_bad_arguments_are_named(argv, message):
     out = bench("loopback", "--quick", *argv)
     assert out.returncode == 2
     assert message in out.stderr
+
+
+def test_run_refuses_peer_libraries():
+    out = bench("run", "--connect", "127.0.0.1:1", "--compare", "iperf3,nixl")
+    assert out.returncode == 2
+    assert "--compare nixl: peer libraries are compared by `kvlink-bench loopback`" in out.stderr
+
+
+def test_peers_that_cannot_run_are_reported_with_why(tmp_path):
+    """--compare names peers; one not installed is a note with the reason, never dropped."""
+    (tmp_path / "nixl_worker.py").write_text("")  # a worker, but setup.sh never ran
+    out = bench(
+        "loopback", "--quick", "--json", "--compare", "nixl,mooncake",
+        "--peers-dir", str(tmp_path),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    notes = [x["note"] for x in lines if "note" in x]
+    assert f"nixl: cannot run: not installed: run `bash {tmp_path}/setup.sh nixl`" in notes
+    assert f"mooncake: cannot run: {tmp_path} has no mooncake_worker.py" in " ".join(notes)
+    assert [x["tool"] for x in lines if "tool" in x] == ["kvlink"]

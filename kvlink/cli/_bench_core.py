@@ -58,7 +58,8 @@ def serve(
 ) -> None:
     """Runs the target agent until a client says "exit" or ``stop`` is set."""
     stop = stop or threading.Event()
-    with kvlink.Agent("kvlink-bench-serve", kvlink.Config(nics=nics)) as agent:
+    # Config.load: KVLINK_* settings in the environment apply to both sides, as in production
+    with kvlink.Agent("kvlink-bench-serve", kvlink.Config.load(nics=nics)) as agent:
         buf = np.empty(nbytes, np.uint8)
         buf.fill(0)
         region = agent.register(buf, remote_read=True, remote_write=True, name="bench")
@@ -177,9 +178,9 @@ def run(
         for chunk in spec.chunks:
             # 0 = the library's own planning; otherwise every chunk is exactly `chunk`
             cfg = (
-                kvlink.Config(nics=nics)
+                kvlink.Config.load(nics=nics)
                 if chunk == 0
-                else kvlink.Config(nics=nics, chunk_bytes=chunk, min_chunk_bytes=chunk)
+                else kvlink.Config.load(nics=nics, chunk_bytes=chunk, min_chunk_bytes=chunk)
             )
             with kvlink.Agent(f"kvlink-bench-run-{chunk}", cfg) as agent:
                 local = np.empty(need, np.uint8)

@@ -389,6 +389,18 @@ def check_args(args: argparse.Namespace) -> str | None:
     return None
 
 
+def check_environment() -> str | None:
+    """KVLINK_* settings apply to every agent the tool makes: refuse bad ones up front."""
+    from .._config import Config
+    from .._errors import ConfigError
+
+    try:
+        Config.load()
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
 @contextlib.contextmanager
 def spawn_serve(prefix: list[str], nics: str, nbytes: int, host: str) -> Iterator[str]:
     """`kvlink-bench serve` in a child process; yields its bootstrap endpoint."""
@@ -628,6 +640,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return demo.main(argv[1:])
     args = build_parser().parse_args(argv)
+    err = check_environment()
+    if err:
+        print(f"kvlink-bench: {err}", file=sys.stderr)
+        return 2
     if args.command == "serve":
         return cmd_serve(args)
     err = check_args(args)

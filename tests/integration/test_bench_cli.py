@@ -99,3 +99,11 @@ def test_peers_that_cannot_run_are_reported_with_why(tmp_path):
     assert f"nixl: cannot run: not installed: run `bash {tmp_path}/setup.sh nixl`" in notes
     assert f"mooncake: cannot run: {tmp_path} has no mooncake_worker.py" in " ".join(notes)
     assert [x["tool"] for x in lines if "tool" in x] == ["kvlink"]
+
+
+def test_kvlink_environment_settings_apply(monkeypatch):
+    """kvlink-bench builds its Config with Config.load, so KVLINK_* tuning reaches both sides."""
+    monkeypatch.setenv("KVLINK_WINDOW_CHUNKS", "not-a-number")
+    out = bench("loopback", "--quick", "--json", "--compare", "none")
+    assert out.returncode == 2
+    assert out.stderr == "kvlink-bench: KVLINK_WINDOW_CHUNKS: cannot parse 'not-a-number'\n"

@@ -81,6 +81,7 @@ struct kvl_conn {
     /* send */
     kvl_out *sq, *sq_tail;
     int epout;
+    int lowat;             /* SO_RCVLOWAT in force (0 = the kernel's default of 1) */
     uint64_t tx_payload, rx_payload;
     kvl_conn *next, *prev;
 };
@@ -890,6 +891,24 @@ static ssize_t read_payload(kvl_conn *c)
     return got;
 }
 
+/* While a payload is arriving, asks the kernel to wake us only once a whole
+ * batch (or the rest of the frame, which the peer must send) is queued: one
+ * large readv per wakeup instead of many small ones.  Between frames the
+ * default of one byte applies, so headers and ACKs are seen at once. */
+static void set_lowat(kvl_conn *c)
+{
+    int want = 0;
+    if (c->rs == RS_PAYLOAD) {
+        uint64_t rest = c->h.payload_len - c->pay_got + 4; /* + the crc trailer */
+        want = rest > IO_BATCH ? (int)IO_BATCH : (int)rest;
+    }
+    if (want == c->lowat)
+        return;
+    int v = want ? want : 1;
+    if (setsockopt(c->fd, SOL_SOCKET, SO_RCVLOWAT, &v, sizeof v) == 0)
+        c->lowat = want;
+}
+
 static void conn_read(kvl_conn *c)
 {
     size_t budget = IO_BUDGET;
@@ -916,8 +935,10 @@ static void conn_read(kvl_conn *c)
             return;
         }
         if (n < 0) {
-            if (errno == EAGAIN || errno == EINTR)
+            if (errno == EAGAIN || errno == EINTR) {
+                set_lowat(c);
                 return;
+            }
             char why[160];
             snprintf(why, sizeof why, "recv: %s", strerror(errno));
             kvl_conn_fail(c, KVL_ERR_CONN_LOST, why);

@@ -901,6 +901,15 @@ static void set_lowat(kvl_conn *c)
     if (c->rs == RS_PAYLOAD) {
         uint64_t rest = c->h.payload_len - c->pay_got + 4; /* + the crc trailer */
         want = rest > IO_BATCH ? (int)IO_BATCH : (int)rest;
+        /* never more than a quarter of the receive buffer: above what the
+         * buffer holds the kernel would grow it and clamp the TCP window
+         * to the low-water mark, capping the path's throughput */
+        int rcvbuf = 0;
+        socklen_t len = sizeof rcvbuf;
+        if (getsockopt(c->fd, SOL_SOCKET, SO_RCVBUF, &rcvbuf, &len) < 0)
+            rcvbuf = 0;
+        if (want > rcvbuf / 4)
+            want = rcvbuf / 4;
     }
     if (want == c->lowat)
         return;

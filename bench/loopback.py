@@ -37,12 +37,10 @@ a "meta" line, one "result" line per table row and one "ratio" line per target.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
 import re
-import select
 import shutil
 import signal
 import socket
@@ -54,6 +52,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from kvlink.cli._jsonlines import JsonLinesProcess
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -142,65 +142,23 @@ def proc_cpu_s(pid: int) -> float:
 # ---- the kvlink worker -------------------------------------------------------
 
 
-class Worker:
+class Worker(JsonLinesProcess):
     """bench/_proc.py in a subprocess, spoken to in JSON lines."""
 
+    error = BenchError
+
     def __init__(self, tag: str) -> None:
-        self.tag = tag
-        self.err = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
-        self.p = subprocess.Popen(
+        err = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
+        p = subprocess.Popen(
             [sys.executable, str(WORKER)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=self.err,
+            stderr=err,
         )
-        self.pid = self.p.pid
-        self._buf = b""
+        super().__init__(tag, p, err)
 
-    def send(self, cmd: str, **args: Any) -> None:
-        assert self.p.stdin is not None
-        self.p.stdin.write((json.dumps({"cmd": cmd, **args}) + "\n").encode())
-        self.p.stdin.flush()
-
-    def recv(self, timeout_s: float = 120.0) -> dict[str, Any]:
-        assert self.p.stdout is not None
-        fd = self.p.stdout.fileno()
-        deadline = time.monotonic() + timeout_s
-        while b"\n" not in self._buf:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise BenchError(f"{self.tag}: no answer in {timeout_s} s{self.stderr_tail()}")
-            r, _, _ = select.select([fd], [], [], left)
-            if r:
-                data = os.read(fd, 65536)
-                if not data:
-                    raise BenchError(f"{self.tag}: worker exited{self.stderr_tail()}")
-                self._buf += data
-        line, self._buf = self._buf.split(b"\n", 1)
-        reply: dict[str, Any] = json.loads(line)
-        if not reply.pop("ok"):
-            raise BenchError(f"{self.tag}: {reply['type']}: {reply['error']}{self.stderr_tail()}")
-        return reply
-
-    def call(self, cmd: str, answer_s: float = 120.0, **args: Any) -> dict[str, Any]:
-        self.send(cmd, **args)
-        return self.recv(answer_s)
-
-    def stderr_tail(self, n: int = 3000) -> str:
-        self.err.seek(0)
-        text = self.err.read().decode(errors="replace")[-n:]
-        return f"\n--- {self.tag} stderr ---\n{text}" if text.strip() else ""
-
-    def close(self) -> None:
-        if self.p.poll() is None:
-            with contextlib.suppress(BenchError, OSError):
-                self.call("exit", answer_s=15)
-            try:
-                self.p.wait(10)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait()
-        self.err.close()
+    def error_text(self, answer: dict[str, Any]) -> str:
+        return f"{answer['type']}: {answer['error']}"
 
 
 class Perf:

@@ -84,6 +84,7 @@ from loopback import Worker as LoopbackWorker
 
 import kvlink
 import kvlink.testbed as kt
+from kvlink.cli._jsonlines import JsonLinesProcess
 
 WORKER = Path(__file__).with_name("_mn_proc.py")
 SCENARIOS = ("aggregate", "hetero", "linkcut", "ratedrop", "kvlayers")
@@ -113,25 +114,17 @@ class Worker(LoopbackWorker):
     protocol and its client are bench/loopback.py's; only the spawning differs)."""
 
     def __init__(self, tb: kt.Testbed, side: str, tag: str) -> None:
-        self.tag = tag
-        self.err = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
+        err = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
         # tb.run: down() stops it if we never get to close() it.
-        self.p = tb.run(
+        p = tb.run(
             side,
             [sys.executable, str(WORKER)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=self.err,
+            stderr=err,
             env=dict(os.environ, PYTHONPATH=str(WORKER.parent.parent)),
         )
-        self.pid = self.p.pid
-        self._buf = b""
-
-    def close(self) -> None:
-        super().close()
-        for f in (self.p.stdin, self.p.stdout):
-            if f is not None:
-                f.close()
+        JsonLinesProcess.__init__(self, tag, p, err)
 
 
 @dataclass

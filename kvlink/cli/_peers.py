@@ -20,16 +20,16 @@ given the links (UCX: every device named and the rail limits raised to the numbe
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import select
 import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ._jsonlines import JsonLinesProcess
 
 MiB = 1 << 20
 PEERS = ("mooncake", "nixl", "ucxx")
@@ -221,8 +221,10 @@ class Run:
 # ---- peer workers ----------------------------------------------------------------------
 
 
-class Worker:
-    """One <peer>_worker.py process, spoken to in JSON lines with timeouts."""
+class Worker(JsonLinesProcess):
+    """One <peer>_worker.py process (protocol: bench/peers/_common.py)."""
+
+    error = PeerError
 
     def __init__(
         self,
@@ -233,77 +235,19 @@ class Worker:
         env: dict[str, str],
         prefix: list[str],
     ) -> None:
-        self.tag = f"{peer} {role}"
-        self.err = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
         base = base_peer(peer)
         py = peers_dir / ".venvs" / base / "bin" / "python"
         cmd = [*prefix, str(py), str(peers_dir / f"{base}_worker.py"), "--role", role, *argv]
-        self.p = subprocess.Popen(
+        err = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
+        p = subprocess.Popen(
             cmd,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=self.err,
+            stderr=err,
             env={**os.environ, **env},
             cwd=peers_dir,
         )
-        self._buf = b""
-
-    def send(self, cmd: str, **args: Any) -> None:
-        assert self.p.stdin is not None
-        try:
-            self.p.stdin.write((json.dumps({"cmd": cmd, **args}) + "\n").encode())
-            self.p.stdin.flush()
-        except BrokenPipeError:
-            raise PeerError(f"{self.tag}: worker exited{self.stderr_tail()}") from None
-
-    def recv(self, timeout_s: float) -> dict[str, Any]:
-        assert self.p.stdout is not None
-        fd = self.p.stdout.fileno()
-        deadline = time.monotonic() + timeout_s
-        while b"\n" not in self._buf:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise PeerError(f"{self.tag}: no answer in {timeout_s:.0f} s{self.stderr_tail()}")
-            r, _, _ = select.select([fd], [], [], left)
-            if r:
-                data = os.read(fd, 1 << 20)
-                if not data:
-                    self.p.wait(5)
-                    raise PeerError(
-                        f"{self.tag}: worker exited (rc={self.p.returncode}){self.stderr_tail()}"
-                    )
-                self._buf += data
-        line, self._buf = self._buf.split(b"\n", 1)
-        rep: dict[str, Any] = json.loads(line)
-        if not rep.pop("ok"):
-            raise PeerError(f"{self.tag}: {rep['error']}: {rep['message']}{self.stderr_tail()}")
-        return rep
-
-    def call(self, cmd: str, timeout_s: float = 60.0, **args: Any) -> dict[str, Any]:
-        self.send(cmd, **args)
-        return self.recv(timeout_s)
-
-    def stderr_tail(self, n: int = 1500) -> str:
-        self.err.seek(0)
-        text = self.err.read().decode(errors="replace")
-        lines = [ln for ln in text.splitlines() if ln.strip()]
-        tail = "\n".join(lines[-12:])[-n:]
-        return f"\n--- {self.tag} stderr (tail) ---\n{tail}" if tail else ""
-
-    def close(self) -> None:
-        if self.p.poll() is None:
-            with contextlib.suppress(Exception):
-                self.call("exit", timeout_s=10)
-            try:
-                self.p.wait(10)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait(10)
-        for f in (self.p.stdin, self.p.stdout):
-            if f:
-                with contextlib.suppress(OSError):
-                    f.close()
-        self.err.close()
+        super().__init__(f"{peer} {role}", p, err)
 
 
 def peer_env(peer: str, where: Where, side: str) -> dict[str, str]:
@@ -351,10 +295,10 @@ def run_peer(peers_dir: Path | None, peer: str, where: Where, size: int, it: int
         info = target.recv(120)["info"]
         init_info = init.recv(120)["info"]  # its "ready": buffer allocated and registered
         warm = init.call(
-            "connect", timeout_s=transfer_timeout_s(WARM_BYTES) + 60, info=info,
+            "connect", answer_s=transfer_timeout_s(WARM_BYTES) + 60, info=info,
             warm_bytes=min(size, WARM_BYTES),
         )  # fmt: skip
-        init.call("fill", timeout_s=120, seed=it + 1)
+        init.call("fill", answer_s=120, seed=it + 1)
         time.sleep(QUIET_S)
         links0 = where.link_tx_bytes()
         rx0 = target.call("cpu")["cpu_s"]
@@ -367,9 +311,9 @@ def run_peer(peers_dir: Path | None, peer: str, where: Where, size: int, it: int
             # The target notes when the data is in its memory: the end of the clock.
             target.send("await_done", **done_args)
         # tag: the notification NIXL's WRITE carries (the other workers ignore it).
-        res = init.call("run", timeout_s=transfer_timeout_s(size) + 60, tag=f"run{it + 1}")
+        res = init.call("run", answer_s=transfer_timeout_s(size) + 60, tag=f"run{it + 1}")
         if done_args:
-            done = target.recv(timeout_s=transfer_timeout_s(size) + 60)
+            done = target.recv(transfer_timeout_s(size) + 60)
             rx1, t_end = done["cpu_s"], max(int(done["t_ns"]), int(res["t1_ns"]))
         else:
             # Mooncake's public API gives the target no completion signal: the initiator's
@@ -377,7 +321,7 @@ def run_peer(peers_dir: Path | None, peer: str, where: Where, size: int, it: int
             # buffers then: a few MB, under 1% of 1 GiB).
             rx1, t_end = target.call("cpu")["cpu_s"], int(res["t1_ns"])
         links1 = where.link_tx_bytes()
-        ver = target.call("verify", timeout_s=300, seed=it + 1, **done_args)
+        ver = target.call("verify", answer_s=300, seed=it + 1, **done_args)
         seconds = (t_end - int(res["t0_ns"])) / 1e9
         return Run(
             tool=peer,

@@ -82,6 +82,7 @@ struct kvl_conn {
     kvl_out *sq, *sq_tail;
     int epout;
     int lowat;             /* SO_RCVLOWAT in force (0 = the kernel's default of 1) */
+    int lowat_max;         /* its ceiling for the payload in progress (set_lowat) */
     uint64_t tx_payload, rx_payload;
     kvl_conn *next, *prev;
 };
@@ -782,6 +783,15 @@ static void on_body(kvl_conn *c)
         c->pay_got = 0;
         c->crc = 0;
         c->trailer_got = 0;
+        /* never more than a quarter of the receive buffer: above what the
+         * buffer holds the kernel would grow it and clamp the TCP window to
+         * the low-water mark, capping the path's throughput.  Read once per
+         * frame; autotuning may grow the buffer between frames. */
+        int rcvbuf = 0;
+        socklen_t len = sizeof rcvbuf;
+        if (getsockopt(c->fd, SOL_SOCKET, SO_RCVBUF, &rcvbuf, &len) < 0)
+            rcvbuf = 0;
+        c->lowat_max = rcvbuf / 4 < (int)IO_BATCH ? rcvbuf / 4 : (int)IO_BATCH;
     } else {
         c->rs = RS_HDR;
         c->hdr_got = 0;
@@ -900,16 +910,7 @@ static void set_lowat(kvl_conn *c)
     int want = 0;
     if (c->rs == RS_PAYLOAD) {
         uint64_t rest = c->h.payload_len - c->pay_got + 4; /* + the crc trailer */
-        want = rest > IO_BATCH ? (int)IO_BATCH : (int)rest;
-        /* never more than a quarter of the receive buffer: above what the
-         * buffer holds the kernel would grow it and clamp the TCP window
-         * to the low-water mark, capping the path's throughput */
-        int rcvbuf = 0;
-        socklen_t len = sizeof rcvbuf;
-        if (getsockopt(c->fd, SOL_SOCKET, SO_RCVBUF, &rcvbuf, &len) < 0)
-            rcvbuf = 0;
-        if (want > rcvbuf / 4)
-            want = rcvbuf / 4;
+        want = rest > (uint64_t)c->lowat_max ? c->lowat_max : (int)rest;
     }
     if (want == c->lowat)
         return;

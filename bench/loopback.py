@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlink.cli._jsonlines import JsonLinesProcess
+from kvlink.cli.bench import wait_listening as _wait_listening
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -161,26 +162,17 @@ class Worker(JsonLinesProcess):
         return f"{answer['type']}: {answer['error']}"
 
 
+# cpu-clock samples with call graphs, at a rate that is not a multiple of the tick
+PERF_RECORD = ["perf", "record", "-q", "-e", "cpu-clock", "-F", "4999", "-g"]
+
+
 class Perf:
     """``perf record`` attached to a running process (only the transfer)."""
 
     def __init__(self, pid: int, out: Path) -> None:
         self.out = out
         self.p = subprocess.Popen(
-            [
-                "perf",
-                "record",
-                "-q",
-                "-e",
-                "cpu-clock",
-                "-F",
-                "4999",
-                "-g",
-                "-p",
-                str(pid),
-                "-o",
-                str(out),
-            ],
+            [*PERF_RECORD, "-p", str(pid), "-o", str(out)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -197,7 +189,7 @@ class Perf:
 # Where perf's cpu-clock samples land, grouped for tuning.  Order matters: the
 # first matching group wins.
 _PERF_GROUPS: list[tuple[str, tuple[str, ...]]] = [
-    ("crc32c", ("hw_update", "sw_update", "hw_zeros", "kvl_crc32c")),
+    ("crc32c", ("vclmul_update", "hw_update", "sw_update", "hw_zeros", "kvl_crc32c")),
     ("kernel copy", ("_copy_from_iter", "_copy_to_iter", "copy_user", "rep_movs", "memcpy")),
     # hrtimer samples taken with interrupts off are delivered when they are
     # switched back on, so these names stand for "softirq / irq-off work".
@@ -458,18 +450,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def listening(port: int) -> bool:
-    for table in ("/proc/net/tcp6", "/proc/net/tcp"):
-        try:
-            with open(table) as f:
-                next(f)
-                for line in f:
-                    cols = line.split()
-                    if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
-                        return True
-        except FileNotFoundError:
-            pass
-    return False
+def wait_listening(servers: list[subprocess.Popen[Any]], ports: list[int], err: Any) -> None:
+    """kvlink.cli.bench.wait_listening, raising BenchError."""
+    try:
+        _wait_listening(servers, ports, err)
+    except RuntimeError as exc:
+        raise BenchError(str(exc)) from None
 
 
 def vm_hwm_kib(pid: int) -> int:
@@ -509,30 +495,13 @@ def run_iperf3(size: int, streams: int, perf_dir: Path | None = None) -> Sample:
     if perf_dir is not None:
         perf_dir.mkdir(parents=True, exist_ok=True)
         for wrap, side in ((wrap_s, "rx"), (wrap_c, "tx")):
-            wrap += [
-                "perf",
-                "record",
-                "-q",
-                "-e",
-                "cpu-clock",
-                "-F",
-                "4999",
-                "-g",
-                "-o",
-                str(perf_dir / f"iperf3-{streams}p-{side}.data"),
-                "--",
-            ]
+            wrap += [*PERF_RECORD, "-o", str(perf_dir / f"iperf3-{streams}p-{side}.data"), "--"]
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         server = subprocess.Popen(
             [*wrap_s, "iperf3", "-s", "-1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=err
         )
         try:
-            deadline = time.monotonic() + 10
-            while not listening(port):
-                if server.poll() is not None or time.monotonic() > deadline:
-                    err.seek(0)
-                    raise BenchError(f"iperf3 -s did not listen on {port}: {err.read()!r}")
-                time.sleep(0.01)
+            wait_listening([server], [port], err)
             base = proc_cpu_s(server.pid) if not wrap_s else 0.0
             k0 = ksoftirqd_s()
             cmd = [*wrap_c, "iperf3", "-c", "127.0.0.1", "-p", str(port), "-n", str(size), "--json"]

@@ -79,6 +79,7 @@ from loopback import (  # bench/loopback.py
     iperf3_json,
     median,
     parse_size,
+    wait_listening,
 )
 from loopback import Worker as LoopbackWorker
 
@@ -290,17 +291,6 @@ class IperfRun:
         return self.size_bytes / self.seconds / 1e9
 
 
-def _listening(pid: int, port: int) -> bool:
-    # /proc/PID/net/tcp is the table of PID's network namespace.
-    with contextlib.suppress(OSError), open(f"/proc/{pid}/net/tcp") as f:
-        next(f)
-        for line in f:
-            cols = line.split()
-            if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
-                return True
-    return False
-
-
 def run_iperf3(tb: kt.Testbed, stream_bytes: list[int], timeout_s: float) -> IperfRun:
     """One iperf3 stream per link, all at once, ``stream_bytes[i]`` over link i."""
     n = len(stream_bytes)
@@ -323,13 +313,7 @@ def run_iperf3(tb: kt.Testbed, stream_bytes: list[int], timeout_s: float) -> Ipe
             argv = ["iperf3", "-s", "-1", "-B", tb.address("b", i), "-p", str(ports[i])]
             servers.append(tb.run("b", argv, stdout=subprocess.DEVNULL, stderr=errs))
             procs.append(servers[-1])
-        deadline = time.monotonic() + 10
-        for srv, port in zip(servers, ports, strict=True):
-            while not _listening(srv.pid, port):
-                if srv.poll() is not None or time.monotonic() > deadline:
-                    errs.seek(0)
-                    raise BenchError(f"iperf3 -s did not listen on {port}: {errs.read()!r}")
-                time.sleep(0.01)
+        wait_listening(servers, ports, errs)
         clients = []
         for i in range(n):
             argv = [

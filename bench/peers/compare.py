@@ -102,6 +102,7 @@ from loopback import (  # noqa: E402
     iperf3_json,
     median,
     parse_size,
+    wait_listening,
 )
 
 from kvlink.cli import _peers  # noqa: E402
@@ -241,18 +242,6 @@ def run_kvlink(where: Where, size: int, it: int, one_path: bool = False) -> Run:
 # ---- iperf3 ----------------------------------------------------------------------------
 
 
-def _listening(pid: int, port: int) -> bool:
-    # /proc/PID/net/tcp* is the table of PID's network namespace.
-    for table in ("tcp6", "tcp"):
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/net/{table}") as f:
-            next(f)
-            for line in f:
-                cols = line.split()
-                if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
-                    return True
-    return False
-
-
 def _wait4(p: subprocess.Popen[Any], timeout_s: float) -> float:
     """Reap ``p``; its CPU seconds (rusage, all threads)."""
     deadline = time.monotonic() + timeout_s
@@ -294,13 +283,7 @@ def run_iperf3(where: Where, size: int, it: int) -> Run:
             argv = [*where.prefix("b"), "iperf3", "-s", "-1", *bind, "-p", str(ports[i])]
             servers.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=errs))
             procs.append(servers[-1])
-        deadline = time.monotonic() + 10
-        for srv, port in zip(servers, ports, strict=True):
-            while not _listening(srv.pid, port):
-                if srv.poll() is not None or time.monotonic() > deadline:
-                    errs.seek(0)
-                    raise BenchError(f"iperf3 -s did not listen on {port}: {errs.read()!r}")
-                time.sleep(0.01)
+        wait_listening(servers, ports, errs)
         links0 = where.link_tx_bytes()
         clients = []
         for i in range(n):

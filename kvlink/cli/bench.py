@@ -31,6 +31,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -293,25 +294,54 @@ class Reporter:
 # ---- limits (iperf3 on the same paths) --------------------------------------
 
 
+def listening(pid: int, port: int) -> bool:
+    """Whether something in ``pid``'s network namespace listens on TCP ``port``."""
+    for table in ("tcp6", "tcp"):  # /proc/PID/net/*: the table of PID's namespace
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/net/{table}") as f:
+            next(f)
+            for line in f:
+                cols = line.split()
+                if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                    return True
+    return False
+
+
+def wait_listening(servers: list[subprocess.Popen[Any]], ports: list[int], err: Any) -> None:
+    """Waits up to 10 s for each iperf3 server to listen on its port.
+
+    Raises:
+        RuntimeError: a server exited or did not listen in time (with its stderr, ``err``,
+            a file opened in binary mode).
+    """
+    deadline = time.monotonic() + 10
+    for srv, port in zip(servers, ports, strict=True):
+        while not listening(srv.pid, port):
+            if srv.poll() is not None or time.monotonic() > deadline:
+                err.seek(0)
+                raise RuntimeError(f"iperf3 -s did not listen on {port}: {err.read()!r}")
+            time.sleep(0.01)
+
+
 def iperf3_gbps(pairs: list[tuple[list[str], str, list[str], str]], nbytes: int) -> float | None:
     """Aggregate GB/s of one iperf3 stream per (server prefix, server addr, client prefix,
     client bind addr), all at once; None without iperf3."""
     if not shutil.which("iperf3"):
         return None
     servers, clients = [], []
+    ports = [15201 + i for i in range(len(pairs))]
+    err = tempfile.TemporaryFile()  # noqa: SIM115 (closed below)
     try:
-        for i, (spre, saddr, _, _) in enumerate(pairs):
-            port = str(15201 + i)
+        for (spre, saddr, _, _), port in zip(pairs, ports, strict=True):
             servers.append(
                 subprocess.Popen(
-                    [*spre, "iperf3", "-s", "-1", "-B", saddr, "-p", port],
+                    [*spre, "iperf3", "-s", "-1", "-B", saddr, "-p", str(port)],
                     stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
+                    stderr=err,
                 )
             )
-        time.sleep(0.3)
+        wait_listening(servers, ports, err)
         per = max(1, nbytes // len(pairs))
-        for i, (_, saddr, cpre, caddr) in enumerate(pairs):
+        for (_, saddr, cpre, caddr), port in zip(pairs, ports, strict=True):
             clients.append(
                 subprocess.Popen(
                     [
@@ -322,7 +352,7 @@ def iperf3_gbps(pairs: list[tuple[list[str], str, list[str], str]], nbytes: int)
                         "-B",
                         caddr,
                         "-p",
-                        str(15201 + i),
+                        str(port),
                         "-n",
                         str(per),
                         "--json",
@@ -344,6 +374,7 @@ def iperf3_gbps(pairs: list[tuple[list[str], str, list[str], str]], nbytes: int)
             if p.poll() is None:
                 p.kill()
             p.wait()
+        err.close()
 
 
 # ---- orchestration -----------------------------------------------------------

@@ -41,6 +41,7 @@ struct kvl_out {
     kvl_xfer *xfer;        /* DATA frames: holds an io_ref */
     kvl_region **refs;     /* READ_RESP frames: regions held until sent */
     int nrefs;
+    int chunk_frame;       /* DATA or READ_REQ: belongs to a transfer's chunk */
 };
 
 struct kvl_conn {
@@ -226,6 +227,7 @@ int kvl_conn_send_chunk(kvl_conn *c, kvl_xfer *x, uint32_t ci)
         o->xfer = x;
         x->io_refs++;
     }
+    o->chunk_frame = 1;
     kvl_frame_finish(&o->head, push ? KVL_F_DATA : KVL_F_READ_REQ, o->payload_len);
     if (o->head.oom) {
         out_free(c->a, o);
@@ -233,6 +235,25 @@ int kvl_conn_send_chunk(kvl_conn *c, kvl_xfer *x, uint32_t ci)
     }
     enqueue(c, o);
     return 0;
+}
+
+kvl_conn *kvl_conn_next(const kvl_conn *c) { return c->next; }
+int kvl_conn_has_output(const kvl_conn *c) { return !c->dead && c->sq != NULL; }
+
+void kvl_conn_drop_unstarted(kvl_conn *c)
+{
+    kvl_out **pp = &c->sq;
+    c->sq_tail = NULL;
+    while (*pp) {
+        kvl_out *o = *pp;
+        if (o->chunk_frame && o->head_sent == 0) {
+            *pp = o->next;
+            out_free(c->a, o);
+        } else {
+            c->sq_tail = o;
+            pp = &o->next;
+        }
+    }
 }
 
 /* Advances o over n payload bytes just sent, folding them into the crc. */
@@ -669,7 +690,23 @@ static void on_notify(kvl_conn *c)
         kvl_conn_fail(c, KVL_ERR_PROTOCOL, kvl_last_error());
         return;
     }
-    kvl_engine_notify_inbound(c->a, c->peer_name, &m);
+    if (kvl_notify_inbound(c->a, c->peer_name, c->ib ? c->ib->instance : 0, &m) && m.xfer) {
+        kvl_buf b = {0};
+        kvl_frame_start(&b);
+        kvl_enc_token(&b, m.xfer);
+        kvl_frame_finish(&b, KVL_F_NOTIFY_ACK, 0);
+        kvl_conn_send_frame(c, &b);
+    }
+}
+
+static void on_notify_ack(kvl_conn *c)
+{
+    uint64_t xfer;
+    if (kvl_dec_token(c->body, c->h.body_len, &xfer)) {
+        kvl_conn_fail(c, KVL_ERR_PROTOCOL, kvl_last_error());
+        return;
+    }
+    kvl_notify_acked(c->peer, xfer);
 }
 
 static void on_regions(kvl_conn *c)
@@ -768,6 +805,8 @@ static void on_body(kvl_conn *c)
         on_end(c);
     else if (t == KVL_F_PONG && out_data)
         on_pong(c);
+    else if (t == KVL_F_NOTIFY_ACK && c->outbound)
+        on_notify_ack(c);
     else {
         char why[96];
         snprintf(why, sizeof why, "unexpected frame type %u on this connection", t);
@@ -1074,6 +1113,7 @@ void kvl_conn_fail(kvl_conn *c, kvl_err err, const char *why)
     if (c->ib)
         c->ib->conns--;
     if (c->outbound) {
+        kvl_notify_conn_lost(c->peer, c);
         if (c->path >= 0) {
             kvl_path *pa = &c->peer->paths[c->path];
             pa->bytes_sent_prev += c->tx_payload;

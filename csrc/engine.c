@@ -55,52 +55,6 @@ void kvl_engine_post(kvl_agent *a, kvl_cmd *cmd)
     (void)rc; /* a full eventfd counter still wakes the engine */
 }
 
-/* ---- notifications ---- */
-
-void kvl_engine_notify_inbound(kvl_agent *a, const char *peer, const kvl_msg_notify *m)
-{
-    kvl_notif_node *nd = calloc(1, sizeof *nd);
-    if (!nd)
-        return;
-    snprintf(nd->n.peer, sizeof nd->n.peer, "%s", peer);
-    nd->n.xfer_id = m->xfer;
-    nd->n.op = m->op;
-    nd->n.tag_len = m->tag_len;
-    memcpy(nd->n.tag, m->tag, m->tag_len);
-    pthread_mutex_lock(&a->notif_mu);
-    if (a->notif_tail)
-        a->notif_tail->next = nd;
-    else
-        a->notif_head = nd;
-    a->notif_tail = nd;
-    pthread_cond_broadcast(&a->notif_cv);
-    pthread_mutex_unlock(&a->notif_mu);
-}
-
-kvl_err kvl_next_notification(kvl_agent *a, uint32_t timeout_ms, kvl_notification *out)
-{
-    kvl_clear_error();
-    struct timespec ts = kvl_deadline_ts(timeout_ms);
-    pthread_mutex_lock(&a->notif_mu);
-    int rc = 0;
-    while (!a->notif_head && rc == 0 && !atomic_load(&a->stopping))
-        rc = pthread_cond_timedwait(&a->notif_cv, &a->notif_mu, &ts);
-    kvl_notif_node *nd = a->notif_head;
-    if (nd) {
-        a->notif_head = nd->next;
-        if (!a->notif_head)
-            a->notif_tail = NULL;
-    }
-    pthread_mutex_unlock(&a->notif_mu);
-    if (!nd)
-        return atomic_load(&a->stopping)
-                   ? kvl_fail(KVL_ERR_CLOSED, "the agent is closed")
-                   : kvl_fail(KVL_ERR_TIMEOUT, "no notification within %u ms", timeout_ms);
-    *out = nd->n;
-    free(nd);
-    return KVL_OK;
-}
-
 /* ---- path snapshots ---- */
 
 void kvl_engine_snapshot_paths(kvl_agent *a)
@@ -257,6 +211,33 @@ static void run_commands(kvl_agent *a)
     }
 }
 
+/* close() was asked.  First call: running transfers fail (nothing new is
+ * dispatched) and frames of theirs not yet started are dropped.  Then the
+ * loop goes on until every queue is sent and every notification
+ * acknowledged, or the linger time is up.  Returns 1 when it may stop. */
+static int close_drained(kvl_agent *a, uint64_t now)
+{
+    if (!a->linger_end_ns) {
+        a->linger_end_ns = now + (uint64_t)a->cfg.close_linger_ms * 1000000ull;
+        for (kvl_peer *p = a->eng_peers; p; p = p->eng_next)
+            for (kvl_xfer *x = p->active; x; x = x->next_active)
+                if (kvl_xfer_running(x))
+                    kvl_sched_fail(x, KVL_ERR_CLOSED,
+                                   "the agent was closed while the transfer ran");
+        for (kvl_conn *c = a->conns; c; c = kvl_conn_next(c))
+            kvl_conn_drop_unstarted(c);
+    }
+    if (now >= a->linger_end_ns)
+        return 1;
+    for (kvl_peer *p = a->eng_peers; p; p = p->eng_next)
+        if (kvl_notify_pending(p))
+            return 0;
+    for (kvl_conn *c = a->conns; c; c = kvl_conn_next(c))
+        if (kvl_conn_has_output(c))
+            return 0;
+    return 1;
+}
+
 static void *engine_main(void *arg)
 {
     kvl_agent *a = arg;
@@ -264,6 +245,8 @@ static void *engine_main(void *arg)
     uint64_t interval = (uint64_t)a->cfg.monitor_interval_ms * 1000000ull;
     a->next_tick_ns = kvl_now_ns() + interval;
     while (!atomic_load(&a->stopping)) {
+        if (atomic_load(&a->closing) && close_drained(a, kvl_now_ns()))
+            break;
         uint64_t now = kvl_now_ns();
         uint64_t next = a->next_stall_ns < a->next_tick_ns ? a->next_stall_ns : a->next_tick_ns;
         int timeout = now >= next ? 0 : (int)((next - now) / 1000000 + 1);
@@ -287,12 +270,14 @@ static void *engine_main(void *arg)
             kvl_monitor_tick(a, now);
             kvl_rx_expire(a, now);
             kvl_sched_expire(a, now);
+            for (kvl_peer *p = a->eng_peers; p; p = p->eng_next)
+                kvl_notify_resend(p, now);
             kvl_conn_expire(a, now);
             kvl_engine_snapshot_paths(a);
             a->next_tick_ns = now + interval;
         }
         for (kvl_peer *p = a->eng_peers; p; p = p->eng_next)
-            if (p->active)
+            if (p->active && !atomic_load(&a->closing))
                 kvl_sched_dispatch(p);
         kvl_sched_reap(a);
         kvl_conn_reap(a);
@@ -445,10 +430,16 @@ kvl_err kvl_agent_close(kvl_agent *a)
     if (!a)
         return KVL_OK;
     atomic_store(&a->closed, 1);
-    atomic_store(&a->stopping, 1);
+    /* the engine sends what is queued (bounded by close_linger_ms) and
+     * exits; then everything stops */
+    atomic_store(&a->closing, 1);
     uint64_t one = 1;
     ssize_t rc = write(a->wakefd, &one, sizeof one);
     (void)rc;
+    if (a->thread_started)
+        pthread_join(a->thread, NULL);
+    a->thread_started = 0;
+    atomic_store(&a->stopping, 1);
     /* the engine first (it queues probe jobs), then the prober (it posts
      * commands, which the teardown below drains) */
     if (a->thread_started)
@@ -482,6 +473,7 @@ kvl_err kvl_agent_close(kvl_agent *a)
                 if (p->paths[i].fd >= 0)
                     close(p->paths[i].fd);
         }
+        kvl_notify_free_all(p);
         pthread_mutex_destroy(&p->mu);
         pthread_cond_destroy(&p->cv);
         free(p->regions);
@@ -492,10 +484,7 @@ kvl_err kvl_agent_close(kvl_agent *a)
         next = ib->next;
         free(ib);
     }
-    for (kvl_notif_node *nd = a->notif_head, *next; nd; nd = next) {
-        next = nd->next;
-        free(nd);
-    }
+    kvl_notify_queue_free(a);
     agent_free(a);
     return KVL_OK;
 }

@@ -55,7 +55,8 @@ enum kvl_frame_type {
     KVL_F_PING = 10,       /* idle-path probe: echo my token */
     KVL_F_PONG = 11,       /* the echo */
     KVL_F_END = 12,        /* push finished (either way): drain any late copy */
-    KVL_F_TYPE_MAX = 12
+    KVL_F_NOTIFY_ACK = 13, /* the NOTIFY of this transfer arrived (token: its id) */
+    KVL_F_TYPE_MAX = 13
 };
 
 enum kvl_conn_kind { KVL_CONN_CONTROL = 0, KVL_CONN_DATA = 1 };
@@ -269,6 +270,7 @@ struct kvl_peer {
     struct kvl_xfer *active;   /* running transfers, FIFO (engine-owned) */
     uint32_t rr_next;          /* round-robin baseline: next path */
     struct kvl_xfer *active_tail;
+    struct kvl_pnotify *notifs; /* NOTIFYs sent, not yet acknowledged (notify.c) */
     /* remote region table: written by handshake / refresh, read by submit */
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -337,10 +339,8 @@ typedef struct kvl_inbound {
     struct kvl_inbound *next;
 } kvl_inbound;
 
-typedef struct kvl_notif_node {
-    kvl_notification n;
-    struct kvl_notif_node *next;
-} kvl_notif_node;
+typedef struct kvl_notif_node kvl_notif_node; /* notify.c */
+#define KVL_NOTIFY_SEEN_MAX 4096 /* transfer notifications remembered for de-duplication */
 
 typedef struct kvl_cmd {
     int type;
@@ -376,6 +376,8 @@ struct kvl_agent {
     int thread_started;
     atomic_int stopping;
     atomic_int closed;
+    atomic_int closing;        /* close() asked: send what is queued, then stop */
+    uint64_t linger_end_ns;    /* engine: when close() stops waiting for the queues */
     /* command queue: callers -> engine */
     pthread_mutex_t mu;        /* cmds, peers list, xfer ids */
     kvl_cmd *cmd_head, *cmd_tail;
@@ -396,6 +398,12 @@ struct kvl_agent {
     pthread_mutex_t notif_mu;
     pthread_cond_t notif_cv;
     kvl_notif_node *notif_head, *notif_tail;
+    uint32_t notif_count;
+    uint64_t notif_dropped;    /* engine: notifications refused by a full queue */
+    struct {
+        uint64_t instance, xfer;
+    } seen[KVL_NOTIFY_SEEN_MAX]; /* engine: notifications delivered, for de-duplication */
+    uint32_t seen_next;
     /* local NICs behind our addresses, for competing-traffic counters */
     struct kvl_nic {
         char ifname[32];
@@ -438,6 +446,12 @@ int kvl_conn_sample(const kvl_conn *c, kvl_tcp_sample *out);
 /* Fails the connection with an abortive close (RST): used to cancel what it
  * still carries (stalled path, losing hedge copy). */
 void kvl_conn_abort(kvl_conn *c, const char *why);
+/* Iterates a->conns (live connections). */
+kvl_conn *kvl_conn_next(const kvl_conn *c);
+/* 1 while frames wait in the send queue. */
+int kvl_conn_has_output(const kvl_conn *c);
+/* close(): drops chunk frames (DATA, READ_REQ) not yet started. */
+void kvl_conn_drop_unstarted(kvl_conn *c);
 uint64_t kvl_conn_bytes_sent(const kvl_conn *c);
 uint64_t kvl_conn_bytes_recv(const kvl_conn *c);
 
@@ -527,12 +541,30 @@ void kvl_rx_end(kvl_agent *a, uint64_t instance, uint64_t xfer);
 void kvl_rx_expire(kvl_agent *a, uint64_t now);
 void kvl_rx_free_all(kvl_agent *a);
 
+/* ---- notify.c: notifications delivered exactly once ---- */
+/* Sender: keeps the NOTIFY of transfer xfer pending on p and sends a copy. */
+void kvl_notify_queue(kvl_peer *p, uint64_t xfer, uint32_t op, const void *tag, uint32_t len);
+/* Sender: the receiver's NOTIFY_ACK for xfer arrived. */
+void kvl_notify_acked(kvl_peer *p, uint64_t xfer);
+/* Sender: connection c of p died; copies it carried are sent again elsewhere. */
+void kvl_notify_conn_lost(kvl_peer *p, const kvl_conn *c);
+/* Sender: (re)sends copies whose connection died or that wait too long (every tick). */
+void kvl_notify_resend(kvl_peer *p, uint64_t now);
+/* Sender: 1 while a notification of p is unacknowledged and p is reachable. */
+int kvl_notify_pending(const kvl_peer *p);
+void kvl_notify_free_all(kvl_peer *p);
+/* Receiver: a NOTIFY arrived from agent `peer` (instance); queues it for the
+ * application unless it is a re-sent copy.  Returns 1: acknowledge it. */
+int kvl_notify_inbound(kvl_agent *a, const char *peer, uint64_t instance,
+                       const kvl_msg_notify *m);
+/* Teardown: frees notifications nobody read. */
+void kvl_notify_queue_free(kvl_agent *a);
+
 /* ---- engine.c ---- */
 /* Queues a command for the engine thread and wakes it.  Takes cmd over. */
 void kvl_engine_post(kvl_agent *a, kvl_cmd *cmd);
 /* CLOCK_MONOTONIC deadline timeout_ms from now, for pthread_cond_timedwait. */
 struct timespec kvl_deadline_ts(uint32_t timeout_ms);
-void kvl_engine_notify_inbound(kvl_agent *a, const char *peer, const kvl_msg_notify *m);
 void kvl_engine_snapshot_paths(kvl_agent *a);
 
 #endif

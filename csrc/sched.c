@@ -279,21 +279,6 @@ static void unaccount(kvl_peer *p, kvl_xfer *x, uint32_t ci)
     x->cstate[ci] = KVL_CHUNK_PENDING;
 }
 
-static void send_notify(kvl_peer *p, kvl_xfer *x)
-{
-    kvl_conn *c = p->ctrl && !kvl_conn_is_dead(p->ctrl) ? p->ctrl : NULL;
-    for (uint32_t i = 0; !c && i < p->n_paths; i++)
-        if (path_usable(&p->paths[i]))
-            c = p->paths[i].conn;
-    if (!c)
-        return; /* nobody left to tell; the peer is gone */
-    kvl_buf b = {0};
-    kvl_frame_start(&b);
-    kvl_enc_notify(&b, x->id, (uint32_t)x->op, x->notify, x->notify_len);
-    kvl_frame_finish(&b, KVL_F_NOTIFY, 0);
-    kvl_conn_send_frame(c, &b);
-}
-
 void kvl_sched_on_chunk_done(kvl_peer *p, kvl_xfer *x, uint32_t ci, uint32_t path, uint64_t now)
 {
     kvl_path *pa = &p->paths[path];
@@ -326,7 +311,7 @@ void kvl_sched_on_chunk_done(kvl_peer *p, kvl_xfer *x, uint32_t ci, uint32_t pat
     kvl_xfer_chunk_done(x, ci, pa->index, now);
     if (!kvl_xfer_running(x)) {
         if (x->notify)
-            send_notify(p, x);
+            kvl_notify_queue(p, x->id, (uint32_t)x->op, x->notify, x->notify_len);
         kvl_engine_snapshot_paths(p->agent);
     }
 }

@@ -370,7 +370,7 @@ kvl_err kvl_dec_notify(const uint8_t *body, size_t len, kvl_msg_notify *m)
     m->xfer = get_u64(&r);
     m->op = get_u32(&r);
     m->tag_len = get_u32(&r);
-    if (m->tag_len > KVL_MAX_TAG)
+    if (m->tag_len > KVL_MAX_TAG || m->op < KVL_OP_PUSH || m->op > KVL_OP_PREPARE)
         r.bad = 1;
     m->tag = take(&r, m->tag_len);
     return finish(&r, "NOTIFY");
@@ -382,5 +382,5 @@ kvl_err kvl_dec_token(const uint8_t *body, size_t len, uint64_t *token)
 {
     rd r = {body, len, 0, 0};
     *token = get_u64(&r);
-    return finish(&r, "PING/PONG");
+    return finish(&r, "PING/PONG/END/NOTIFY_ACK");
 }

@@ -376,6 +376,7 @@ class Agent:
             c.window_chunks = cfg.window_chunks
             c.window_bytes = cfg.window_bytes
             c.sock_buf_bytes = cfg.sock_buf_bytes
+            c.close_linger_ms = int(cfg.close_linger_s * 1000)
             out = ffi.new("kvl_agent **")
             check(lib.kvl_agent_create(c, out))
             self._a = out[0]

@@ -67,6 +67,10 @@ class Config:
     sock_buf_bytes: int = 0
     # Default deadline of one transfer (0 = none).
     transfer_timeout_s: float = 60.0
+    # close() waits up to this for queued frames to leave and notifications
+    # to be acknowledged: long enough for a loaded host, short enough that a
+    # dead peer does not hold close() up noticeably.
+    close_linger_s: float = 2.0
 
     def __post_init__(self) -> None:
         nics = self.nics
@@ -98,6 +102,7 @@ class Config:
         _int_range("sock_buf_bytes", self.sock_buf_bytes, 0, 1 * GiB)
         _float_range("connect_timeout_s", self.connect_timeout_s, 0.001, 3600.0)
         _float_range("transfer_timeout_s", self.transfer_timeout_s, 0.0, 7 * 86400.0)
+        _float_range("close_linger_s", self.close_linger_s, 0.0, 60.0)
 
     def replace(self, **changes: Any) -> Config:
         """A copy with ``changes`` applied (validated again)."""

@@ -100,6 +100,8 @@ typedef struct kvl_config {
     uint32_t window_chunks;      /* chunks in flight per path */
     uint64_t window_bytes;       /* or bytes in flight per path, whichever admits more */
     int32_t sock_buf_bytes;      /* SO_SNDBUF/SO_RCVBUF; 0 keeps kernel autotuning */
+    uint32_t close_linger_ms;    /* close() waits up to this for queued frames to leave and
+                                    notifications to be acknowledged (0: stop at once) */
 } kvl_config;
 
 /* One contiguous byte range.  Region ids are those of the side that owns the

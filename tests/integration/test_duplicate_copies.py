@@ -9,48 +9,14 @@ import struct
 
 import numpy as np
 
-from kvlink._native import ffi, lib
+from tests.wire_client import ACK as F_ACK
+from tests.wire_client import END as F_END
+from tests.wire_client import NOTIFY as F_NOTIFY
+from tests.wire_client import PING as F_PING
+from tests.wire_client import PONG as F_PONG
+from tests.wire_client import SUPERSEDED, connect, crc, data, frame, recv_frame, recv_until
 
-MAGIC = 0x4B4C564B
-F_HELLO, F_HELLO_ACK, F_DATA, F_ACK, F_NOTIFY, F_PING, F_PONG, F_END = 1, 2, 3, 4, 7, 10, 11, 12
-SUPERSEDED = 100
 L = 1 << 20
-
-
-def crc(b: bytes) -> int:
-    return int(lib.kvl_crc32c(0, ffi.from_buffer(b), len(b)))
-
-
-def frame(t: int, body: bytes, payload_len: int = 0) -> bytes:
-    return struct.pack("<IBBHIIQ", MAGIC, 1, t, 0, len(body), crc(body), payload_len) + body
-
-
-def recv_exact(s: socket.socket, n: int) -> bytes:
-    out = b""
-    while len(out) < n:
-        got = s.recv(n - len(out))
-        assert got, "connection closed"
-        out += got
-    return out
-
-
-def recv_frame(s: socket.socket) -> tuple[int, bytes]:
-    _, _, t, _, bl, _, _ = struct.unpack("<IBBHIIQ", recv_exact(s, 24))
-    return t, recv_exact(s, bl)
-
-
-def connect(addr: tuple[str, int], kind: int, path: int) -> socket.socket:
-    s = socket.create_connection(addr, timeout=10)
-    name = b"scripted-tx"
-    s.sendall(frame(F_HELLO, struct.pack("<QBHH", 77, kind, path, len(name)) + name))
-    t, body = recv_frame(s)
-    assert t == F_HELLO_ACK and struct.unpack_from("<I", body)[0] == 0, body
-    return s
-
-
-def data(xfer: int, chunk: int, attempt: int, region: int, n: int) -> bytes:
-    body = struct.pack("<QIII", xfer, chunk, attempt, 1) + struct.pack("<QQQ", region, 0, n)
-    return frame(F_DATA, body, n)
 
 
 def ack(s: socket.socket) -> tuple[int, int, int]:
@@ -83,7 +49,7 @@ def test_late_corrupt_loser_never_lands(make_agent):
         assert (dst == 0xEE).all(), "a superseded copy wrote into the destination"
         # after END even a brand-new copy of that transfer is drained
         ctrl.sendall(frame(F_END, struct.pack("<Q", 7)) + frame(F_PING, struct.pack("<Q", 1)))
-        assert recv_frame(ctrl)[0] == F_PONG  # END processed (same connection, in order)
+        recv_until(ctrl, F_PONG)  # END processed (same connection, in order)
         d1.sendall(data(7, 1, 9, rid, L) + good + struct.pack("<I", crc(good)))
         assert ack(d1)[2] == SUPERSEDED
         assert (dst == 0xEE).all()

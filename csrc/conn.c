@@ -42,7 +42,14 @@ struct kvl_out {
     kvl_region **refs;     /* READ_RESP frames: regions held until sent */
     int nrefs;
     int chunk_frame;       /* DATA or READ_REQ: belongs to a transfer's chunk */
+    uint64_t xid;          /* chunk frames: transfer id, chunk and attempt */
+    uint32_t chunk, attempt;
+    int cancelled;         /* the rest of the payload comes from zeros, not our memory */
 };
+
+/* A cancelled DATA frame's remaining payload is sent from here: the stream
+ * must stay whole, and the receiver drains the bytes (its chunk is settled). */
+static const uint8_t zeros[256u << 10];
 
 struct kvl_conn {
     kvl_agent *a;
@@ -228,6 +235,9 @@ int kvl_conn_send_chunk(kvl_conn *c, kvl_xfer *x, uint32_t ci)
         x->io_refs++;
     }
     o->chunk_frame = 1;
+    o->xid = x->id;
+    o->chunk = ci;
+    o->attempt = x->attempt[ci];
     kvl_frame_finish(&o->head, push ? KVL_F_DATA : KVL_F_READ_REQ, o->payload_len);
     if (o->head.oom) {
         out_free(c->a, o);
@@ -256,9 +266,44 @@ void kvl_conn_drop_unstarted(kvl_conn *c)
     }
 }
 
+int kvl_conn_cancel_chunk(kvl_conn *c, uint64_t xid, uint32_t ci, uint32_t attempt)
+{
+    if (c->dead)
+        return 0;
+    for (kvl_out **pp = &c->sq, *prev = NULL; *pp; prev = *pp, pp = &(*pp)->next) {
+        kvl_out *o = *pp;
+        if (!o->chunk_frame || o->xid != xid || o->chunk != ci || o->attempt != attempt)
+            continue;
+        if (o->head_sent == 0) { /* not started: it simply never goes out */
+            *pp = o->next;
+            if (c->sq_tail == o)
+                c->sq_tail = prev;
+            out_free(c->a, o);
+            if (!c->sq)
+                ep_set(c, 0);
+            return 1;
+        }
+        if (o->payload_len && !o->cancelled) {
+            /* mid-frame: the rest goes out as zeros with a trailer that
+             * cannot match, and our memory is let go of right now */
+            o->cancelled = 1;
+            if (o->xfer) {
+                o->xfer->io_refs--;
+                o->xfer = NULL;
+            }
+        }
+        return 1;
+    }
+    return 0;
+}
+
 /* Advances o over n payload bytes just sent, folding them into the crc. */
 static void out_advance_payload(kvl_out *o, size_t n)
 {
+    if (o->cancelled) {
+        o->payload_sent += n;
+        return;
+    }
     while (n) {
         struct iovec *v = &o->iov[o->iov_idx];
         size_t take = v->iov_len - o->iov_off;
@@ -288,7 +333,11 @@ static void conn_write(kvl_conn *c)
             v[n++].iov_len = o->head.len - o->head_sent;
             want += o->head.len - o->head_sent;
         }
-        if (o->payload_sent < o->payload_len) {
+        if (o->payload_sent < o->payload_len && o->cancelled) {
+            uint64_t rest = o->payload_len - o->payload_sent;
+            v[n].iov_base = (void *)zeros;
+            v[n++].iov_len = rest < sizeof zeros ? (size_t)rest : sizeof zeros;
+        } else if (o->payload_sent < o->payload_len) {
             int idx = o->iov_idx;
             size_t off = o->iov_off;
             while (n < MAX_IOV && idx < o->iovcnt && want < IO_BATCH) {
@@ -303,8 +352,9 @@ static void conn_write(kvl_conn *c)
             }
         } else if (o->payload_len && o->trailer_sent < 4) {
             if (o->trailer_sent == 0) {
+                uint32_t t = o->cancelled ? ~o->crc : o->crc; /* a cancelled copy never verifies */
                 for (int i = 0; i < 4; i++)
-                    o->trailer[i] = (uint8_t)(o->crc >> (8 * i));
+                    o->trailer[i] = (uint8_t)(t >> (8 * i));
             }
             v[n].iov_base = o->trailer + o->trailer_sent;
             v[n++].iov_len = 4 - o->trailer_sent;

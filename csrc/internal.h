@@ -443,8 +443,14 @@ int kvl_conn_send_chunk(kvl_conn *c, kvl_xfer *x, uint32_t ci);
 void kvl_conn_bind_outbound(kvl_conn *c, kvl_peer *p, int path);
 void kvl_conn_expire(kvl_agent *a, uint64_t now);
 int kvl_conn_sample(const kvl_conn *c, kvl_tcp_sample *out);
+/* Cancels the copy (xid, ci, attempt) queued on c without disturbing the
+ * connection: a frame not yet started is dropped; a DATA frame part-way out
+ * finishes from zeros with a trailer that cannot verify (the receiver drains
+ * it: its chunk is settled) and lets go of the transfer's memory at once.
+ * Returns 1 if the copy was found. */
+int kvl_conn_cancel_chunk(kvl_conn *c, uint64_t xid, uint32_t ci, uint32_t attempt);
 /* Fails the connection with an abortive close (RST): used to cancel what it
- * still carries (stalled path, losing hedge copy). */
+ * still carries (a stalled path). */
 void kvl_conn_abort(kvl_conn *c, const char *why);
 /* Iterates a->conns (live connections). */
 kvl_conn *kvl_conn_next(const kvl_conn *c);

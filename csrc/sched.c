@@ -18,6 +18,7 @@
 #define DEFAULT_BPS 1e9        /* prior for a path without samples: ties go by load */
 #define HEDGE_GAIN 2.0         /* hedge only if the copy would finish in under half the time */
 #define SHORT_BUSY_NS 50000000ull /* busy periods under 50 ms only raise the rate estimate */
+#define REMEASURE_NS 2000000000ull /* an idle, low-rated path is tried again after 2 s */
 
 static int path_usable(const kvl_path *pa)
 {
@@ -110,10 +111,18 @@ static double prior_bps(const kvl_peer *p)
 }
 
 /* Rate to plan with: measured, or the prior; an idle path whose NIC carries
- * other traffic is scored by what that traffic leaves free. */
+ * other traffic is scored by what that traffic leaves free.  An idle path
+ * rated below the others and unused for REMEASURE_NS plans with the prior
+ * once, so it gets a chunk and a fresh measurement: paths that once shared a
+ * bottleneck (or met a burst of other traffic) are not left out for good. */
 static double plan_bps(const kvl_path *pa, double prior)
 {
     double bw = pa->bw_Bps > 0 ? pa->bw_Bps : prior;
+    if (!pa->inflight_chunks && bw < prior) {
+        uint64_t last = pa->t_chunk_ns > pa->busy_start_ns ? pa->t_chunk_ns : pa->busy_start_ns;
+        if (kvl_now_ns() - last > REMEASURE_NS)
+            bw = prior;
+    }
     if (!pa->inflight_chunks && pa->nic_other_Bps > 0) {
         double left = bw - pa->nic_other_Bps;
         bw = left > 0.1 * bw ? left : 0.1 * bw;
@@ -282,14 +291,17 @@ static void unaccount(kvl_peer *p, kvl_xfer *x, uint32_t ci)
 void kvl_sched_on_chunk_done(kvl_peer *p, kvl_xfer *x, uint32_t ci, uint32_t path, uint64_t now)
 {
     kvl_path *pa = &p->paths[path];
-    /* the other copy of a hedged chunk lost: for a push its bytes are still
-     * streaming from our memory, so its connection is cut (RST) and the path
-     * re-probed; a pull's late answer is drained by the receive side */
-    int loser = x->hpath[ci] == path ? x->cpath[ci] : x->hpath[ci];
+    /* the other copy of a hedged chunk lost: it is cancelled on its
+     * connection, which stays up with its other chunks flowing (a push's
+     * copy part-way out finishes from zeros; a pull's late answer is
+     * drained by the receive side) */
+    int hedge_won = x->hpath[ci] == path;
+    int loser = hedge_won ? x->cpath[ci] : x->hpath[ci];
+    uint32_t loser_attempt = hedge_won ? x->pattempt[ci] : x->hattempt[ci];
     unaccount(p, x, ci);
     x->cstate[ci] = KVL_CHUNK_DONE;
-    if (loser != KVL_NO_PATH && x->op == KVL_OP_PUSH && p->paths[loser].conn)
-        kvl_conn_abort(p->paths[loser].conn, "cancelled: a hedged copy of its chunk won");
+    if (loser != KVL_NO_PATH && p->paths[loser].conn)
+        kvl_conn_cancel_chunk(p->paths[loser].conn, x->id, ci, loser_attempt);
     /* Rate over the current busy period rather than per chunk: acks that
      * arrive back to back would make per-chunk samples absurdly high. */
     pa->busy_bytes += x->plan.chunks[ci].bytes;

@@ -173,12 +173,9 @@ static void run_commands(kvl_agent *a)
             else
                 p->active = x;
             p->active_tail = x;
-            int usable = 0;
-            for (uint32_t i = 0; i < p->n_paths; i++)
-                usable |= p->paths[i].conn && p->paths[i].state != KVL_PATH_DOWN;
-            if (!usable)
-                kvl_sched_fail(x, KVL_ERR_CONN_LOST, "peer '%s': every path is down (%s)",
-                               p->name, p->paths[0].last_error);
+            /* a path being re-probed may come back within the deadline:
+             * the transfer waits for it (the same rule as submit's) */
+            kvl_sched_check_reachable(p);
         } else if (cmd->type == KVL_CMD_PROBED) {
             kvl_prober_done(a, cmd);
         } else if (cmd->type == KVL_CMD_PREPARE) {

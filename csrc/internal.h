@@ -252,6 +252,11 @@ typedef struct kvl_path {
     uint32_t reconnects;
     uint64_t hedges;
     uint64_t t_down_ns;
+    uint32_t probe_fails;      /* reconnects that failed since the path last was up */
+    uint64_t t_stall_ns;       /* STALLED since */
+    uint64_t stall_acked, stall_received; /* TCP counters when it stalled */
+    uint32_t stall_limit_ms;   /* silence that counted as a stall at that moment */
+    double jitter_ms;          /* longest silence the path recovered from (decays) */
     uint64_t chunks_done;
     char last_error[160];
 } kvl_path;
@@ -480,6 +485,16 @@ void kvl_sched_on_chunk_done(kvl_peer *p, kvl_xfer *x, uint32_t ci, uint32_t pat
  * or fail the transfer when it ran out of attempts. */
 void kvl_sched_requeue(kvl_peer *p, kvl_xfer *x, uint32_t ci, kvl_err err, const char *why);
 void kvl_sched_path_down(kvl_peer *p, uint32_t path, const char *why);
+/* Path went silent while busy: its copies are cancelled in the stream and
+ * re-queued (not counted as failures); the connection stays, the path gets
+ * no chunks until it moves again (monitor.c). */
+void kvl_sched_path_stalled(kvl_peer *p, uint32_t path, const char *why);
+/* Fails p's running transfers if every path is known dead (a reconnect
+ * failed since it went down); a path still being re-probed, or stalled,
+ * may come back within the deadline. */
+void kvl_sched_check_reachable(kvl_peer *p);
+/* 0 once a reconnect of the path failed since it went down. */
+int kvl_path_may_work(const kvl_path *pa);
 /* Fails a running transfer from the engine: drops its chunks' in-flight
  * accounting, records the error and wakes waiters. */
 void kvl_sched_fail(kvl_xfer *x, kvl_err err, const char *fmt, ...)

@@ -23,7 +23,10 @@
 #define OVERHEAD 1.06          /* wire bytes per payload byte (headers at MTU 1500) */
 #define DEGRADED_SHARE 0.5     /* below half the best path's rate: degraded */
 #define PROBE_BACKOFF_MIN_MS 100
-#define BYTE_STALL_TICKS 2     /* no TCP progress for 2 ticks: the path is dead */
+#define BYTE_STALL_TICKS 2     /* no TCP progress for 2 ticks: the path stalled */
+#define STALL_LIMIT_MAX_MS 2000 /* however jittery a path was, 2 s of silence is a stall */
+#define JITTER_DECAY (1.0 / 256) /* per tick: a recovered stall is forgotten in ~20 s */
+#define STALL_CUT_MS 2000      /* a stalled path silent this long is cut and re-probed */
 #define SLOWDOWN 0.7           /* kernel rate below 70% of the estimate: follow it down */
 
 static int read_counter(const char *ifname, const char *which, uint64_t *out)
@@ -166,41 +169,86 @@ static uint64_t chunk_limit_ns(kvl_agent *a, const kvl_path *pa)
     return expect > limit ? expect : limit;
 }
 
-static void cut(kvl_path *pa, const char *what, uint64_t ms)
+/* Silence that counts as a stall on this path: two ticks, or more on a path
+ * that was seen to recover from longer silences (a receiver that pauses, a
+ * host whose cores are busy), never above STALL_LIMIT_MAX_MS. */
+static uint64_t stall_limit_ms(const kvl_agent *a, const kvl_path *pa)
+{
+    uint64_t base = BYTE_STALL_TICKS * (uint64_t)a->cfg.monitor_interval_ms;
+    uint64_t adapt = (uint64_t)(1.5 * pa->jitter_ms);
+    uint64_t limit = adapt > base ? adapt : base;
+    return limit < STALL_LIMIT_MAX_MS ? limit : STALL_LIMIT_MAX_MS;
+}
+
+static void stall(kvl_peer *p, kvl_path *pa, const kvl_tcp_sample *s, const char *what,
+                  uint64_t ms, uint64_t limit_ms, uint64_t now)
 {
     char why[160];
-    snprintf(why, sizeof why, "%s for %llu ms with %llu bytes in flight: path cut", what,
+    snprintf(why, sizeof why, "%s for %llu ms with %llu bytes in flight: path stalled", what,
              (unsigned long long)ms, (unsigned long long)pa->inflight_bytes);
-    kvl_conn_abort(pa->conn, why);
+    pa->stall_acked = s->bytes_acked;
+    pa->stall_received = s->bytes_received;
+    pa->stall_limit_ms = (uint32_t)limit_ms;
+    kvl_sched_path_stalled(p, pa->index, why);
+    send_ping(pa, now); /* its PONG shows the path alive even with nothing else to move */
+}
+
+/* A stalled path: back in service as soon as anything moves on it; cut and
+ * re-probed if it stays silent for STALL_CUT_MS. */
+static void watch_stalled(kvl_peer *p, kvl_path *pa, const kvl_tcp_sample *s, uint64_t now)
+{
+    int moved = s->bytes_acked != pa->stall_acked || s->bytes_received != pa->stall_received ||
+                !pa->ping_sent_ns;
+    uint64_t ms = (now - pa->t_stall_ns) / 1000000ull;
+    if (moved) {
+        double silence = (double)ms + pa->stall_limit_ms;
+        if (silence > pa->jitter_ms)
+            pa->jitter_ms = silence;
+        pa->state = KVL_PATH_UP;
+        pa->t_progress_ns = now;
+        kvl_engine_snapshot_paths(p->agent);
+    } else if (ms >= STALL_CUT_MS) {
+        char why[160];
+        snprintf(why, sizeof why, "stalled and silent for %llu more ms: path cut",
+                 (unsigned long long)ms);
+        kvl_conn_abort(pa->conn, why);
+    }
 }
 
 /* Two rules.  Byte level: a busy path on which no TCP acknowledgement and no
- * data arrived for BYTE_STALL_TICKS ticks is dead (a slow link still acks
- * every RTT), so it is cut at once; with the kernel's own millisecond
+ * data arrived for stall_limit_ms() (two ticks unless the path has shown it
+ * recovers from longer silences) stalled; with the kernel's own millisecond
  * timestamps and a check every quarter tick that is ~200-225 ms after the
  * last byte moved.  Chunk level: a path that moves bytes but verifies no
- * chunk for chunk_limit_ns() is cut too, so its chunks go elsewhere. */
+ * chunk for chunk_limit_ns() stalls too.  Either way its chunks go elsewhere
+ * at once and the connection stays (kvl_sched_path_stalled). */
 void kvl_monitor_stall_check(kvl_agent *a, uint64_t now)
 {
-    uint64_t tick_ms = a->cfg.monitor_interval_ms;
     for (kvl_peer *p = a->eng_peers; p; p = p->eng_next) {
         for (uint32_t i = 0; i < p->n_paths; i++) {
             kvl_path *pa = &p->paths[i];
             kvl_tcp_sample s;
-            if (!pa->conn || !pa->inflight_chunks || kvl_conn_sample(pa->conn, &s) != 0)
+            if (!pa->conn || kvl_conn_sample(pa->conn, &s) != 0)
+                continue;
+            if (pa->state == KVL_PATH_STALLED) {
+                watch_stalled(p, pa, &s, now);
+                continue;
+            }
+            if (!pa->inflight_chunks)
                 continue;
             uint64_t busy_ms = (now - pa->busy_start_ns) / 1000000ull;
             uint64_t quiet = s.last_ack_recv_ms < s.last_data_recv_ms ? s.last_ack_recv_ms
                                                                        : s.last_data_recv_ms;
             if (quiet > busy_ms)
                 quiet = busy_ms; /* silence before the path got busy does not count */
-            if (quiet >= BYTE_STALL_TICKS * tick_ms) {
-                cut(pa, "no byte acknowledged or received", quiet);
+            uint64_t limit = stall_limit_ms(a, pa);
+            if (quiet >= limit) {
+                stall(p, pa, &s, "no byte acknowledged or received", quiet, limit, now);
                 continue;
             }
             uint64_t since = pa->t_chunk_ns > pa->busy_start_ns ? pa->t_chunk_ns : pa->busy_start_ns;
             if (now - since > chunk_limit_ns(a, pa))
-                cut(pa, "no chunk verified", (now - since) / 1000000ull);
+                stall(p, pa, &s, "no chunk verified", (now - since) / 1000000ull, limit, now);
         }
     }
 }
@@ -208,6 +256,7 @@ void kvl_monitor_stall_check(kvl_agent *a, uint64_t now)
 static void watch_path(kvl_agent *a, kvl_path *pa, uint64_t now)
 {
     kvl_tcp_sample s;
+    pa->jitter_ms -= pa->jitter_ms * JITTER_DECAY;
     if (!pa->conn || kvl_conn_sample(pa->conn, &s) != 0)
         return;
     if (s.rtt_us > 0 && pa->inflight_chunks)
@@ -227,7 +276,7 @@ static void watch_path(kvl_agent *a, kvl_path *pa, uint64_t now)
     pa->seen_acked = s.bytes_acked;
     pa->seen_received = s.bytes_received;
     pa->stall_ms = (uint32_t)((now - pa->t_progress_ns) / 1000000ull);
-    if (!pa->inflight_chunks) {
+    if (!pa->inflight_chunks && pa->state != KVL_PATH_STALLED) { /* stalled: watch_stalled */
         if (pa->ping_sent_ns && now - pa->ping_sent_ns > PING_LOST_MS * 1000000ull) {
             char why[160];
             snprintf(why, sizeof why, "probe unanswered for %llu ms",

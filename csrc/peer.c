@@ -224,6 +224,7 @@ kvl_err kvl_peer_connect(kvl_agent *a, const char *name, uint64_t instance,
             break; /* the peer refuses us: no point trying the other paths */
         if (e) {
             pa->state = KVL_PATH_DOWN;
+            pa->probe_fails = 1; /* it failed to connect: known dead until a probe works */
             snprintf(pa->last_error, sizeof pa->last_error, "%s", kvl_last_error());
         } else {
             up++;

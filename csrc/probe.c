@@ -117,6 +117,10 @@ void kvl_prober_done(kvl_agent *a, kvl_cmd *cmd)
         if (cmd->error[0])
             snprintf(pa->last_error, sizeof pa->last_error, "%s", cmd->error);
         kvl_monitor_probe_failed(a, pa, now);
+        if (cmd->path >= 0) {
+            pa->probe_fails++;
+            kvl_sched_check_reachable(p); /* known dead now: fail what waits for it */
+        }
         return;
     }
     kvl_conn_bind_outbound(c, p, cmd->path);
@@ -126,6 +130,7 @@ void kvl_prober_done(kvl_agent *a, kvl_cmd *cmd)
         pa->conn = c;
     pa->state = KVL_PATH_UP;
     pa->backoff_ms = 0;
+    pa->probe_fails = 0;
     pa->reconnects++;
     pa->t_progress_ns = now;
     pa->ping_sent_ns = 0;

@@ -352,6 +352,45 @@ void kvl_sched_requeue(kvl_peer *p, kvl_xfer *x, uint32_t ci, kvl_err err, const
     x->bytes_pending += x->plan.chunks[ci].bytes;
 }
 
+/* Takes every copy in flight on `path` off it.  A copy with a twin on
+ * another path leaves the twin to carry on; a sole copy is re-queued,
+ * counted as a failed attempt only when the path failed (a stall is not the
+ * chunk's fault).  cancel: the connection lives on, so its copies are
+ * cancelled in the stream. */
+static void evacuate(kvl_peer *p, uint32_t path, int cancel, const char *why)
+{
+    kvl_path *pa = &p->paths[path];
+    for (kvl_xfer *x = p->active; x; x = x->next_active) {
+        /* requeue may fail x; reaping waits for the iteration's end */
+        for (uint32_t ci = 0; ci < x->plan.n_chunks && kvl_xfer_running(x); ci++) {
+            if (x->cstate[ci] != KVL_CHUNK_INFLIGHT)
+                continue;
+            int hedge_here = x->hpath[ci] == path, primary_here = x->cpath[ci] == path;
+            if (!hedge_here && !primary_here)
+                continue;
+            if (cancel && pa->conn)
+                kvl_conn_cancel_chunk(pa->conn, x->id, ci,
+                                      hedge_here ? x->hattempt[ci] : x->pattempt[ci]);
+            if (hedge_here) {
+                drop_copy(p, x, ci, 1); /* the primary copy carries on */
+            } else if (x->hpath[ci] != KVL_NO_PATH) {
+                drop_copy(p, x, ci, 0); /* the hedge copy becomes the primary */
+                x->cpath[ci] = x->hpath[ci];
+                x->pattempt[ci] = x->hattempt[ci];
+                x->hpath[ci] = KVL_NO_PATH;
+            } else if (cancel) {
+                unaccount(p, x, ci);
+                x->retry[x->n_retry++] = ci;
+                x->bytes_pending += x->plan.chunks[ci].bytes;
+            } else {
+                kvl_sched_requeue(p, x, ci, KVL_ERR_CONN_LOST, why);
+            }
+        }
+    }
+    pa->inflight_bytes = 0;
+    pa->inflight_chunks = 0;
+}
+
 void kvl_sched_path_down(kvl_peer *p, uint32_t path, const char *why)
 {
     kvl_path *pa = &p->paths[path];
@@ -359,29 +398,35 @@ void kvl_sched_path_down(kvl_peer *p, uint32_t path, const char *why)
     pa->t_down_ns = kvl_now_ns();
     snprintf(pa->last_error, sizeof pa->last_error, "%s", why);
     kvl_monitor_probe_failed(p->agent, pa, kvl_now_ns()); /* DOWN, re-probed after a backoff */
-    for (kvl_xfer *x = p->active; x; x = x->next_active) {
-        /* requeue may fail x; reaping waits for the iteration's end */
-        for (uint32_t ci = 0; ci < x->plan.n_chunks && kvl_xfer_running(x); ci++) {
-            if (x->cstate[ci] != KVL_CHUNK_INFLIGHT)
-                continue;
-            if (x->hpath[ci] == path) {
-                drop_copy(p, x, ci, 1); /* the primary copy carries on */
-            } else if (x->cpath[ci] == path && x->hpath[ci] != KVL_NO_PATH) {
-                drop_copy(p, x, ci, 0); /* the hedge copy becomes the primary */
-                x->cpath[ci] = x->hpath[ci];
-                x->pattempt[ci] = x->hattempt[ci];
-                x->hpath[ci] = KVL_NO_PATH;
-            } else if (x->cpath[ci] == path) {
-                kvl_sched_requeue(p, x, ci, KVL_ERR_CONN_LOST, why);
-            }
-        }
-    }
-    pa->inflight_bytes = 0;
-    pa->inflight_chunks = 0;
+    evacuate(p, path, 0, why);
+    kvl_sched_check_reachable(p);
+    kvl_engine_snapshot_paths(p->agent);
+}
+
+void kvl_sched_path_stalled(kvl_peer *p, uint32_t path, const char *why)
+{
+    kvl_path *pa = &p->paths[path];
+    pa->state = KVL_PATH_STALLED;
+    pa->t_stall_ns = kvl_now_ns();
+    snprintf(pa->last_error, sizeof pa->last_error, "%s", why);
+    evacuate(p, path, 1, why);
+    kvl_engine_snapshot_paths(p->agent);
+}
+
+int kvl_path_may_work(const kvl_path *pa)
+{
+    if (pa->state != KVL_PATH_DOWN && pa->state != KVL_PATH_PROBING)
+        return 1;
+    return pa->rhost[0] && pa->probe_fails == 0;
+}
+
+void kvl_sched_check_reachable(kvl_peer *p)
+{
     for (uint32_t i = 0; i < p->n_paths; i++)
-        if (path_usable(&p->paths[i]))
-            goto done;
-    /* every path is down: fail what is running, naming each path's error */
+        if (kvl_path_may_work(&p->paths[i]))
+            return;
+    /* every path is down and failed to reconnect: fail what is running,
+     * naming each path's error */
     char msg[512];
     size_t off = (size_t)snprintf(msg, sizeof msg, "peer '%s': all %u path(s) are down", p->name,
                                   p->n_paths);
@@ -393,8 +438,6 @@ void kvl_sched_path_down(kvl_peer *p, uint32_t path, const char *why)
         if (kvl_xfer_running(x))
             kvl_sched_fail(x, KVL_ERR_CONN_LOST, "%s", msg);
     }
-done:
-    kvl_engine_snapshot_paths(p->agent);
 }
 
 void kvl_sched_expire(kvl_agent *a, uint64_t now)

@@ -205,7 +205,7 @@ kvl_err kvl_xfer_submit(kvl_agent *a, kvl_peer *p, int op, const kvl_segment *se
                             i, segs[i].layer, MAX_LAYERS - 1);
     int live = 0;
     for (uint32_t i = 0; i < p->n_paths; i++)
-        live |= p->paths[i].state != KVL_PATH_DOWN; /* racy read: a hint, engine decides */
+        live |= kvl_path_may_work(&p->paths[i]); /* racy read: a hint, engine decides */
     if (!live)
         return kvl_fail(KVL_ERR_UNREACHABLE,
                         "peer '%s': every path is down (first: %s); add the peer again once it "

@@ -63,6 +63,7 @@ class PathState(IntEnum):
     DEGRADED = 1
     DOWN = 2
     PROBING = 3
+    STALLED = 4
 
 
 def _ms(timeout_s: float | None) -> int:

@@ -76,7 +76,9 @@ typedef enum kvl_path_state {
     KVL_PATH_UP = 0,
     KVL_PATH_DEGRADED = 1,
     KVL_PATH_DOWN = 2,
-    KVL_PATH_PROBING = 3
+    KVL_PATH_PROBING = 3,
+    KVL_PATH_STALLED = 4 /* connected, but nothing moved for a while: gets no chunks until it
+                            moves again (a paused receiver), or is cut when it stays silent */
 } kvl_path_state;
 
 /* Engine configuration.  Python builds and validates it (kvlink.Config);

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 import kvlink
 from tests.integration.test_transfer import digest
 from tests.peer_proc import pattern

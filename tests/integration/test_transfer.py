@@ -188,4 +188,4 @@ def test_peer_killed_mid_transfer_fails_within_timeout(make_agent, spawn_peer):
     else:  # the whole transfer may have landed before the kill
         assert h.ok
     # the agent is still usable and frees the transfer's regions
-    assert tx.paths()[0].state == kvlink.PathState.DOWN or h.ok
+    assert tx.paths()[0].state in (kvlink.PathState.DOWN, kvlink.PathState.PROBING) or h.ok

@@ -62,6 +62,8 @@ struct kvl_conn {
     int path;
     char peer_name[KVL_NAME_MAX]; /* inbound: from HELLO */
     kvl_inbound *ib;
+    int rx_path;           /* inbound data: the sender's path index (HELLO) */
+    uint64_t serial;       /* unique per agent: tells a reconnected path's connection apart */
     uint64_t t_open_ns;
     int dead;
     int close_after_flush;
@@ -111,6 +113,7 @@ kvl_conn *kvl_conn_new(kvl_agent *a, int fd, int listener)
     c->fd = fd;
     c->listener = listener;
     c->path = -1;
+    c->serial = ++a->next_conn_serial;
     c->t_open_ns = kvl_now_ns();
     struct epoll_event ev = {.events = EPOLLIN, .data.ptr = c};
     if (epoll_ctl(a->epfd, EPOLL_CTL_ADD, fd, &ev) < 0) {
@@ -135,6 +138,7 @@ void kvl_conn_bind_outbound(kvl_conn *c, kvl_peer *p, int path)
 }
 
 int kvl_conn_is_dead(const kvl_conn *c) { return c->dead; }
+uint64_t kvl_conn_serial(const kvl_conn *c) { return c->serial; }
 int kvl_conn_sample(const kvl_conn *c, kvl_tcp_sample *out)
 {
     return c->dead ? -1 : c->a->tp->sample(c->fd, out);
@@ -539,6 +543,7 @@ static void on_hello(kvl_conn *c)
         return;
     }
     c->kind = m.kind;
+    c->rx_path = m.path;
     c->handshaken = 1;
     strcpy(c->peer_name, m.name);
     kvl_agent *a = c->a;
@@ -609,6 +614,11 @@ static void on_data(kvl_conn *c)
             /* another copy owns or already verified this chunk: drain ours */
             release_prefs(c);
             c->pst.status = drain_status;
+            if (drain_status == KVL_ERR_PROTOCOL)
+                snprintf(c->pst.msg, sizeof c->pst.msg,
+                         "agent '%s': push %llu was not announced, or has no chunk %u (out of "
+                         "room for inbound transfers?)",
+                         c->a->name, (unsigned long long)m.xfer, m.chunk);
             c->rx = NULL;
             drain_all(c);
             c->drained = 1;
@@ -800,12 +810,24 @@ static void on_ping(kvl_conn *c)
 
 static void on_end(kvl_conn *c)
 {
-    uint64_t xfer;
-    if (kvl_dec_token(c->body, c->h.body_len, &xfer)) {
+    kvl_msg_status m;
+    if (kvl_dec_status(c->body, c->h.body_len, &m)) {
         kvl_conn_fail(c, KVL_ERR_PROTOCOL, kvl_last_error());
         return;
     }
-    kvl_rx_end(c->a, c->ib ? c->ib->instance : 0, xfer);
+    kvl_rx_end(c->a, c->ib ? c->ib->instance : 0, &m);
+}
+
+static void on_announce(kvl_conn *c)
+{
+    kvl_msg_announce m;
+    if (kvl_dec_announce(c->body, c->h.body_len, &m)) {
+        kvl_conn_fail(c, KVL_ERR_PROTOCOL, kvl_last_error());
+        return;
+    }
+    /* out of room: its DATA frames are then refused, which fails the push
+     * on the sender with that reason */
+    kvl_rx_announce(c->a, c->ib ? c->ib->instance : 0, c->peer_name, &m);
 }
 
 static void on_pong(kvl_conn *c)
@@ -857,6 +879,8 @@ static void on_body(kvl_conn *c)
         on_pong(c);
     else if (t == KVL_F_NOTIFY_ACK && c->outbound)
         on_notify_ack(c);
+    else if (t == KVL_F_ANNOUNCE && in_data)
+        on_announce(c);
     else {
         char why[96];
         snprintf(why, sizeof why, "unexpected frame type %u on this connection", t);
@@ -900,7 +924,8 @@ static void on_payload_done(kvl_conn *c)
             int owner = kvl_rx_owns(r, c->pst.chunk, c->pst.attempt);
             int settled_elsewhere = !owner && !r->ended && c->pst.chunk < r->n &&
                                     r->chunks[c->pst.chunk].settled;
-            kvl_rx_done(r, c->pst.chunk, c->pst.attempt, owner && crc_ok);
+            kvl_rx_done(r, c->pst.chunk, c->pst.attempt, owner && crc_ok, (uint32_t)c->rx_path,
+                        c->h.payload_len);
             if (!owner) { /* lost the chunk to another copy mid-way */
                 c->pst.status = settled_elsewhere ? KVL_OK : KVL_RX_SUPERSEDED;
                 c->drained = 1;
@@ -1147,7 +1172,7 @@ void kvl_conn_fail(kvl_conn *c, kvl_err err, const char *why)
     c->fd = -1;
     release_prefs(c);
     if (c->rx) {
-        kvl_rx_done(c->rx, c->pst.chunk, c->pst.attempt, 0);
+        kvl_rx_done(c->rx, c->pst.chunk, c->pst.attempt, 0, 0, 0);
         c->rx = NULL;
     }
     if (c->px) {

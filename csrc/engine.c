@@ -326,6 +326,8 @@ static void agent_free(kvl_agent *a)
     pthread_mutex_destroy(&a->notif_mu);
     pthread_cond_destroy(&a->notif_cv);
     pthread_mutex_destroy(&a->stats_mu);
+    pthread_mutex_destroy(&a->inq_mu);
+    pthread_cond_destroy(&a->inq_cv);
     free(a);
 }
 
@@ -348,6 +350,8 @@ kvl_err kvl_agent_create(const kvl_config *cfg, kvl_agent **out)
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&a->notif_cv, &ca);
+    pthread_mutex_init(&a->inq_mu, NULL);
+    pthread_cond_init(&a->inq_cv, &ca);
     pthread_condattr_destroy(&ca);
     kvl_regions_init(&a->regions);
     a->cfg = *cfg;
@@ -430,6 +434,9 @@ kvl_err kvl_agent_close(kvl_agent *a)
     /* the engine sends what is queued (bounded by close_linger_ms) and
      * exits; then everything stops */
     atomic_store(&a->closing, 1);
+    pthread_mutex_lock(&a->inq_mu); /* kvl_inbound_next waiters give up now */
+    pthread_cond_broadcast(&a->inq_cv);
+    pthread_mutex_unlock(&a->inq_mu);
     uint64_t one = 1;
     ssize_t rc = write(a->wakefd, &one, sizeof one);
     (void)rc;

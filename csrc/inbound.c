@@ -1,16 +1,32 @@
-/* inbound.c: which copy of a pushed chunk may write into our memory.
+/* inbound.c: the receiving side of pushes.
  *
- * A chunk can reach us more than once: re-sent after its path was cut, or
- * hedged onto a second path while the first copy straggles.  Both copies name
- * the same destination bytes, so if both wrote, a slow or corrupt copy could
- * overwrite bytes another copy had already verified, even after the sender
- * reported the transfer complete.  So the receiver keeps, per sender instance
- * and transfer, the owner of every chunk: the newest attempt seen places its
- * bytes, an older attempt still arriving is drained to scratch from then on,
- * and once a copy is verified (settled) every other copy is drained.  After
- * the sender's END the transfer is a tombstone: late copies are drained too.
- * Engine thread only.
+ * A push announces itself (ANNOUNCE: tag, size, chunk-to-layer map) on each
+ * connection before its first DATA there.  From that frame on the receiver
+ * keeps, per sender instance and transfer:
+ *
+ *  - chunk ownership.  A chunk can reach us more than once: re-sent after
+ *    its path was cut or stalled, or hedged onto a second path.  Both copies
+ *    name the same destination bytes, so if both wrote, a slow or corrupt
+ *    copy could overwrite bytes another copy had already verified, even after
+ *    the sender reported the transfer complete.  So the newest attempt seen
+ *    places its bytes, an older attempt still arriving is drained to scratch
+ *    from then on, and once a copy is verified (settled) every other copy is
+ *    drained.  After the sender's END the transfer is a tombstone: late
+ *    copies are drained too.
+ *  - the application's handle (kvl_inxfer): progress per chunk and per
+ *    layer, taken with kvl_inbound_next, waited on with kvl_inxfer_wait /
+ *    wait_layer / next_event.
+ *
+ * DATA for a transfer that was not announced is refused: every chunk index
+ * is checked against the announced count, and a peer can only create
+ * entries up to MAX_ENTRIES.
+ *
+ * The entry table is engine-thread only; a handle's progress is under its
+ * own mutex; the queue of handles not yet taken is under a->inq_mu.
  */
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -18,6 +34,190 @@
 
 #define ENDED_KEEP_NS (30ull * 1000000000ull) /* tombstones outlive any late copy */
 #define IDLE_KEEP_NS (300ull * 1000000000ull) /* a sender that vanished without END */
+#define END_GRACE_NS (2000ull * 1000000ull)   /* after the sender's deadline: its END is due */
+#define MAX_ENTRIES 16384                     /* transfers (live and tombstones) per agent */
+#define QUEUE_MAX 1024                        /* handles waiting for kvl_inbound_next */
+#define QUEUE_KEEP_NS (60ull * 1000000000ull) /* a finished handle nobody took is dropped */
+
+enum { LAYER_PENDING = 0, LAYER_DONE = 1 };
+
+struct kvl_inxfer {
+    atomic_int refs;           /* the engine's entry, and the queue's or the caller's */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    kvl_inbound_info info;     /* under mu */
+    uint32_t *layer_left;      /* chunks not yet verified per layer; under mu */
+    uint8_t *layer_done;       /* under mu */
+    uint32_t *chunk_lf, *chunk_ll; /* the announced map; immutable */
+    kvl_chunk_event *events;   /* under mu */
+    uint32_t n_events, ev_read;
+    uint64_t t_queued_ns;      /* inq_mu */
+    struct kvl_inxfer *qnext;  /* inq_mu */
+};
+
+/* ---- handles ---- */
+
+static void inx_free(kvl_inxfer *t)
+{
+    pthread_mutex_destroy(&t->mu);
+    pthread_cond_destroy(&t->cv);
+    free(t->layer_left);
+    free(t->layer_done);
+    free(t->chunk_lf);
+    free(t->chunk_ll);
+    free(t->events);
+    free(t);
+}
+
+void kvl_inxfer_release(kvl_inxfer *t)
+{
+    if (t && atomic_fetch_sub(&t->refs, 1) == 1)
+        inx_free(t);
+}
+
+static kvl_inxfer *inx_new(const char *peer, const kvl_msg_announce *m, uint64_t now)
+{
+    kvl_inxfer *t = calloc(1, sizeof *t);
+    if (!t)
+        return NULL;
+    pthread_mutex_init(&t->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&t->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    atomic_init(&t->refs, 2);
+    t->layer_left = calloc(m->n_layers, sizeof *t->layer_left);
+    t->layer_done = calloc(m->n_layers, 1);
+    t->chunk_lf = malloc(m->n_chunks * sizeof *t->chunk_lf);
+    t->chunk_ll = malloc(m->n_chunks * sizeof *t->chunk_ll);
+    t->events = calloc(m->n_chunks, sizeof *t->events);
+    if (!t->layer_left || !t->layer_done || !t->chunk_lf || !t->chunk_ll || !t->events) {
+        inx_free(t);
+        return NULL;
+    }
+    for (uint32_t i = 0; i < m->n_chunks; i++) {
+        kvl_dec_announce_chunk(m, i, &t->chunk_lf[i], &t->chunk_ll[i]);
+        for (uint32_t l = t->chunk_lf[i]; l <= t->chunk_ll[i]; l++)
+            t->layer_left[l]++;
+    }
+    for (uint32_t l = 0; l < m->n_layers; l++)
+        t->layer_done[l] = t->layer_left[l] ? LAYER_PENDING : LAYER_DONE;
+    kvl_inbound_info *in = &t->info;
+    in->xfer_id = m->xfer;
+    snprintf(in->peer, sizeof in->peer, "%s", peer);
+    in->state = KVL_XFER_RUNNING;
+    in->bytes_total = m->bytes;
+    in->chunks_total = m->n_chunks;
+    in->layers = m->n_layers;
+    in->tag_len = m->tag_len;
+    memcpy(in->tag, m->tag, m->tag_len);
+    in->t_announce_ns = now;
+    for (uint32_t l = 0; l < m->n_layers && t->layer_done[l] == LAYER_DONE; l++)
+        in->layers_ready = l + 1;
+    return t;
+}
+
+/* A copy of chunk ci was verified in place (engine). */
+static void inx_chunk_done(kvl_inxfer *t, uint32_t ci, uint32_t path, uint64_t bytes, uint64_t now)
+{
+    pthread_mutex_lock(&t->mu);
+    kvl_chunk_event *ev = &t->events[t->n_events++];
+    ev->chunk = ci;
+    ev->path = path;
+    ev->bytes = bytes;
+    ev->t_ns = now;
+    for (uint32_t l = t->chunk_lf[ci]; l <= t->chunk_ll[ci]; l++) {
+        if (--t->layer_left[l] == 0) {
+            t->layer_done[l] = LAYER_DONE;
+            if (!ev->layer_count)
+                ev->layer_first = l;
+            ev->layer_count = l - ev->layer_first + 1;
+        }
+    }
+    kvl_inbound_info *in = &t->info;
+    while (in->layers_ready < in->layers && t->layer_done[in->layers_ready] == LAYER_DONE)
+        in->layers_ready++;
+    in->bytes_done += bytes;
+    in->chunks_done++;
+    if (!in->t_first_byte_ns)
+        in->t_first_byte_ns = now;
+    if (in->chunks_done == in->chunks_total) {
+        in->state = KVL_XFER_DONE;
+        in->t_done_ns = now;
+    }
+    pthread_cond_broadcast(&t->cv);
+    pthread_mutex_unlock(&t->mu);
+}
+
+static void inx_fail(kvl_inxfer *t, kvl_err err, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void inx_fail(kvl_inxfer *t, kvl_err err, const char *fmt, ...)
+{
+    pthread_mutex_lock(&t->mu);
+    if (t->info.state == KVL_XFER_RUNNING) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(t->info.message, sizeof t->info.message, fmt, ap);
+        va_end(ap);
+        t->info.state = KVL_XFER_FAILED;
+        t->info.err = (uint32_t)err;
+        t->info.t_done_ns = kvl_now_ns();
+        pthread_cond_broadcast(&t->cv);
+    }
+    pthread_mutex_unlock(&t->mu);
+}
+
+/* ---- the queue of handles not yet taken ---- */
+
+static void queue_put(kvl_agent *a, kvl_inxfer *t, uint64_t now)
+{
+    pthread_mutex_lock(&a->inq_mu);
+    t->t_queued_ns = now;
+    t->qnext = NULL;
+    kvl_inxfer **pp = &a->inq_head;
+    uint32_t n = 0;
+    while (*pp) {
+        pp = &(*pp)->qnext;
+        n++;
+    }
+    *pp = t;
+    kvl_inxfer *drop = NULL;
+    if (n >= QUEUE_MAX) { /* nobody takes them: the oldest goes */
+        drop = a->inq_head;
+        a->inq_head = drop->qnext;
+    }
+    pthread_cond_broadcast(&a->inq_cv);
+    pthread_mutex_unlock(&a->inq_mu);
+    kvl_inxfer_release(drop);
+}
+
+static void queue_expire(kvl_agent *a, uint64_t now)
+{
+    kvl_inxfer *drop = NULL;
+    pthread_mutex_lock(&a->inq_mu);
+    for (kvl_inxfer **pp = &a->inq_head; *pp;) {
+        kvl_inxfer *t = *pp;
+        pthread_mutex_lock(&t->mu);
+        int finished = t->info.state != KVL_XFER_RUNNING;
+        pthread_mutex_unlock(&t->mu);
+        if (finished && now - t->t_queued_ns > QUEUE_KEEP_NS) {
+            *pp = t->qnext;
+            t->qnext = drop;
+            drop = t;
+        } else {
+            pp = &t->qnext;
+        }
+    }
+    pthread_mutex_unlock(&a->inq_mu);
+    while (drop) {
+        kvl_inxfer *t = drop;
+        drop = t->qnext;
+        kvl_inxfer_release(t);
+    }
+}
+
+/* ---- entries (engine thread) ---- */
 
 static kvl_rx_xfer *find(kvl_agent *a, uint64_t instance, uint64_t xfer)
 {
@@ -27,42 +227,58 @@ static kvl_rx_xfer *find(kvl_agent *a, uint64_t instance, uint64_t xfer)
     return NULL;
 }
 
-static int grow(kvl_rx_xfer *r, uint32_t chunk)
+static kvl_rx_xfer *entry_new(kvl_agent *a, uint64_t instance, uint64_t xfer)
 {
-    if (chunk < r->n)
-        return 0;
-    uint32_t n = r->n ? r->n : 64;
-    while (n <= chunk)
-        n *= 2;
-    kvl_rx_chunk *nc = realloc(r->chunks, n * sizeof *nc);
-    if (!nc)
-        return -1;
-    memset(nc + r->n, 0, (n - r->n) * sizeof *nc);
-    r->chunks = nc;
-    r->n = n;
-    return 0;
+    if (a->n_rx_xfers >= MAX_ENTRIES)
+        return NULL;
+    kvl_rx_xfer *r = calloc(1, sizeof *r);
+    if (!r)
+        return NULL;
+    r->instance = instance;
+    r->xfer = xfer;
+    r->next = a->rx_xfers;
+    a->rx_xfers = r;
+    a->n_rx_xfers++;
+    return r;
+}
+
+kvl_err kvl_rx_announce(kvl_agent *a, uint64_t instance, const char *peer,
+                        const kvl_msg_announce *m)
+{
+    kvl_rx_xfer *r = find(a, instance, m->xfer);
+    if (r && (r->chunks || r->ended))
+        return KVL_OK; /* announced on another connection already, or over */
+    if (!r && !(r = entry_new(a, instance, m->xfer)))
+        return kvl_fail(KVL_ERR_NOMEM, "agent '%s' holds %d inbound transfers already", a->name,
+                        MAX_ENTRIES);
+    uint64_t now = kvl_now_ns();
+    r->t_last_ns = now;
+    r->chunks = calloc(m->n_chunks, sizeof *r->chunks);
+    r->h = r->chunks ? inx_new(peer, m, now) : NULL;
+    if (!r->h) {
+        free(r->chunks);
+        r->chunks = NULL;
+        return kvl_fail(KVL_ERR_NOMEM, "out of memory for an inbound transfer");
+    }
+    r->n = m->n_chunks;
+    r->deadline_ns = m->timeout_ms ? now + (uint64_t)m->timeout_ms * 1000000ull : 0;
+    queue_put(a, r->h, now);
+    return KVL_OK;
 }
 
 int kvl_rx_claim(kvl_agent *a, uint64_t instance, uint64_t xfer, uint32_t chunk,
                  uint32_t attempt, kvl_rx_xfer **out, uint32_t *drain_status)
 {
     kvl_rx_xfer *r = find(a, instance, xfer);
-    if (!r) {
-        r = calloc(1, sizeof *r);
-        if (!r) {
-            *drain_status = KVL_ERR_NOMEM;
-            return 0;
-        }
-        r->instance = instance;
-        r->xfer = xfer;
-        r->next = a->rx_xfers;
-        a->rx_xfers = r;
-    }
-    r->t_last_ns = kvl_now_ns();
-    if (r->ended || grow(r, chunk)) {
-        *drain_status = r->ended ? KVL_RX_SUPERSEDED : KVL_ERR_NOMEM;
+    if (r && r->ended) {
+        *drain_status = KVL_RX_SUPERSEDED;
         return 0;
     }
+    if (!r || !r->chunks || chunk >= r->n) {
+        *drain_status = KVL_ERR_PROTOCOL; /* not announced, or outside what was */
+        return 0;
+    }
+    r->t_last_ns = kvl_now_ns();
     kvl_rx_chunk *ch = &r->chunks[chunk];
     if (ch->settled) {
         *drain_status = KVL_OK; /* another copy is verified in place already */
@@ -84,24 +300,37 @@ int kvl_rx_owns(const kvl_rx_xfer *r, uint32_t chunk, uint32_t attempt)
            r->chunks[chunk].owner == attempt;
 }
 
-void kvl_rx_done(kvl_rx_xfer *r, uint32_t chunk, uint32_t attempt, int verified)
+void kvl_rx_done(kvl_rx_xfer *r, uint32_t chunk, uint32_t attempt, int verified, uint32_t path,
+                 uint64_t bytes)
 {
-    if (verified && kvl_rx_owns(r, chunk, attempt))
+    if (verified && kvl_rx_owns(r, chunk, attempt)) {
         r->chunks[chunk].settled = 1;
+        if (r->h)
+            inx_chunk_done(r->h, chunk, path, bytes, kvl_now_ns());
+    }
     r->refs--;
 }
 
-void kvl_rx_end(kvl_agent *a, uint64_t instance, uint64_t xfer)
+static void drop_handle(kvl_rx_xfer *r)
 {
-    kvl_rx_xfer *r = find(a, instance, xfer);
-    if (!r) {
-        r = calloc(1, sizeof *r);
-        if (!r)
-            return;
-        r->instance = instance;
-        r->xfer = xfer;
-        r->next = a->rx_xfers;
-        a->rx_xfers = r;
+    kvl_inxfer_release(r->h);
+    r->h = NULL;
+}
+
+void kvl_rx_end(kvl_agent *a, uint64_t instance, const kvl_msg_status *m)
+{
+    kvl_rx_xfer *r = find(a, instance, m->xfer);
+    if (!r && !(r = entry_new(a, instance, m->xfer)))
+        return; /* at the limit: a late copy then finds no entry and is refused */
+    if (r->h) {
+        if (m->status != KVL_OK)
+            inx_fail(r->h, m->status > 0 && m->status <= KVL_ERR_DEADLINE ? m->status
+                                                                           : KVL_ERR_PROTOCOL,
+                     "the sender failed the push: %s", m->msg);
+        else
+            inx_fail(r->h, KVL_ERR_PROTOCOL,
+                     "the sender ended the push before every chunk was verified here");
+        drop_handle(r);
     }
     r->ended = 1;
     free(r->chunks);
@@ -115,15 +344,28 @@ void kvl_rx_expire(kvl_agent *a, uint64_t now)
     kvl_rx_xfer **pp = &a->rx_xfers;
     while (*pp) {
         kvl_rx_xfer *r = *pp;
+        if (r->h && r->deadline_ns && now > r->deadline_ns + END_GRACE_NS) {
+            inx_fail(r->h, KVL_ERR_DEADLINE,
+                     "push %llu from this sender passed its deadline without finishing",
+                     (unsigned long long)r->xfer);
+            drop_handle(r);
+        }
         uint64_t keep = r->ended ? ENDED_KEEP_NS : IDLE_KEEP_NS;
         if (!r->refs && now - r->t_last_ns > keep) {
             *pp = r->next;
+            if (r->h) {
+                inx_fail(r->h, KVL_ERR_CONN_LOST, "the sender went silent for %llu s",
+                         (unsigned long long)(keep / 1000000000ull));
+                drop_handle(r);
+            }
             free(r->chunks);
             free(r);
+            a->n_rx_xfers--;
         } else {
             pp = &r->next;
         }
     }
+    queue_expire(a, now);
 }
 
 void kvl_rx_free_all(kvl_agent *a)
@@ -131,7 +373,177 @@ void kvl_rx_free_all(kvl_agent *a)
     while (a->rx_xfers) {
         kvl_rx_xfer *r = a->rx_xfers;
         a->rx_xfers = r->next;
+        if (r->h) {
+            inx_fail(r->h, KVL_ERR_CLOSED, "the agent was closed while the push arrived");
+            drop_handle(r);
+        }
         free(r->chunks);
         free(r);
     }
+    a->n_rx_xfers = 0;
+    while (a->inq_head) {
+        kvl_inxfer *t = a->inq_head;
+        a->inq_head = t->qnext;
+        kvl_inxfer_release(t);
+    }
+}
+
+/* ---- the application's side (any thread) ---- */
+
+kvl_err kvl_inbound_next(kvl_agent *a, const void *tag, size_t tag_len, int any_tag,
+                         uint32_t timeout_ms, kvl_inxfer **out)
+{
+    kvl_clear_error();
+    if (!a || !out || (!any_tag && tag_len && !tag))
+        return kvl_fail(KVL_ERR_INVALID_ARG, "inbound: NULL argument");
+    if (tag_len > KVL_MAX_TAG)
+        return kvl_fail(KVL_ERR_INVALID_ARG, "inbound: tag is %zu bytes; tags are at most %d",
+                        tag_len, KVL_MAX_TAG);
+    struct timespec ts = kvl_deadline_ts(timeout_ms);
+    pthread_mutex_lock(&a->inq_mu);
+    kvl_inxfer *found = NULL;
+    int rc = 0;
+    for (;;) {
+        for (kvl_inxfer **pp = &a->inq_head; *pp; pp = &(*pp)->qnext) {
+            kvl_inxfer *t = *pp; /* tag and tag_len never change after creation */
+            if (any_tag || (t->info.tag_len == tag_len && !memcmp(t->info.tag, tag, tag_len))) {
+                *pp = t->qnext;
+                found = t;
+                break;
+            }
+        }
+        if (found || rc || atomic_load(&a->stopping) || atomic_load(&a->closing))
+            break;
+        rc = pthread_cond_timedwait(&a->inq_cv, &a->inq_mu, &ts);
+    }
+    pthread_mutex_unlock(&a->inq_mu);
+    if (found) {
+        *out = found; /* the queue's reference is the caller's now */
+        return KVL_OK;
+    }
+    if (atomic_load(&a->stopping) || atomic_load(&a->closing))
+        return kvl_fail(KVL_ERR_CLOSED, "the agent is closed");
+    if (any_tag)
+        return kvl_fail(KVL_ERR_TIMEOUT, "no inbound push announced within %u ms", timeout_ms);
+    return kvl_fail(KVL_ERR_TIMEOUT, "no inbound push with that notify tag (%zu bytes) within %u ms",
+                    tag_len, timeout_ms);
+}
+
+static int inx_wait(kvl_inxfer *t, int (*pred)(kvl_inxfer *, uint32_t), uint32_t arg,
+                    uint32_t timeout_ms)
+{
+    struct timespec ts = kvl_deadline_ts(timeout_ms);
+    while (!pred(t, arg))
+        if (pthread_cond_timedwait(&t->cv, &t->mu, &ts) == ETIMEDOUT)
+            return pred(t, arg) ? 0 : -1;
+    return 0;
+}
+
+static int inx_finished(kvl_inxfer *t, uint32_t unused)
+{
+    (void)unused;
+    return t->info.state != KVL_XFER_RUNNING;
+}
+
+static int inx_layer_ready(kvl_inxfer *t, uint32_t layer)
+{
+    return t->layer_done[layer] == LAYER_DONE || t->info.state != KVL_XFER_RUNNING;
+}
+
+static int inx_event_ready(kvl_inxfer *t, uint32_t unused)
+{
+    (void)unused;
+    return t->ev_read < t->n_events || t->info.state != KVL_XFER_RUNNING;
+}
+
+static kvl_err inx_outcome(kvl_inxfer *t)
+{
+    if (t->info.state == KVL_XFER_DONE)
+        return KVL_OK;
+    return kvl_fail((kvl_err)t->info.err, "inbound push %llu from '%s': %s",
+                    (unsigned long long)t->info.xfer_id, t->info.peer, t->info.message);
+}
+
+static kvl_err inx_timeout(kvl_inxfer *t, uint32_t timeout_ms, const char *what)
+{
+    return kvl_fail(KVL_ERR_TIMEOUT,
+                    "inbound push %llu from '%s': %s after %u ms (%llu of %llu bytes verified)",
+                    (unsigned long long)t->info.xfer_id, t->info.peer, what, timeout_ms,
+                    (unsigned long long)t->info.bytes_done,
+                    (unsigned long long)t->info.bytes_total);
+}
+
+kvl_err kvl_inxfer_wait(kvl_inxfer *t, uint32_t timeout_ms)
+{
+    kvl_clear_error();
+    pthread_mutex_lock(&t->mu);
+    kvl_err e = inx_wait(t, inx_finished, 0, timeout_ms) ? inx_timeout(t, timeout_ms, "still arriving")
+                                                       : inx_outcome(t);
+    pthread_mutex_unlock(&t->mu);
+    return e;
+}
+
+kvl_err kvl_inxfer_wait_layer(kvl_inxfer *t, uint32_t layer, uint32_t timeout_ms)
+{
+    kvl_clear_error();
+    if (layer >= t->info.layers)
+        return kvl_fail(KVL_ERR_INVALID_ARG, "layer %u: the push has layers 0..%u", layer,
+                        t->info.layers - 1);
+    pthread_mutex_lock(&t->mu);
+    kvl_err e;
+    if (inx_wait(t, inx_layer_ready, layer, timeout_ms))
+        e = inx_timeout(t, timeout_ms, "layer not complete");
+    else
+        e = t->layer_done[layer] == LAYER_DONE ? KVL_OK : inx_outcome(t);
+    pthread_mutex_unlock(&t->mu);
+    return e;
+}
+
+kvl_err kvl_inxfer_next_event(kvl_inxfer *t, uint32_t timeout_ms, kvl_chunk_event *ev)
+{
+    kvl_clear_error();
+    pthread_mutex_lock(&t->mu);
+    kvl_err e = KVL_OK;
+    if (inx_wait(t, inx_event_ready, 0, timeout_ms))
+        e = inx_timeout(t, timeout_ms, "no chunk");
+    else if (t->ev_read < t->n_events)
+        *ev = t->events[t->ev_read++];
+    else if (t->info.state == KVL_XFER_DONE)
+        e = kvl_fail(KVL_ERR_END, "no more chunks");
+    else
+        e = inx_outcome(t);
+    pthread_mutex_unlock(&t->mu);
+    return e;
+}
+
+kvl_err kvl_inxfer_info(kvl_inxfer *t, kvl_inbound_info *out)
+{
+    kvl_clear_error();
+    pthread_mutex_lock(&t->mu);
+    *out = t->info;
+    pthread_mutex_unlock(&t->mu);
+    return KVL_OK;
+}
+
+kvl_err kvl_inxfer_progress(kvl_inxfer *t, kvl_inbound_progress *out)
+{
+    pthread_mutex_lock(&t->mu);
+    out->state = t->info.state;
+    out->chunks_done = t->info.chunks_done;
+    out->layers_ready = t->info.layers_ready;
+    out->bytes_done = t->info.bytes_done;
+    pthread_mutex_unlock(&t->mu);
+    return KVL_OK;
+}
+
+kvl_err kvl_inxfer_layer_done(kvl_inxfer *t, uint32_t layer, int *done)
+{
+    kvl_clear_error();
+    if (layer >= t->info.layers)
+        return kvl_fail(KVL_ERR_INVALID_ARG, "layer %u: the push has layers 0..%u", layer,
+                        t->info.layers - 1);
+    pthread_mutex_lock(&t->mu);
+    *done = t->layer_done[layer] == LAYER_DONE;
+    pthread_mutex_unlock(&t->mu);
+    return KVL_OK;
 }

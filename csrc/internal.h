@@ -20,6 +20,8 @@
 #define KVL_MAX_REGIONS 8192     /* regions per agent: bounds the region table frame */
 #define KVL_MAX_TAG 4096
 #define KVL_MAX_CHUNK (1ull << 30)
+#define KVL_MAX_XFER_CHUNKS 65536 /* chunks per transfer: bounds ANNOUNCE to 512 KiB */
+#define KVL_MAX_LAYERS 65536      /* far above any model; bounds per-layer arrays */
 /* Chunks per path a transfer is split into at least (above min_chunk_bytes):
  * enough that a path slowing down mid-transfer holds little of the work and
  * the tail evens out; measured on the testbed (docs/BENCHMARKS.md). */
@@ -56,7 +58,8 @@ enum kvl_frame_type {
     KVL_F_PONG = 11,       /* the echo */
     KVL_F_END = 12,        /* push finished (either way): drain any late copy */
     KVL_F_NOTIFY_ACK = 13, /* the NOTIFY of this transfer arrived (token: its id) */
-    KVL_F_TYPE_MAX = 13
+    KVL_F_ANNOUNCE = 14,   /* push: tag, size and chunk-to-layer map, before its first DATA */
+    KVL_F_TYPE_MAX = 14
 };
 
 enum kvl_conn_kind { KVL_CONN_CONTROL = 0, KVL_CONN_DATA = 1 };
@@ -119,6 +122,19 @@ typedef struct kvl_msg_notify {
     const uint8_t *tag; /* inside the body */
 } kvl_msg_notify;
 
+/* ANNOUNCE: a push's shape, sent on each connection before its first DATA
+ * there, so the receiver can report it (kvl_inbound_next) from the first
+ * frame on.  map: n_chunks x (u32 layer_first, u32 layer_last). */
+typedef struct kvl_msg_announce {
+    uint64_t xfer;
+    uint64_t bytes;
+    uint32_t n_chunks, n_layers;
+    uint32_t timeout_ms;      /* what is left of the sender's deadline (0: none) */
+    uint32_t tag_len;
+    const uint8_t *tag;       /* inside the body */
+    const uint8_t *map;       /* inside the body */
+} kvl_msg_announce;
+
 /* Header: decode checks magic, version, type and the body/payload bounds. */
 void kvl_hdr_encode(uint8_t out[KVL_HDR_BYTES], const kvl_frame_hdr *h);
 kvl_err kvl_hdr_decode(const uint8_t in[KVL_HDR_BYTES], kvl_frame_hdr *h);
@@ -147,6 +163,12 @@ kvl_err kvl_dec_chunk(const uint8_t *body, size_t len, kvl_msg_chunk *m);
 kvl_err kvl_dec_status(const uint8_t *body, size_t len, kvl_msg_status *m);
 kvl_err kvl_dec_notify(const uint8_t *body, size_t len, kvl_msg_notify *m);
 kvl_err kvl_dec_token(const uint8_t *body, size_t len, uint64_t *token);
+void kvl_enc_announce(kvl_buf *b, const kvl_msg_announce *m, const uint32_t *layer_first,
+                      const uint32_t *layer_last);
+/* Also checks the map: layers inside [0, n_layers), chunks in layer order. */
+kvl_err kvl_dec_announce(const uint8_t *body, size_t len, kvl_msg_announce *m);
+void kvl_dec_announce_chunk(const kvl_msg_announce *m, uint32_t i, uint32_t *layer_first,
+                            uint32_t *layer_last);
 void kvl_dec_piece(const kvl_msg_chunk *m, uint32_t i, kvl_wire_piece *p);
 void kvl_dec_region(const uint8_t *table, uint32_t i, kvl_region_info *r);
 
@@ -317,6 +339,8 @@ struct kvl_xfer {
     uint32_t *retry;           /* chunks to resend first */
     uint32_t n_retry;
     uint32_t *layer_left;      /* chunks not yet verified, per layer */
+    uint64_t ann_serial[KVL_MAX_PATHS]; /* push: connection (serial) of each path that
+                                           carried its ANNOUNCE */
     int io_refs;               /* frames / receives touching this transfer's memory */
     int fin;                   /* engine's view of the outcome (kvl_xfer_state); callers see
                                   it in info.state only once the transfer has let go of its
@@ -395,6 +419,11 @@ struct kvl_agent {
     kvl_xfer *all_xfers;
     kvl_inbound *inbound;
     struct kvl_rx_xfer *rx_xfers; /* chunk ownership of inbound pushes (inbound.c) */
+    uint32_t n_rx_xfers;
+    pthread_mutex_t inq_mu;    /* handles of inbound pushes nobody took yet */
+    pthread_cond_t inq_cv;
+    kvl_inxfer *inq_head;
+    uint64_t next_conn_serial; /* engine: kvl_conn serial numbers */
     uint8_t *scratch;          /* sink for payload bytes that must be drained */
     size_t scratch_len;
     uint64_t next_tick_ns;
@@ -436,6 +465,7 @@ kvl_conn *kvl_conn_new(kvl_agent *a, int fd, int listener);
 void kvl_conn_on_event(kvl_conn *c, uint32_t events);
 void kvl_conn_fail(kvl_conn *c, kvl_err err, const char *why);
 int kvl_conn_is_dead(const kvl_conn *c);
+uint64_t kvl_conn_serial(const kvl_conn *c);
 void kvl_conn_free(kvl_conn *c);
 /* Frees connections failed during this engine iteration. */
 void kvl_conn_reap(kvl_agent *a);
@@ -473,6 +503,8 @@ void kvl_xfer_chunk_done(kvl_xfer *x, uint32_t ci, uint32_t path, uint64_t now);
 void kvl_xfer_set_failed(kvl_xfer *x, kvl_err err, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 int kvl_xfer_running(kvl_xfer *x);
+/* Builds x's ANNOUNCE frame (a push's tag, size and chunk-to-layer map). */
+void kvl_xfer_announce(kvl_xfer *x, kvl_buf *b, uint64_t now);
 /* Makes the outcome visible to callers (info.state) and wakes them. */
 void kvl_xfer_publish(kvl_xfer *x);
 void kvl_xfer_ref(kvl_xfer *x);
@@ -543,22 +575,33 @@ typedef struct kvl_rx_chunk {
 } kvl_rx_chunk;
 typedef struct kvl_rx_xfer {
     uint64_t instance, xfer;  /* the sender agent instance and its transfer id */
-    kvl_rx_chunk *chunks;
-    uint32_t n;
+    kvl_rx_chunk *chunks;     /* NULL until announced, and again once ended */
+    uint32_t n;               /* announced chunk count */
     int ended;                /* the sender said END: every late copy is drained */
     int refs;                 /* connections placing bytes for it right now */
     uint64_t t_last_ns;
+    uint64_t deadline_ns;     /* the sender's deadline, as announced (0: none) */
+    kvl_inxfer *h;            /* the application's handle, until the push ends */
     struct kvl_rx_xfer *next;
 } kvl_rx_xfer;
+/* ANNOUNCE from sender `instance` (agent `peer`): creates the entry and
+ * queues its handle for kvl_inbound_next.  A repeat is ignored. */
+kvl_err kvl_rx_announce(kvl_agent *a, uint64_t instance, const char *peer,
+                        const kvl_msg_announce *m);
 /* 1: this copy owns the chunk and may place (*out referenced); 0: drain it
- * and answer *drain_status (KVL_OK if another copy is already verified). */
+ * and answer *drain_status (KVL_OK if another copy is already verified,
+ * KVL_ERR_PROTOCOL if the transfer was not announced or the chunk is not
+ * in it). */
 int kvl_rx_claim(kvl_agent *a, uint64_t instance, uint64_t xfer, uint32_t chunk,
                  uint32_t attempt, kvl_rx_xfer **out, uint32_t *drain_status);
 /* Still the owner?  Checked before every read into the destination. */
 int kvl_rx_owns(const kvl_rx_xfer *r, uint32_t chunk, uint32_t attempt);
-/* The copy finished (verified or not); drops the reference. */
-void kvl_rx_done(kvl_rx_xfer *r, uint32_t chunk, uint32_t attempt, int verified);
-void kvl_rx_end(kvl_agent *a, uint64_t instance, uint64_t xfer);
+/* The copy finished (verified or not; path and bytes for the handle's
+ * chunk event); drops the reference. */
+void kvl_rx_done(kvl_rx_xfer *r, uint32_t chunk, uint32_t attempt, int verified, uint32_t path,
+                 uint64_t bytes);
+/* END: the sender finished the push (m->status says how). */
+void kvl_rx_end(kvl_agent *a, uint64_t instance, const kvl_msg_status *m);
 void kvl_rx_expire(kvl_agent *a, uint64_t now);
 void kvl_rx_free_all(kvl_agent *a);
 

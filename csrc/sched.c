@@ -64,6 +64,21 @@ static void take_chunk(kvl_xfer *x, uint32_t ci)
     }
 }
 
+/* Queues a copy of chunk ci on pa's connection; a push announces itself on
+ * each connection before its first DATA there. */
+static int send_copy(kvl_path *pa, kvl_xfer *x, uint32_t ci)
+{
+    uint64_t serial = kvl_conn_serial(pa->conn);
+    if (x->op == KVL_OP_PUSH && x->ann_serial[pa->index] != serial) {
+        kvl_buf b = {0};
+        kvl_xfer_announce(x, &b, kvl_now_ns());
+        if (kvl_conn_send_frame(pa->conn, &b) != 0)
+            return -1;
+        x->ann_serial[pa->index] = serial;
+    }
+    return kvl_conn_send_chunk(pa->conn, x, ci);
+}
+
 /* Bookkeeping for one copy of chunk ci going out on path pa. */
 static void account_send(kvl_xfer *x, uint32_t ci, kvl_path *pa, int hedge)
 {
@@ -176,7 +191,7 @@ static void hedge(kvl_peer *p, double prior)
         if (!bx)
             continue;
         account_send(bx, bci, idle, 1);
-        if (kvl_conn_send_chunk(idle->conn, bx, bci) != 0)
+        if (send_copy(idle, bx, bci) != 0)
             kvl_sched_fail(bx, KVL_ERR_NOMEM, "out of memory queueing chunk %u", bci);
         (void)a;
     }
@@ -257,7 +272,7 @@ void kvl_sched_dispatch(kvl_peer *p)
             return; /* kvl_sched_path_down already failed what it had to */
         take_chunk(x, ci);
         account_send(x, ci, best, 0);
-        if (kvl_conn_send_chunk(best->conn, x, ci) != 0) {
+        if (send_copy(best, x, ci) != 0) {
             kvl_sched_fail(x, KVL_ERR_NOMEM, "out of memory queueing chunk %u", ci);
             return;
         }
@@ -464,9 +479,14 @@ static void send_end(kvl_peer *p, kvl_xfer *x)
             c = p->paths[i].conn;
     if (!c)
         return;
+    kvl_msg_status st = {.xfer = x->id};
+    if (x->fin != KVL_XFER_DONE) {
+        st.status = x->info.err ? x->info.err : KVL_ERR_PROTOCOL;
+        snprintf(st.msg, sizeof st.msg, "%s", x->info.message);
+    }
     kvl_buf b = {0};
     kvl_frame_start(&b);
-    kvl_enc_token(&b, x->id);
+    kvl_enc_status(&b, &st);
     kvl_frame_finish(&b, KVL_F_END, 0);
     kvl_conn_send_frame(c, &b);
 }

@@ -353,7 +353,7 @@ kvl_err kvl_dec_status(const uint8_t *body, size_t len, kvl_msg_status *m)
     m->attempt = get_u32(&r);
     m->status = get_u32(&r);
     get_str(&r, m->msg, sizeof m->msg);
-    return finish(&r, "ACK/READ_RESP");
+    return finish(&r, "ACK/READ_RESP/END");
 }
 
 void kvl_enc_notify(kvl_buf *b, uint64_t xfer, uint32_t op, const void *tag, uint32_t len)
@@ -382,5 +382,58 @@ kvl_err kvl_dec_token(const uint8_t *body, size_t len, uint64_t *token)
 {
     rd r = {body, len, 0, 0};
     *token = get_u64(&r);
-    return finish(&r, "PING/PONG/END/NOTIFY_ACK");
+    return finish(&r, "PING/PONG/NOTIFY_ACK");
+}
+
+void kvl_enc_announce(kvl_buf *b, const kvl_msg_announce *m, const uint32_t *layer_first,
+                      const uint32_t *layer_last)
+{
+    put_u64(b, m->xfer);
+    put_u64(b, m->bytes);
+    put_u32(b, m->n_chunks);
+    put_u32(b, m->n_layers);
+    put_u32(b, m->timeout_ms);
+    put_u32(b, m->tag_len);
+    put_bytes(b, m->tag, m->tag_len);
+    for (uint32_t i = 0; i < m->n_chunks; i++) {
+        put_u32(b, layer_first[i]);
+        put_u32(b, layer_last[i]);
+    }
+}
+
+kvl_err kvl_dec_announce(const uint8_t *body, size_t len, kvl_msg_announce *m)
+{
+    rd r = {body, len, 0, 0};
+    m->xfer = get_u64(&r);
+    m->bytes = get_u64(&r);
+    m->n_chunks = get_u32(&r);
+    m->n_layers = get_u32(&r);
+    m->timeout_ms = get_u32(&r);
+    m->tag_len = get_u32(&r);
+    if (m->tag_len > KVL_MAX_TAG || m->n_chunks == 0 || m->n_chunks > KVL_MAX_XFER_CHUNKS ||
+        m->n_layers == 0 || m->n_layers > KVL_MAX_LAYERS || m->bytes < m->n_chunks ||
+        m->xfer == 0)
+        r.bad = 1;
+    m->tag = r.bad ? NULL : take(&r, m->tag_len);
+    m->map = r.bad ? NULL : take(&r, (size_t)m->n_chunks * 8);
+    kvl_err e = finish(&r, "ANNOUNCE");
+    if (e)
+        return e;
+    /* the chunk map: layer ranges inside [0, n_layers), never decreasing */
+    uint32_t prev = 0;
+    for (uint32_t i = 0; i < m->n_chunks; i++) {
+        uint32_t lf, ll;
+        kvl_dec_announce_chunk(m, i, &lf, &ll);
+        if (lf > ll || ll >= m->n_layers || lf < prev)
+            return kvl_fail(KVL_ERR_PROTOCOL, "ANNOUNCE: chunk %u has layers [%u, %u]", i, lf, ll);
+        prev = lf;
+    }
+    return KVL_OK;
+}
+
+void kvl_dec_announce_chunk(const kvl_msg_announce *m, uint32_t i, uint32_t *layer_first,
+                            uint32_t *layer_last)
+{
+    *layer_first = ld_u32(m->map + (size_t)i * 8);
+    *layer_last = ld_u32(m->map + (size_t)i * 8 + 4);
 }

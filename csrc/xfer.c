@@ -16,7 +16,7 @@
 
 #include "internal.h"
 
-#define MAX_LAYERS 65536 /* far above any model; bounds per-layer arrays */
+#define MAX_LAYERS KVL_MAX_LAYERS
 
 enum { LAYER_PENDING = 0, LAYER_DONE = 1, LAYER_ABSENT = 2 };
 
@@ -229,6 +229,14 @@ kvl_err kvl_xfer_submit(kvl_agent *a, kvl_peer *p, int op, const kvl_segment *se
                               a->cfg.min_chunk_bytes, KVL_MAX_PIECES, &x->plan);
     if (e)
         goto fail;
+    if (x->plan.n_chunks > KVL_MAX_XFER_CHUNKS) {
+        e = kvl_fail(KVL_ERR_INVALID_ARG,
+                     "segments: the transfer needs %zu chunks of %llu bytes, more than the %d "
+                     "a transfer may have; split it or raise chunk_bytes / min_chunk_bytes",
+                     x->plan.n_chunks, (unsigned long long)x->plan.chunk_target,
+                     KVL_MAX_XFER_CHUNKS);
+        goto fail;
+    }
     e = KVL_ERR_NOMEM;
     x->segs = malloc(n_segs * sizeof *x->segs);
     x->local_ptr = malloc(n_segs * sizeof *x->local_ptr);
@@ -298,6 +306,39 @@ fail:
         kvl_regions_release(&a->regions, x->held[i]);
     xfer_free(x);
     return e;
+}
+
+void kvl_xfer_announce(kvl_xfer *x, kvl_buf *b, uint64_t now)
+{
+    size_t nc = x->plan.n_chunks;
+    uint32_t *lf = malloc(nc * sizeof *lf), *ll = malloc(nc * sizeof *ll);
+    if (!lf || !ll) {
+        b->oom = 1;
+        free(lf);
+        free(ll);
+        return;
+    }
+    for (size_t i = 0; i < nc; i++) {
+        lf[i] = x->plan.chunks[i].layer_first;
+        ll[i] = x->plan.chunks[i].layer_last;
+    }
+    uint64_t left_ms = 0;
+    if (x->deadline_ns)
+        left_ms = x->deadline_ns > now ? (x->deadline_ns - now) / 1000000ull + 1 : 1;
+    kvl_msg_announce m = {
+        .xfer = x->id,
+        .bytes = x->info.bytes_total,
+        .n_chunks = (uint32_t)nc,
+        .n_layers = x->plan.n_layers,
+        .timeout_ms = left_ms > UINT32_MAX ? UINT32_MAX : (uint32_t)left_ms,
+        .tag_len = x->notify_len,
+        .tag = x->notify,
+    };
+    kvl_frame_start(b);
+    kvl_enc_announce(b, &m, lf, ll);
+    kvl_frame_finish(b, KVL_F_ANNOUNCE, 0);
+    free(lf);
+    free(ll);
 }
 
 void kvl_xfer_chunk_done(kvl_xfer *x, uint32_t ci, uint32_t path, uint64_t now)

@@ -48,6 +48,7 @@ from ._errors import (
     UnknownPeerError,
     UnknownRegionError,
 )
+from ._inbound import InboundInfo, InboundTransfer
 from ._memory import MemoryType
 from ._segments import SEGMENT_DTYPE, Segment
 
@@ -66,6 +67,8 @@ __all__ = [
     "ErrorCode",
     "GiB",
     "HandshakeError",
+    "InboundInfo",
+    "InboundTransfer",
     "InvalidArgumentError",
     "KiB",
     "KvlinkError",

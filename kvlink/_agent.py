@@ -12,7 +12,7 @@ import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -35,12 +35,14 @@ from ._errors import (
 from ._memory import MemoryType, as_span
 from ._native import check, cstr, ffi, lib
 from ._segments import SEGMENT_DTYPE, as_segment_array
+from ._wait import SLICE_S, ms, sliced
+
+if TYPE_CHECKING:
+    from ._inbound import InboundTransfer
 
 log = logging.getLogger("kvlink")
 
 METADATA_VERSION = 1
-_WAIT_SLICE_S = 0.2  # blocking waits run in slices so Ctrl-C and close() get through
-_MAX_WAIT_MS = 2**31
 
 
 class Op(IntEnum):
@@ -64,14 +66,6 @@ class PathState(IntEnum):
     DOWN = 2
     PROBING = 3
     STALLED = 4
-
-
-def _ms(timeout_s: float | None) -> int:
-    if timeout_s is None:
-        return _MAX_WAIT_MS
-    if timeout_s < 0:
-        raise InvalidArgumentError(f"timeout_s: must be >= 0, got {timeout_s}")
-    return min(int(timeout_s * 1000), _MAX_WAIT_MS)
 
 
 @dataclass(frozen=True)
@@ -122,6 +116,16 @@ class ChunkEvent:
     nbytes: int
     layers: range
     t_ns: int
+
+    @staticmethod
+    def from_c(ev: Any) -> ChunkEvent:
+        return ChunkEvent(
+            index=int(ev.chunk),
+            path=int(ev.path),
+            nbytes=int(ev.bytes),
+            layers=range(int(ev.layer_first), int(ev.layer_first + ev.layer_count)),
+            t_ns=int(ev.t_ns),
+        )
 
 
 @dataclass(frozen=True)
@@ -253,14 +257,8 @@ class Transfer:
         )
 
     def _wait(self, fn: Any, *args: Any, timeout_s: float | None) -> None:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            step = _WAIT_SLICE_S if left is None else min(left, _WAIT_SLICE_S)
-            rc = fn(self._x, *args, _ms(step))
-            if rc != ErrorCode.TIMEOUT or (left is not None and left <= step):
-                check(rc, transfer=True, peer=self.peer, transfer_id=self.id)
-                return
+        rc = sliced(lambda step_ms: int(fn(self._x, *args, step_ms)), timeout_s)
+        check(rc, transfer=True, peer=self.peer, transfer_id=self.id)
 
     def wait(self, timeout_s: float | None = None) -> Transfer:
         """Blocks until every byte is verified at the destination.
@@ -299,23 +297,12 @@ class Transfer:
         """
         ev = ffi.new("kvl_chunk_event *")
         while True:
-            deadline = None if timeout_s is None else time.monotonic() + timeout_s
-            while True:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                step = _WAIT_SLICE_S if left is None else min(left, _WAIT_SLICE_S)
-                rc = lib.kvl_xfer_next_event(self._x, _ms(step), ev)
-                if rc != ErrorCode.TIMEOUT or (left is not None and left <= step):
-                    break
+            rc = sliced(lambda step_ms: int(lib.kvl_xfer_next_event(self._x, step_ms, ev)),
+                        timeout_s)
             if rc == ErrorCode.END:
                 return
             check(rc, transfer=True, peer=self.peer, transfer_id=self.id)
-            yield ChunkEvent(
-                index=int(ev.chunk),
-                path=int(ev.path),
-                nbytes=int(ev.bytes),
-                layers=range(int(ev.layer_first), int(ev.layer_first + ev.layer_count)),
-                t_ns=int(ev.t_ns),
-            )
+            yield ChunkEvent.from_c(ev)
 
 
 _live_names: weakref.WeakValueDictionary[str, Agent] = weakref.WeakValueDictionary()
@@ -862,6 +849,43 @@ class Agent:
 
     # ---- observation -----------------------------------------------------
 
+    def inbound(self, tag: bytes | None = None, timeout_s: float | None = None) -> InboundTransfer:
+        """The receiver's handle of a push arriving at this agent: the one
+        whose notify tag is ``tag``, or the next one when ``tag`` is None (in
+        the order they were announced).
+
+        A push announces itself before its first chunk, so the handle is
+        available from its first frame on: ``wait_layer(0)`` returns as soon
+        as layer 0 is verified here while the rest is still in flight.  Each
+        push is handed out once.  Handles nobody takes are kept (up to 1024,
+        a finished one for 60 s).  The push's notification still arrives
+        through :meth:`notifications`, once.
+
+        Raises:
+            InvalidArgumentError: ``tag`` is not bytes of at most 4096 bytes,
+                or ``timeout_s`` is negative.
+            TransferTimeoutError: no such push was announced within ``timeout_s``.
+            ClosedError: the agent is (or was, meanwhile) closed.
+        """
+        from ._inbound import InboundTransfer  # _inbound builds on this module
+
+        if tag is not None and not isinstance(tag, (bytes, bytearray, memoryview)):
+            raise InvalidArgumentError(f"tag: expected bytes or None, got {type(tag).__name__}")
+        raw = bytes(tag) if tag is not None else b""
+        if len(raw) > 4096:
+            raise InvalidArgumentError(f"tag: {len(raw)} bytes; notify tags are at most 4096")
+        out = ffi.new("kvl_inxfer **")
+
+        def take(step_ms: int) -> int:
+            a = self._enter()
+            try:
+                return int(lib.kvl_inbound_next(a, raw, len(raw), tag is None, step_ms, out))
+            finally:
+                self._exit()
+
+        check(sliced(take, timeout_s), transfer=True)
+        return InboundTransfer(out[0])
+
     def notifications(self, timeout_s: float = 0.0) -> list[Notification]:
         """Inbound notifications; waits up to ``timeout_s`` for the first one,
         then returns it with every other one already queued."""
@@ -872,7 +896,7 @@ class Agent:
             a = self._enter()
             try:
                 left = max(0.0, deadline - time.monotonic()) if not out else 0.0
-                rc = lib.kvl_next_notification(a, _ms(min(left, _WAIT_SLICE_S)), n)
+                rc = lib.kvl_next_notification(a, ms(min(left, SLICE_S)), n)
             finally:
                 self._exit()
             if rc == ErrorCode.OK:

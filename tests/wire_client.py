@@ -11,7 +11,7 @@ from kvlink._native import ffi, lib
 MAGIC = 0x4B4C564B
 VERSION = 1
 HELLO, HELLO_ACK, DATA, ACK, READ_REQ, READ_RESP, NOTIFY = 1, 2, 3, 4, 5, 6, 7
-REGIONS_REQ, REGIONS, PING, PONG, END, NOTIFY_ACK = 8, 9, 10, 11, 12, 13
+REGIONS_REQ, REGIONS, PING, PONG, END, NOTIFY_ACK, ANNOUNCE = 8, 9, 10, 11, 12, 13, 14
 CONTROL, DATA_CONN = 0, 1
 SUPERSEDED = 100  # wire-only ACK status: a newer copy owns the chunk
 
@@ -32,6 +32,17 @@ def hello(name: str, instance: int, kind: int = CONTROL, path: int = 0) -> bytes
 
 def notify(xfer: int, tag: bytes, op: int = 1) -> bytes:
     return frame(NOTIFY, struct.pack("<QII", xfer, op, len(tag)) + tag)
+
+
+def announce(xfer: int, nbytes: int, n_chunks: int, tag: bytes = b"", timeout_ms: int = 0) -> bytes:
+    """ANNOUNCE of a one-layer push; it must precede its DATA on each connection."""
+    body = struct.pack("<QQIIII", xfer, nbytes, n_chunks, 1, timeout_ms, len(tag)) + tag
+    return frame(ANNOUNCE, body + struct.pack("<II", 0, 0) * n_chunks)
+
+
+def end(xfer: int, status: int = 0, msg: bytes = b"") -> bytes:
+    """END: the push is over (status 0: done)."""
+    return frame(END, struct.pack("<QIIIH", xfer, 0, 0, status, len(msg)) + msg)
 
 
 def data(xfer: int, chunk: int, attempt: int, region: int, n: int) -> bytes:

@@ -182,9 +182,39 @@ typedef struct kvl_notification {
     uint8_t tag[4096];
 } kvl_notification;
 
+/* A push arriving at this agent, as its receiver sees it. */
+typedef struct kvl_inbound_info {
+    uint64_t xfer_id;      /* the sender's transfer id */
+    char peer[64];         /* the sending agent */
+    uint32_t state;        /* kvl_xfer_state */
+    uint32_t err;          /* kvl_err when FAILED */
+    uint64_t bytes_total;
+    uint64_t bytes_done;   /* verified here */
+    uint32_t chunks_total;
+    uint32_t chunks_done;
+    uint32_t layers;
+    uint32_t layers_ready; /* layers 0..layers_ready-1 are all verified */
+    uint64_t t_announce_ns; /* CLOCK_MONOTONIC: the push was announced */
+    uint64_t t_first_byte_ns;
+    uint64_t t_done_ns;
+    uint32_t tag_len;      /* the push's notify tag */
+    uint8_t tag[4096];
+    char message[512];     /* error text when FAILED */
+} kvl_inbound_info;
+
+/* The cheap part of kvl_inbound_info, for polling every engine step. */
+typedef struct kvl_inbound_progress {
+    uint32_t state;
+    uint32_t chunks_done;
+    uint32_t layers_ready;
+    uint32_t _pad;
+    uint64_t bytes_done;
+} kvl_inbound_progress;
+
 typedef struct kvl_agent kvl_agent;
 typedef struct kvl_peer kvl_peer;
 typedef struct kvl_xfer kvl_xfer;
+typedef struct kvl_inxfer kvl_inxfer;
 
 /* ---- errors ---------------------------------------------------------- */
 
@@ -349,6 +379,44 @@ kvl_err kvl_xfer_info_get(kvl_xfer *x, kvl_xfer_info *out);
 /* Drops the caller's reference; the transfer goes on if still running.
  * x must not be used afterwards.  Thread-safe. */
 void kvl_xfer_release(kvl_xfer *x);
+
+/* ---- inbound pushes (the receiver's handle) ------------------------------ */
+
+/* Takes the handle of a push arriving at this agent: the first announced
+ * push whose notify tag equals tag (any_tag = 0), or the first one
+ * (any_tag = 1), in announcement order.  A push is announced before its
+ * first chunk, so the handle reports it from its first frame on.  Handles
+ * nobody takes are kept up to 1024, and finished ones for 60 s.  Blocks up
+ * to timeout_ms (KVL_ERR_TIMEOUT).  *out is owned by the caller until
+ * kvl_inxfer_release.  Thread-safe. */
+kvl_err kvl_inbound_next(kvl_agent *agent, const void *tag, size_t tag_len, int any_tag,
+                         uint32_t timeout_ms, kvl_inxfer **out);
+
+/* Waits until every chunk is verified here (KVL_OK), the push failed (its
+ * error: the sender's failure, its deadline passed, the agent closed) or
+ * timeout_ms passed (KVL_ERR_TIMEOUT).  Blocks.  Thread-safe. */
+kvl_err kvl_inxfer_wait(kvl_inxfer *t, uint32_t timeout_ms);
+
+/* Waits until every chunk carrying bytes of layer is verified here.
+ * Returns as kvl_inxfer_wait; KVL_ERR_INVALID_ARG for a layer the push
+ * lacks.  Blocks.  Thread-safe. */
+kvl_err kvl_inxfer_wait_layer(kvl_inxfer *t, uint32_t layer, uint32_t timeout_ms);
+
+/* Takes the next verified chunk in arrival order (path is this side's
+ * connection index).  KVL_ERR_END when all are taken and the push is done.
+ * Blocks up to timeout_ms.  Thread-safe. */
+kvl_err kvl_inxfer_next_event(kvl_inxfer *t, uint32_t timeout_ms, kvl_chunk_event *ev);
+
+/* Snapshot (copies the tag: use kvl_inxfer_progress to poll).  Does not
+ * block.  Thread-safe. */
+kvl_err kvl_inxfer_info(kvl_inxfer *t, kvl_inbound_info *out);
+/* State and counters only: one lock, no copy of the tag.  Does not block. */
+kvl_err kvl_inxfer_progress(kvl_inxfer *t, kvl_inbound_progress *out);
+/* *done = 1 if layer is verified here.  Does not block.  Thread-safe. */
+kvl_err kvl_inxfer_layer_done(kvl_inxfer *t, uint32_t layer, int *done);
+
+/* Drops the caller's reference.  t must not be used afterwards. */
+void kvl_inxfer_release(kvl_inxfer *t);
 
 /* ---- observation --------------------------------------------------------- */
 

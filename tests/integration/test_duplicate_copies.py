@@ -12,11 +12,20 @@ import numpy as np
 
 import kvlink
 from tests.wire_client import ACK as F_ACK
-from tests.wire_client import END as F_END
 from tests.wire_client import NOTIFY as F_NOTIFY
 from tests.wire_client import PING as F_PING
 from tests.wire_client import PONG as F_PONG
-from tests.wire_client import SUPERSEDED, connect, crc, data, frame, recv_frame, recv_until
+from tests.wire_client import (
+    SUPERSEDED,
+    announce,
+    connect,
+    crc,
+    data,
+    end,
+    frame,
+    recv_frame,
+    recv_until,
+)
 
 L = 1 << 20
 
@@ -37,9 +46,11 @@ def test_late_corrupt_loser_never_lands(make_agent):
     try:
         good = bytes([0x11]) * L
         # copy 1 (slow path): header and half of its payload arrive
-        d0.sendall(data(7, 0, 1, rid, L) + good[: L // 2])
+        d0.sendall(announce(7, 2 * L, 2) + data(7, 0, 1, rid, L) + good[: L // 2])
         # copy 2 (the hedge) overtakes it and is verified
-        d1.sendall(data(7, 0, 2, rid, L) + good + struct.pack("<I", crc(good)))
+        d1.sendall(
+            announce(7, 2 * L, 2) + data(7, 0, 2, rid, L) + good + struct.pack("<I", crc(good))
+        )
         assert ack(d1) == (0, 2, 0)
         ctrl.sendall(frame(F_NOTIFY, struct.pack("<QII", 7, 1, 4) + b"done"))
         assert [n.tag for n in rx.notifications(timeout_s=5)] == [b"done"]
@@ -50,7 +61,7 @@ def test_late_corrupt_loser_never_lands(make_agent):
         assert (chunk, attempt) == (0, 1) and status in (0, SUPERSEDED)
         assert (dst == 0xEE).all(), "a superseded copy wrote into the destination"
         # after END even a brand-new copy of that transfer is drained
-        ctrl.sendall(frame(F_END, struct.pack("<Q", 7)) + frame(F_PING, struct.pack("<Q", 1)))
+        ctrl.sendall(end(7) + frame(F_PING, struct.pack("<Q", 1)))
         recv_until(ctrl, F_PONG)  # END processed (same connection, in order)
         d1.sendall(data(7, 1, 9, rid, L) + good + struct.pack("<I", crc(good)))
         assert ack(d1)[2] == SUPERSEDED
@@ -68,8 +79,8 @@ def test_newer_copy_takes_over_and_older_stops_writing(make_agent):
     d0, d1 = connect((h0, p0), 1, 0), connect((h1, p1), 1, 1)
     try:
         good = bytes(range(256)) * (L // 256)
-        d0.sendall(data(8, 0, 1, rid, L) + good[: L // 4])  # old copy, a quarter in
-        d1.sendall(data(8, 0, 2, rid, L) + good[: L // 2])  # newer copy takes the chunk
+        d0.sendall(announce(8, L, 1) + data(8, 0, 1, rid, L) + good[: L // 4])  # a quarter in
+        d1.sendall(announce(8, L, 1) + data(8, 0, 2, rid, L) + good[: L // 2])  # newer copy
         time.sleep(0.2)  # let the receiver read the newer header before the garbage
         d0.sendall(bytes([0x33]) * (3 * L // 4) + struct.pack("<I", 0))  # old copy: garbage
         # SUPERSEDED; CHECKSUM only if the receiver had not seen the newer

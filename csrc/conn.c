@@ -1196,9 +1196,7 @@ void kvl_conn_fail(kvl_conn *c, kvl_err err, const char *why)
             kvl_sched_path_down(c->peer, (uint32_t)c->path, why);
         } else if (c->peer->ctrl == c) {
             c->peer->ctrl = NULL;
-            snprintf(c->peer->ctrl_path.last_error, sizeof c->peer->ctrl_path.last_error, "%s",
-                     why);
-            kvl_monitor_probe_failed(a, &c->peer->ctrl_path, kvl_now_ns());
+            kvl_monitor_probe_failed(c->peer, &c->peer->ctrl_path, kvl_now_ns(), why);
         }
     }
     /* unlink now, free at the end of the engine iteration */

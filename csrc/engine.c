@@ -136,8 +136,7 @@ static void adopt_peer(kvl_agent *a, kvl_peer *p)
         c = kvl_conn_new(a, pa->fd, 0);
         if (!c) {
             close(pa->fd);
-            pa->state = KVL_PATH_DOWN;
-            snprintf(pa->last_error, sizeof pa->last_error, "engine: out of memory");
+            kvl_path_set_state(p, pa, KVL_PATH_DOWN, "engine: out of memory");
         } else {
             kvl_conn_bind_outbound(c, p, (int)i);
             pa->conn = c;
@@ -328,6 +327,8 @@ static void agent_free(kvl_agent *a)
     pthread_mutex_destroy(&a->stats_mu);
     pthread_mutex_destroy(&a->inq_mu);
     pthread_cond_destroy(&a->inq_cv);
+    pthread_mutex_destroy(&a->log_mu);
+    pthread_cond_destroy(&a->log_cv);
     free(a);
 }
 
@@ -352,6 +353,8 @@ kvl_err kvl_agent_create(const kvl_config *cfg, kvl_agent **out)
     pthread_cond_init(&a->notif_cv, &ca);
     pthread_mutex_init(&a->inq_mu, NULL);
     pthread_cond_init(&a->inq_cv, &ca);
+    pthread_mutex_init(&a->log_mu, NULL);
+    pthread_cond_init(&a->log_cv, &ca);
     pthread_condattr_destroy(&ca);
     kvl_regions_init(&a->regions);
     a->cfg = *cfg;

@@ -19,6 +19,7 @@
 #define KVL_MAX_PIECES 8192      /* pieces per chunk: bounds a frame body to 192 KiB */
 #define KVL_MAX_REGIONS 8192     /* regions per agent: bounds the region table frame */
 #define KVL_MAX_TAG 4096
+#define KVL_LOG_MAX 1024         /* log records kept for the application (log.c) */
 #define KVL_MAX_CHUNK (1ull << 30)
 #define KVL_MAX_XFER_CHUNKS 65536 /* chunks per transfer: bounds ANNOUNCE to 512 KiB */
 #define KVL_MAX_LAYERS 65536      /* far above any model; bounds per-layer arrays */
@@ -454,6 +455,13 @@ struct kvl_agent {
     pthread_mutex_t probe_mu;
     pthread_cond_t probe_cv;
     struct kvl_probe_job *jobs;
+    /* log records for the application (log.c) */
+    pthread_mutex_t log_mu;
+    pthread_cond_t log_cv;
+    kvl_log_record log_ring[KVL_LOG_MAX];
+    uint32_t log_head, log_count;
+    uint64_t log_dropped;
+    int log_woken;
     /* path snapshots for kvl_paths */
     pthread_mutex_t stats_mu;
     kvl_path_info *snap;
@@ -547,7 +555,7 @@ void kvl_monitor_probe_all(kvl_peer *p, uint64_t now);
 /* A PONG came back on an outbound data connection. */
 void kvl_monitor_on_pong(kvl_peer *p, int path, uint64_t sent_ns, uint64_t now);
 /* A probe failed: the path waits twice as long (up to the cap) before the next. */
-void kvl_monitor_probe_failed(kvl_agent *a, kvl_path *pa, uint64_t now);
+void kvl_monitor_probe_failed(kvl_peer *p, kvl_path *pa, uint64_t now, const char *why);
 
 /* ---- probe.c: re-connecting down paths ---- */
 typedef struct kvl_probe_job {
@@ -604,6 +612,17 @@ void kvl_rx_done(kvl_rx_xfer *r, uint32_t chunk, uint32_t attempt, int verified,
 void kvl_rx_end(kvl_agent *a, uint64_t instance, const kvl_msg_status *m);
 void kvl_rx_expire(kvl_agent *a, uint64_t now);
 void kvl_rx_free_all(kvl_agent *a);
+
+/* ---- log.c ---- */
+/* Queues a record for the application's logger (any thread).  path -1: none. */
+void kvl_log(kvl_agent *a, int level, const char *peer, int path, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
+
+/* ---- path.c: the path state machine ---- */
+/* Moves pa (a data path of p, or &p->ctrl_path) to state, logging why;
+ * DOWN and STALLED keep why as last_error. */
+void kvl_path_set_state(kvl_peer *p, kvl_path *pa, uint32_t state, const char *why);
+const char *kvl_path_state_name(uint32_t state);
 
 /* ---- notify.c: notifications delivered exactly once ---- */
 /* Sender: keeps the NOTIFY of transfer xfer pending on p and sends a copy. */

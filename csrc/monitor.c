@@ -204,7 +204,9 @@ static void watch_stalled(kvl_peer *p, kvl_path *pa, const kvl_tcp_sample *s, ui
         double silence = (double)ms + pa->stall_limit_ms;
         if (silence > pa->jitter_ms)
             pa->jitter_ms = silence;
-        pa->state = KVL_PATH_UP;
+        char why[96];
+        snprintf(why, sizeof why, "moving again after %llu ms", (unsigned long long)ms);
+        kvl_path_set_state(p, pa, KVL_PATH_UP, why);
         pa->t_progress_ns = now;
         kvl_engine_snapshot_paths(p->agent);
     } else if (ms >= STALL_CUT_MS) {
@@ -296,7 +298,7 @@ static void schedule_probe(kvl_agent *a, kvl_peer *p, kvl_path *pa, int index, u
 {
     if (pa->state != KVL_PATH_DOWN || now < pa->next_probe_ns || !pa->rhost[0])
         return;
-    pa->state = KVL_PATH_PROBING;
+    kvl_path_set_state(p, pa, KVL_PATH_PROBING, "reconnecting");
     kvl_prober_request(a, p, index);
 }
 
@@ -318,28 +320,32 @@ void kvl_monitor_tick(kvl_agent *a, uint64_t now)
         }
         for (uint32_t i = 0; i < p->n_paths; i++) {
             kvl_path *pa = &p->paths[i];
-            if (pa->state == KVL_PATH_UP || pa->state == KVL_PATH_DEGRADED)
-                pa->state = pa->bw_Bps > 0 && pa->bw_Bps < DEGRADED_SHARE * best
-                                ? KVL_PATH_DEGRADED
-                                : KVL_PATH_UP;
+            if (pa->state == KVL_PATH_UP || pa->state == KVL_PATH_DEGRADED) {
+                int slow = pa->bw_Bps > 0 && pa->bw_Bps < DEGRADED_SHARE * best;
+                char why[96];
+                snprintf(why, sizeof why, "%.2f GB/s against the best path's %.2f", pa->bw_Bps / 1e9,
+                         best / 1e9);
+                kvl_path_set_state(p, pa, slow ? KVL_PATH_DEGRADED : KVL_PATH_UP, why);
+            }
             schedule_probe(a, p, pa, (int)i, now);
         }
         if (!p->ctrl || kvl_conn_is_dead(p->ctrl)) {
             p->ctrl = NULL;
             if (p->ctrl_path.state == KVL_PATH_UP)
-                p->ctrl_path.state = KVL_PATH_DOWN;
+                kvl_path_set_state(p, &p->ctrl_path, KVL_PATH_DOWN, "connection lost");
             schedule_probe(a, p, &p->ctrl_path, -1, now);
         }
     }
 }
 
 /* Backoff bookkeeping shared with the prober's result handling. */
-void kvl_monitor_probe_failed(kvl_agent *a, kvl_path *pa, uint64_t now)
+void kvl_monitor_probe_failed(kvl_peer *p, kvl_path *pa, uint64_t now, const char *why)
 {
+    kvl_agent *a = p->agent;
     uint32_t b = pa->backoff_ms ? pa->backoff_ms * 2 : PROBE_BACKOFF_MIN_MS;
     if (b > a->cfg.probe_backoff_max_ms)
         b = a->cfg.probe_backoff_max_ms;
     pa->backoff_ms = b;
     pa->next_probe_ns = now + (uint64_t)b * 1000000ull;
-    pa->state = KVL_PATH_DOWN;
+    kvl_path_set_state(p, pa, KVL_PATH_DOWN, why);
 }

@@ -223,9 +223,8 @@ kvl_err kvl_peer_connect(kvl_agent *a, const char *name, uint64_t instance,
         if (e == KVL_ERR_DUPLICATE_NAME || e == KVL_ERR_HANDSHAKE)
             break; /* the peer refuses us: no point trying the other paths */
         if (e) {
-            pa->state = KVL_PATH_DOWN;
             pa->probe_fails = 1; /* it failed to connect: known dead until a probe works */
-            snprintf(pa->last_error, sizeof pa->last_error, "%s", kvl_last_error());
+            kvl_path_set_state(p, pa, KVL_PATH_DOWN, kvl_last_error());
         } else {
             up++;
         }

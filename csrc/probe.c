@@ -88,7 +88,7 @@ void kvl_prober_request(kvl_agent *a, kvl_peer *p, int path)
     kvl_path *pa = path < 0 ? &p->ctrl_path : &p->paths[path];
     kvl_probe_job *job = calloc(1, sizeof *job);
     if (!job) {
-        kvl_monitor_probe_failed(a, pa, kvl_now_ns());
+        kvl_monitor_probe_failed(p, pa, kvl_now_ns(), "out of memory for a probe");
         return;
     }
     job->peer = p;
@@ -114,9 +114,7 @@ void kvl_prober_done(kvl_agent *a, kvl_cmd *cmd)
     if (!c) {
         if (cmd->fd >= 0)
             close(cmd->fd);
-        if (cmd->error[0])
-            snprintf(pa->last_error, sizeof pa->last_error, "%s", cmd->error);
-        kvl_monitor_probe_failed(a, pa, now);
+        kvl_monitor_probe_failed(p, pa, now, cmd->error[0] ? cmd->error : "reconnect failed");
         if (cmd->path >= 0) {
             pa->probe_fails++;
             kvl_sched_check_reachable(p); /* known dead now: fail what waits for it */
@@ -128,7 +126,7 @@ void kvl_prober_done(kvl_agent *a, kvl_cmd *cmd)
         p->ctrl = c;
     else
         pa->conn = c;
-    pa->state = KVL_PATH_UP;
+    kvl_path_set_state(p, pa, KVL_PATH_UP, "reconnected");
     pa->backoff_ms = 0;
     pa->probe_fails = 0;
     pa->reconnects++;

@@ -190,10 +190,12 @@ static void hedge(kvl_peer *p, double prior)
         }
         if (!bx)
             continue;
+        kvl_log(a, KVL_LOG_DEBUG, p->name, (int)idle->index,
+                "hedge: chunk %u of transfer %llu, predicted %.0f ms late on path %u, copied here",
+                bci, (unsigned long long)bx->id, worst * 1e3, bx->cpath[bci]);
         account_send(bx, bci, idle, 1);
         if (send_copy(idle, bx, bci) != 0)
             kvl_sched_fail(bx, KVL_ERR_NOMEM, "out of memory queueing chunk %u", bci);
-        (void)a;
     }
 }
 
@@ -315,8 +317,11 @@ void kvl_sched_on_chunk_done(kvl_peer *p, kvl_xfer *x, uint32_t ci, uint32_t pat
     uint32_t loser_attempt = hedge_won ? x->pattempt[ci] : x->hattempt[ci];
     unaccount(p, x, ci);
     x->cstate[ci] = KVL_CHUNK_DONE;
-    if (loser != KVL_NO_PATH && p->paths[loser].conn)
-        kvl_conn_cancel_chunk(p->paths[loser].conn, x->id, ci, loser_attempt);
+    if (loser != KVL_NO_PATH && p->paths[loser].conn &&
+        kvl_conn_cancel_chunk(p->paths[loser].conn, x->id, ci, loser_attempt))
+        kvl_log(p->agent, KVL_LOG_DEBUG, p->name, loser,
+                "cancel: the other copy of chunk %u of transfer %llu won on path %u", ci,
+                (unsigned long long)x->id, path);
     /* Rate over the current busy period rather than per chunk: acks that
      * arrive back to back would make per-chunk samples absurdly high. */
     pa->busy_bytes += x->plan.chunks[ci].bytes;
@@ -352,6 +357,9 @@ void kvl_sched_fail(kvl_xfer *x, kvl_err err, const char *fmt, ...)
     va_end(ap);
     for (uint32_t ci = 0; ci < x->plan.n_chunks; ci++)
         unaccount(x->peer, x, ci);
+    if (kvl_xfer_running(x))
+        kvl_log(x->agent, err == KVL_ERR_CLOSED ? KVL_LOG_INFO : KVL_LOG_WARNING, x->peer->name,
+                -1, "transfer %llu failed: %s", (unsigned long long)x->id, msg);
     kvl_xfer_set_failed(x, err, "%s", msg);
 }
 
@@ -363,6 +371,8 @@ void kvl_sched_requeue(kvl_peer *p, kvl_xfer *x, uint32_t ci, kvl_err err, const
                        x->fails[ci], why);
         return;
     }
+    kvl_log(p->agent, KVL_LOG_INFO, p->name, -1, "retry: chunk %u of transfer %llu (failure %u of %u): %s",
+            ci, (unsigned long long)x->id, x->fails[ci], p->agent->cfg.max_attempts, why);
     x->retry[x->n_retry++] = ci;
     x->bytes_pending += x->plan.chunks[ci].bytes;
 }
@@ -410,9 +420,7 @@ void kvl_sched_path_down(kvl_peer *p, uint32_t path, const char *why)
 {
     kvl_path *pa = &p->paths[path];
     pa->conn = NULL;
-    pa->t_down_ns = kvl_now_ns();
-    snprintf(pa->last_error, sizeof pa->last_error, "%s", why);
-    kvl_monitor_probe_failed(p->agent, pa, kvl_now_ns()); /* DOWN, re-probed after a backoff */
+    kvl_monitor_probe_failed(p, pa, kvl_now_ns(), why); /* DOWN, re-probed after a backoff */
     evacuate(p, path, 0, why);
     kvl_sched_check_reachable(p);
     kvl_engine_snapshot_paths(p->agent);
@@ -421,9 +429,8 @@ void kvl_sched_path_down(kvl_peer *p, uint32_t path, const char *why)
 void kvl_sched_path_stalled(kvl_peer *p, uint32_t path, const char *why)
 {
     kvl_path *pa = &p->paths[path];
-    pa->state = KVL_PATH_STALLED;
+    kvl_path_set_state(p, pa, KVL_PATH_STALLED, why);
     pa->t_stall_ns = kvl_now_ns();
-    snprintf(pa->last_error, sizeof pa->last_error, "%s", why);
     evacuate(p, path, 1, why);
     kvl_engine_snapshot_paths(p->agent);
 }

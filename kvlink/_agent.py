@@ -32,6 +32,7 @@ from ._errors import (
     UnknownRegionError,
     error_for,
 )
+from ._logdrain import LogDrain
 from ._memory import MemoryType, as_span
 from ._native import check, cstr, ffi, lib
 from ._segments import SEGMENT_DTYPE, as_segment_array
@@ -368,6 +369,7 @@ class Agent:
             out = ffi.new("kvl_agent **")
             check(lib.kvl_agent_create(c, out))
             self._a = out[0]
+            self._drain = LogDrain(self._a, name)
             _live_names[name] = self
         inst = ffi.new("uint64_t *")
         check(lib.kvl_agent_instance(self._a, inst))
@@ -399,7 +401,7 @@ class Agent:
             self._closed = True
             while self._users:
                 self._idle.wait()
-        lib.kvl_agent_close(self._a)
+        self._drain.close_agent()  # stops the log thread, then closes the native agent
         self._a = ffi.NULL
         self._regions.clear()
         with _live_lock:

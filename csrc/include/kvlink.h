@@ -418,6 +418,36 @@ kvl_err kvl_inxfer_layer_done(kvl_inxfer *t, uint32_t layer, int *done);
 /* Drops the caller's reference.  t must not be used afterwards. */
 void kvl_inxfer_release(kvl_inxfer *t);
 
+/* ---- logging ------------------------------------------------------------- */
+
+/* Log levels: the numbers of Python's logging module. */
+typedef enum kvl_log_level {
+    KVL_LOG_DEBUG = 10,
+    KVL_LOG_INFO = 20,
+    KVL_LOG_WARNING = 30,
+    KVL_LOG_ERROR = 40
+} kvl_log_level;
+
+typedef struct kvl_log_record {
+    uint32_t level;        /* kvl_log_level */
+    int32_t path;          /* path index, -1: the control connection or none */
+    uint64_t t_ns;         /* CLOCK_MONOTONIC */
+    uint64_t dropped;      /* records lost before this one (the ring was full) */
+    char peer[64];         /* "" when no peer is concerned */
+    char msg[384];
+} kvl_log_record;
+
+/* Takes the next log record (path state changes with their reasons,
+ * hedges, retries, cancels, failures).  The engine keeps up to 1024; older
+ * ones are dropped and counted.  Blocks up to timeout_ms (KVL_ERR_TIMEOUT);
+ * KVL_ERR_CLOSED once kvl_log_wake was called.  Thread-safe. */
+kvl_err kvl_next_log(kvl_agent *agent, uint32_t timeout_ms, kvl_log_record *out);
+
+/* Makes every kvl_next_log return KVL_ERR_CLOSED from now on (before
+ * kvl_agent_close, so the thread draining the log can be joined).
+ * Thread-safe, does not block. */
+void kvl_log_wake(kvl_agent *agent);
+
 /* ---- observation --------------------------------------------------------- */
 
 /* Takes the next inbound notification.  Blocks up to timeout_ms; returns

@@ -1,0 +1,79 @@
+"""The engine's log records, handed to ``logging.getLogger("kvlink")``.
+
+C never calls Python: the engine queues records (path state changes with
+their reasons, hedges, retries, cancels, failures) in a bounded ring, and a
+daemon thread per agent takes them (``kvl_next_log``, GIL released while it
+waits) and logs them with the peer and path they concern, as ``extra``
+fields ``kvlink_peer`` and ``kvlink_path`` and in the message.
+
+The thread owns the end of the native agent's life: :meth:`LogDrain.close_agent`
+wakes it, joins it and only then frees the agent, so the thread is never
+inside the C core when its memory goes.  If the last reference to an Agent
+dies on this very thread (garbage collection runs anywhere), the thread
+frees the agent itself once it is out of the C call.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from ._errors import ErrorCode
+from ._native import cstr, ffi, lib
+
+log = logging.getLogger("kvlink")
+
+_WAIT_MS = 1000  # the thread is woken at close, so this only bounds a lost wake-up
+
+
+class LogDrain:
+    def __init__(self, agent: Any, name: str) -> None:
+        self._a = agent
+        self._stop = False
+        self._free_on_exit = False
+        self._thread = threading.Thread(target=self._run, name=f"kvlink-log-{name}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        rec = ffi.new("kvl_log_record *")
+        while not self._stop:
+            rc = lib.kvl_next_log(self._a, _WAIT_MS, rec)
+            if rc == ErrorCode.OK:
+                _emit(rec)
+            elif rc != ErrorCode.TIMEOUT:
+                break
+        if self._free_on_exit:
+            lib.kvl_agent_close(self._a)
+
+    def close_agent(self) -> None:
+        """Stops the thread, then closes and frees the native agent."""
+        self._stop = True
+        lib.kvl_log_wake(self._a)
+        if threading.current_thread() is self._thread:
+            self._free_on_exit = True  # we are in _run, outside the C call
+            return
+        self._thread.join()
+        lib.kvl_agent_close(self._a)
+
+
+def _emit(rec: Any) -> None:
+    if rec.dropped:
+        log.warning(
+            "%d kvlink engine log records were dropped (nobody drained them in time)", rec.dropped
+        )
+    level = int(rec.level)
+    if not log.isEnabledFor(level):
+        return
+    peer = cstr(rec.peer)
+    path = int(rec.path)
+    where = f"peer {peer!r}" if peer else "agent"
+    if path >= 0:
+        where += f" path {path}"
+    log.log(
+        level,
+        "%s: %s",
+        where,
+        cstr(rec.msg),
+        extra={"kvlink_peer": peer or None, "kvlink_path": path if path >= 0 else None},
+    )

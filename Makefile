@@ -27,8 +27,11 @@ build: kvlink/_kvlink_c.abi3.so
 demo: build
 	$(VENV)/bin/kvlink-bench demo
 
+# C tests under ASan/UBSan, then the threaded ones (two whole agents
+# included) under ThreadSanitizer.
 test-c:
 	$(MAKE) -C tests/c test
+	$(MAKE) -C tests/c tsan
 
 test-py: build
 	$(PY) -m pytest

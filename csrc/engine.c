@@ -20,26 +20,6 @@
 
 #define SCRATCH_BYTES (256u << 10) /* drain buffer for payloads nobody may receive */
 
-uint64_t kvl_now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
-struct timespec kvl_deadline_ts(uint32_t timeout_ms)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    ts.tv_sec += timeout_ms / 1000;
-    ts.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
-    if (ts.tv_nsec >= 1000000000L) {
-        ts.tv_sec++;
-        ts.tv_nsec -= 1000000000L;
-    }
-    return ts;
-}
-
 void kvl_engine_post(kvl_agent *a, kvl_cmd *cmd)
 {
     cmd->next = NULL;
@@ -152,6 +132,49 @@ static void adopt_peer(kvl_agent *a, kvl_peer *p)
     pthread_mutex_unlock(&p->mu);
 }
 
+/* remove_peer / replaced: its transfers fail now; reap_peers frees it once
+ * its frames have left (up to close_linger_ms) and no probe uses it. */
+static void retire_peer(kvl_agent *a, kvl_peer *p, const char *why)
+{
+    p->retiring = 1;
+    p->retire_by_ns = kvl_now_ns() + (uint64_t)a->cfg.close_linger_ms * 1000000ull;
+    kvl_log(a, KVL_LOG_INFO, p->name, -1, "peer %s", why);
+    for (kvl_xfer *x = p->active; x; x = x->next_active)
+        if (kvl_xfer_running(x))
+            kvl_sched_fail(x, KVL_ERR_CONN_LOST, "peer '%s' was %s", p->name, why);
+    kvl_engine_snapshot_paths(a);
+}
+
+static int peer_has_output(const kvl_peer *p)
+{
+    if (p->ctrl && kvl_conn_has_output(p->ctrl))
+        return 1;
+    for (uint32_t i = 0; i < p->n_paths; i++)
+        if (p->paths[i].conn && kvl_conn_has_output(p->paths[i].conn))
+            return 1;
+    return 0;
+}
+
+static void reap_peers(kvl_agent *a, uint64_t now)
+{
+    for (kvl_peer **pp = &a->eng_peers; *pp;) {
+        kvl_peer *p = *pp;
+        if (!p->retiring || p->active || p->probes ||
+            (peer_has_output(p) && now < p->retire_by_ns)) {
+            pp = &p->eng_next;
+            continue;
+        }
+        if (p->ctrl)
+            kvl_conn_fail(p->ctrl, KVL_OK, "peer removed");
+        for (uint32_t i = 0; i < p->n_paths; i++)
+            if (p->paths[i].conn)
+                kvl_conn_fail(p->paths[i].conn, KVL_OK, "peer removed");
+        *pp = p->eng_next;
+        kvl_peer_free(p);
+        kvl_engine_snapshot_paths(a);
+    }
+}
+
 static void run_commands(kvl_agent *a)
 {
     pthread_mutex_lock(&a->mu);
@@ -175,6 +198,8 @@ static void run_commands(kvl_agent *a)
             /* a path being re-probed may come back within the deadline:
              * the transfer waits for it (the same rule as submit's) */
             kvl_sched_check_reachable(p);
+        } else if (cmd->type == KVL_CMD_REMOVE_PEER) {
+            retire_peer(a, p, cmd->error);
         } else if (cmd->type == KVL_CMD_PROBED) {
             kvl_prober_done(a, cmd);
         } else if (cmd->type == KVL_CMD_PREPARE) {
@@ -276,6 +301,7 @@ static void *engine_main(void *arg)
             if (p->active && !atomic_load(&a->closing))
                 kvl_sched_dispatch(p);
         kvl_sched_reap(a);
+        reap_peers(a, now);
         kvl_conn_reap(a);
     }
     return NULL;
@@ -463,9 +489,21 @@ kvl_err kvl_agent_close(kvl_agent *a)
             fail_and_drop(cmd->xfer);
         if (cmd->type == KVL_CMD_PROBED && cmd->fd >= 0)
             close(cmd->fd);
+        if (cmd->type == KVL_CMD_REMOVE_PEER)
+            cmd->peer->retiring = 1; /* out of the callers' list: freed below */
         free(cmd->tag);
         free(cmd);
     }
+    /* peers being retired are no longer in the callers' list: free them too */
+    kvl_peer **tail = &a->peers;
+    while (*tail)
+        tail = &(*tail)->next;
+    for (kvl_peer *p = a->eng_peers; p; p = p->eng_next)
+        if (p->retiring) {
+            *tail = p;
+            p->next = NULL;
+            tail = &p->next;
+        }
     for (kvl_peer *p = a->peers, *next; p; p = next) {
         next = p->next;
         for (kvl_xfer *x = p->active, *xn; x; x = xn) {
@@ -480,11 +518,7 @@ kvl_err kvl_agent_close(kvl_agent *a)
                 if (p->paths[i].fd >= 0)
                     close(p->paths[i].fd);
         }
-        kvl_notify_free_all(p);
-        pthread_mutex_destroy(&p->mu);
-        pthread_cond_destroy(&p->cv);
-        free(p->regions);
-        free(p);
+        kvl_peer_free(p);
     }
     kvl_rx_free_all(a);
     for (kvl_inbound *ib = a->inbound, *next; ib; ib = next) {

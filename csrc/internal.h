@@ -33,8 +33,10 @@ kvl_err kvl_fail(kvl_err err, const char *fmt, ...) __attribute__((format(printf
 kvl_err kvl_fail_errno(const char *what);
 void kvl_clear_error(void);
 
-/* ---- time (engine.c) ---- */
+/* ---- clock.c ---- */
 uint64_t kvl_now_ns(void);
+/* CLOCK_MONOTONIC deadline timeout_ms from now, for pthread_cond_timedwait. */
+struct timespec kvl_deadline_ts(uint32_t timeout_ms);
 
 /* ---- wire.c: frames on the wire (docs/wire-protocol.md) ----
  * Every frame: a 24-byte header, body_len bytes of body, then payload_len
@@ -294,7 +296,13 @@ struct kvl_peer {
     kvl_path paths[KVL_MAX_PATHS];
     uint32_t n_paths;
     int adopted;               /* engine has taken the connections over */
-    int replaced;              /* a newer peer of the same name took over */
+    atomic_int replaced;       /* removed, or a newer peer of the same name took over:
+                                  out of the callers' list */
+    atomic_int may_work;       /* some path is up or may come back (kvl_path_may_work):
+                                  the engine keeps it, submit reads it as a hint */
+    int retiring;              /* engine: being removed; freed once nothing refers to it */
+    uint64_t retire_by_ns;     /* engine: stop waiting for its queues to drain */
+    uint32_t probes;           /* engine: reconnects in flight on the prober thread */
     struct kvl_xfer *active;   /* running transfers, FIFO (engine-owned) */
     uint32_t rr_next;          /* round-robin baseline: next path */
     struct kvl_xfer *active_tail;
@@ -388,7 +396,8 @@ enum {
     KVL_CMD_SUBMIT = 2,
     KVL_CMD_REFRESH = 3,
     KVL_CMD_PROBED = 4,
-    KVL_CMD_PREPARE = 5
+    KVL_CMD_PREPARE = 5,
+    KVL_CMD_REMOVE_PEER = 6    /* error: why */
 };
 
 struct kvl_agent {
@@ -517,6 +526,34 @@ void kvl_xfer_announce(kvl_xfer *x, kvl_buf *b, uint64_t now);
 void kvl_xfer_publish(kvl_xfer *x);
 void kvl_xfer_ref(kvl_xfer *x);
 
+/* ---- policy.c: the scheduler's decisions, pure functions ---- */
+/* What the scheduler needs to know of a path, at one instant. */
+typedef struct kvl_path_view {
+    int usable;               /* UP or DEGRADED with a live connection */
+    double bw_Bps;            /* EWMA of its delivery rate; 0: no sample yet */
+    double rtt_us;
+    double nic_other_Bps;     /* traffic on its NIC that is not ours */
+    uint64_t inflight_bytes;
+    uint32_t inflight_chunks;
+    uint64_t idle_ns;         /* since it last verified a chunk or got busy */
+} kvl_path_view;
+/* Mean rate of the usable paths that have one, else 1 GB/s. */
+double kvl_policy_prior(const kvl_path_view *v, uint32_t n);
+/* The rate a path is planned with (measured, prior, less competing traffic). */
+double kvl_policy_rate(const kvl_path_view *pv, double prior);
+int kvl_policy_window_open(const kvl_path_view *pv, uint32_t window_chunks, uint64_t window_bytes);
+/* The path for a chunk of `bytes`: the earliest predicted finish
+ * ((in flight + bytes) / rate + rtt) among usable paths with window room; a
+ * full best path gives way to one with room only if that one still beats
+ * the remaining work (pending_bytes + all in flight) at the aggregate rate.
+ * -1: wait (no usable path, or the chunk should wait for the best one). */
+int kvl_policy_pick(const kvl_path_view *v, uint32_t n, uint64_t bytes, uint64_t pending_bytes,
+                    uint32_t window_chunks, uint64_t window_bytes);
+/* Seconds the chunk's current copy on `slow` is predicted to need, if an
+ * idle path would deliver a copy in under half of that; else 0 (no hedge). */
+double kvl_policy_hedge_late_s(const kvl_path_view *slow, const kvl_path_view *idle,
+                               uint64_t chunk_bytes, double prior);
+
 /* ---- sched.c: dispatch and path scoring ---- */
 void kvl_sched_dispatch(kvl_peer *p);
 /* Chunk ci verified; path delivered the winning copy. */
@@ -571,6 +608,8 @@ void kvl_prober_stop(kvl_agent *a);
 void kvl_prober_request(kvl_agent *a, kvl_peer *p, int path);
 /* Engine side: a probe finished (cmd->fd >= 0 on success). */
 void kvl_prober_done(kvl_agent *a, kvl_cmd *cmd);
+/* peer.c: frees a peer nothing refers to any more (its lists, its memory). */
+void kvl_peer_free(kvl_peer *p);
 /* peer.c: blocking connect + handshake, shared by add_peer and the prober */
 kvl_err kvl_peer_open_conn(kvl_agent *a, kvl_peer *p, const char *local, const char *host,
                            uint16_t port, int kind, uint16_t path, int *fd);
@@ -623,6 +662,8 @@ void kvl_log(kvl_agent *a, int level, const char *peer, int path, const char *fm
  * DOWN and STALLED keep why as last_error. */
 void kvl_path_set_state(kvl_peer *p, kvl_path *pa, uint32_t state, const char *why);
 const char *kvl_path_state_name(uint32_t state);
+/* Refreshes p->may_work after a path's state or probe count changed. */
+void kvl_peer_update_hint(kvl_peer *p);
 
 /* ---- notify.c: notifications delivered exactly once ---- */
 /* Sender: keeps the NOTIFY of transfer xfer pending on p and sends a copy. */
@@ -646,8 +687,6 @@ void kvl_notify_queue_free(kvl_agent *a);
 /* ---- engine.c ---- */
 /* Queues a command for the engine thread and wakes it.  Takes cmd over. */
 void kvl_engine_post(kvl_agent *a, kvl_cmd *cmd);
-/* CLOCK_MONOTONIC deadline timeout_ms from now, for pthread_cond_timedwait. */
-struct timespec kvl_deadline_ts(uint32_t timeout_ms);
 void kvl_engine_snapshot_paths(kvl_agent *a);
 
 #endif

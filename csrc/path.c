@@ -17,6 +17,14 @@
 
 static const char *const names[] = {"UP", "DEGRADED", "DOWN", "PROBING", "STALLED"};
 
+void kvl_peer_update_hint(kvl_peer *p)
+{
+    int any = 0;
+    for (uint32_t i = 0; i < p->n_paths && !any; i++)
+        any = kvl_path_may_work(&p->paths[i]);
+    atomic_store(&p->may_work, any);
+}
+
 const char *kvl_path_state_name(uint32_t state)
 {
     return state < sizeof names / sizeof *names ? names[state] : "?";
@@ -28,6 +36,7 @@ void kvl_path_set_state(kvl_peer *p, kvl_path *pa, uint32_t state, const char *w
         return;
     uint32_t old = pa->state;
     pa->state = state;
+    kvl_peer_update_hint(p);
     int ctrl = pa == &p->ctrl_path;
     if (state == KVL_PATH_DOWN || state == KVL_PATH_STALLED) {
         if (why)

@@ -31,7 +31,7 @@ static size_t pair_remote(const char *local, const char *const *hosts, size_t n,
 /* HELLO on fd, then the HELLO_ACK.  Fills *ack; on a control connection the
  * region table is copied into p. */
 static kvl_err handshake(kvl_agent *a, kvl_peer *p, int fd, int kind, uint16_t path,
-                         const char *where, uint64_t deadline)
+                         const char *where, uint64_t deadline, uint64_t *instance)
 {
     kvl_msg_hello m = {.instance = a->instance, .kind = (uint8_t)kind, .path = path};
     strcpy(m.name, a->name);
@@ -83,15 +83,15 @@ static kvl_err handshake(kvl_agent *a, kvl_peer *p, int fd, int kind, uint16_t p
                         "wrong",
                         where, ack.name, p->name);
     }
-    if (p->instance && ack.instance != p->instance) {
+    if (*instance && ack.instance != *instance) {
         free(body);
         return kvl_fail(KVL_ERR_HANDSHAKE,
                         "the agent '%s' at %s is instance %016llx, the metadata names %016llx: "
                         "the peer restarted; fetch its metadata again",
                         p->name, where, (unsigned long long)ack.instance,
-                        (unsigned long long)p->instance);
+                        (unsigned long long)*instance);
     }
-    p->instance = ack.instance;
+    *instance = ack.instance;
     if (kind == KVL_CONN_CONTROL) {
         kvl_region_info *tab = calloc(ack.n_regions ? ack.n_regions : 1, sizeof *tab);
         if (!tab) {
@@ -111,8 +111,9 @@ static kvl_err handshake(kvl_agent *a, kvl_peer *p, int fd, int kind, uint16_t p
     return KVL_OK;
 }
 
-kvl_err kvl_peer_open_conn(kvl_agent *a, kvl_peer *p, const char *local, const char *host,
-                           uint16_t port, int kind, uint16_t path, int *fd)
+/* Connect + handshake; *instance: the one expected (0: any), then the one met. */
+static kvl_err open_conn(kvl_agent *a, kvl_peer *p, const char *local, const char *host,
+                         uint16_t port, int kind, uint16_t path, uint64_t *instance, int *fd)
 {
     char where[80];
     snprintf(where, sizeof where, "%s:%u", host, port);
@@ -121,19 +122,104 @@ kvl_err kvl_peer_open_conn(kvl_agent *a, kvl_peer *p, const char *local, const c
                                a->cfg.sock_buf_bytes, fd);
     if (e)
         return kvl_fail(e, "peer '%s': %s", p->name, kvl_last_error());
-    if ((e = handshake(a, p, *fd, kind, path, where, deadline))) {
+    if ((e = handshake(a, p, *fd, kind, path, where, deadline, instance))) {
         close(*fd);
         *fd = -1;
     }
     return e;
 }
 
-static void peer_free(kvl_peer *p)
+kvl_err kvl_peer_open_conn(kvl_agent *a, kvl_peer *p, const char *local, const char *host,
+                           uint16_t port, int kind, uint16_t path, int *fd)
 {
+    uint64_t instance = p->instance; /* fixed once the peer is adopted */
+    return open_conn(a, p, local, host, port, kind, path, &instance, fd);
+}
+
+/* One connection being opened by its own thread: add_peer connects every
+ * path (and the control connection) at once. */
+typedef struct conn_job {
+    kvl_agent *a;
+    kvl_peer *p;
+    const char *local, *host;
+    uint16_t port, path;
+    int kind;
+    uint64_t instance;
+    int fd;
+    kvl_err err;
+    char msg[256];
+    pthread_t thread;
+    int started;
+} conn_job;
+
+static void *conn_job_main(void *arg)
+{
+    conn_job *j = arg;
+    j->err = open_conn(j->a, j->p, j->local, j->host, j->port, j->kind, j->path, &j->instance,
+                       &j->fd);
+    if (j->err)
+        snprintf(j->msg, sizeof j->msg, "%s", kvl_last_error());
+    return NULL;
+}
+
+static void run_jobs(conn_job *jobs, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        jobs[i].started = pthread_create(&jobs[i].thread, NULL, conn_job_main, &jobs[i]) == 0;
+    for (size_t i = 0; i < n; i++) {
+        if (jobs[i].started)
+            pthread_join(jobs[i].thread, NULL);
+        else
+            conn_job_main(&jobs[i]); /* no thread to spare: connect in line */
+    }
+}
+
+void kvl_peer_free(kvl_peer *p)
+{
+    kvl_notify_free_all(p);
     pthread_mutex_destroy(&p->mu);
     pthread_cond_destroy(&p->cv);
     free(p->regions);
     free(p);
+}
+
+/* Takes p out of the callers' list (under a->mu) and has the engine retire it. */
+static void unlink_and_retire(kvl_agent *a, kvl_peer *p, kvl_cmd *cmd, const char *why)
+{
+    for (kvl_peer **pp = &a->peers; *pp; pp = &(*pp)->next)
+        if (*pp == p) {
+            *pp = p->next;
+            break;
+        }
+    p->replaced = 1;
+    cmd->type = KVL_CMD_REMOVE_PEER;
+    cmd->peer = p;
+    snprintf(cmd->error, sizeof cmd->error, "%s", why);
+}
+
+kvl_err kvl_peer_remove(kvl_agent *a, const char *name)
+{
+    kvl_clear_error();
+    if (!a || !name)
+        return kvl_fail(KVL_ERR_INVALID_ARG, "remove_peer: NULL argument");
+    if (atomic_load(&a->closed))
+        return kvl_fail(KVL_ERR_CLOSED, "the agent is closed");
+    kvl_cmd *cmd = calloc(1, sizeof *cmd);
+    if (!cmd)
+        return kvl_fail(KVL_ERR_NOMEM, "remove_peer: out of memory");
+    pthread_mutex_lock(&a->mu);
+    kvl_peer *p = a->peers;
+    while (p && strcmp(p->name, name) != 0)
+        p = p->next;
+    if (p)
+        unlink_and_retire(a, p, cmd, "removed by remove_peer()");
+    pthread_mutex_unlock(&a->mu);
+    if (!p) {
+        free(cmd);
+        return kvl_fail(KVL_ERR_UNKNOWN_PEER, "remove_peer: no peer named '%s'", name);
+    }
+    kvl_engine_post(a, cmd);
+    return KVL_OK;
 }
 
 static int any_path_up(kvl_peer *p)
@@ -195,51 +281,90 @@ kvl_err kvl_peer_connect(kvl_agent *a, const char *name, uint64_t instance,
     pthread_cond_init(&p->cv, &ca);
     pthread_condattr_destroy(&ca);
 
-    int ctrl_fd = -1;
-    int fds[KVL_MAX_PATHS];
-    for (size_t i = 0; i < KVL_MAX_PATHS; i++)
-        fds[i] = -1;
-    size_t j0 = pair_remote(a->addrs[0], hosts, n, 0);
-    snprintf(p->ctrl_path.local, sizeof p->ctrl_path.local, "%s", a->addrs[0]);
-    snprintf(p->ctrl_path.rhost, sizeof p->ctrl_path.rhost, "%s", hosts[j0]);
-    p->ctrl_path.rport = ports[j0];
-    kvl_err e = kvl_peer_open_conn(a, p, a->addrs[0], hosts[j0], ports[j0], KVL_CONN_CONTROL, 0, &ctrl_fd);
-    if (e) {
-        peer_free(p);
-        return e;
-    }
+    /* every data path and the control connection (from address 0) at once */
     p->n_paths = (uint32_t)a->n_addrs;
+    conn_job jobs[KVL_MAX_PATHS + 1];
+    memset(jobs, 0, sizeof jobs);
+    size_t remote_of[KVL_MAX_PATHS];
+    for (uint32_t i = 0; i <= p->n_paths; i++) {
+        uint32_t k = i ? i - 1 : 0; /* job 0: control; job i: data path i-1 */
+        size_t r = pair_remote(a->addrs[k], hosts, n, k);
+        if (i)
+            remote_of[k] = r;
+        jobs[i] = (conn_job){.a = a, .p = p, .local = a->addrs[k], .host = hosts[r],
+                             .port = ports[r], .path = (uint16_t)k, .instance = instance,
+                             .kind = i ? KVL_CONN_DATA : KVL_CONN_CONTROL, .fd = -1};
+    }
+    run_jobs(jobs, p->n_paths + 1);
+    kvl_err e = KVL_OK;
     int up = 0;
+    for (uint32_t i = 0; i <= p->n_paths; i++) {
+        conn_job *jb = &jobs[i];
+        if (jb->err == KVL_ERR_DUPLICATE_NAME || jb->err == KVL_ERR_HANDSHAKE) {
+            e = kvl_fail(jb->err, "%s", jb->msg); /* the peer refuses us */
+            break;
+        }
+        if (!jb->err && instance == 0)
+            instance = jb->instance;
+        if (!jb->err && jb->instance != instance) {
+            e = kvl_fail(KVL_ERR_HANDSHAKE,
+                         "peer '%s' answers as instance %016llx on one address and %016llx on "
+                         "another: two agents share the name",
+                         name, (unsigned long long)instance, (unsigned long long)jb->instance);
+            break;
+        }
+        if (i && !jb->err)
+            up++;
+    }
+    /* the control connection goes over any path that works: if address 0
+     * failed, try the pairs whose data path connected */
+    for (uint32_t k = 0; !e && jobs[0].err && up && k < p->n_paths; k++) {
+        if (jobs[k + 1].err)
+            continue;
+        conn_job *c = &jobs[0];
+        char first[256];
+        snprintf(first, sizeof first, "%s", c->msg);
+        c->local = jobs[k + 1].local;
+        c->host = jobs[k + 1].host;
+        c->port = jobs[k + 1].port;
+        c->instance = instance;
+        conn_job_main(c);
+        if (c->err)
+            snprintf(c->msg, sizeof c->msg, "%s", first);
+    }
+    if (!e && (jobs[0].err || !up)) {
+        conn_job *bad = jobs[0].err ? &jobs[0] : &jobs[1];
+        e = kvl_fail(KVL_ERR_UNREACHABLE, "peer '%s': %s; %s", name,
+                     jobs[0].err ? "no control connection" : "no data path connected",
+                     bad->msg);
+    }
+    p->instance = instance;
+    snprintf(p->ctrl_path.local, sizeof p->ctrl_path.local, "%s", jobs[0].local);
+    snprintf(p->ctrl_path.rhost, sizeof p->ctrl_path.rhost, "%s", jobs[0].host);
+    p->ctrl_path.rport = jobs[0].port;
     for (uint32_t i = 0; i < p->n_paths; i++) {
         kvl_path *pa = &p->paths[i];
-        size_t j = pair_remote(a->addrs[i], hosts, n, i);
+        size_t r = remote_of[i];
         pa->index = i;
+        pa->fd = jobs[i + 1].fd;
         snprintf(pa->local, sizeof pa->local, "%s", a->addrs[i]);
-        snprintf(pa->remote, sizeof pa->remote, "%s:%u", hosts[j], ports[j]);
-        snprintf(pa->rhost, sizeof pa->rhost, "%s", hosts[j]);
-        pa->rport = ports[j];
-        fds[i] = -1;
-        e = kvl_peer_open_conn(a, p, a->addrs[i], hosts[j], ports[j], KVL_CONN_DATA, (uint16_t)i, &fds[i]);
-        if (e == KVL_ERR_DUPLICATE_NAME || e == KVL_ERR_HANDSHAKE)
-            break; /* the peer refuses us: no point trying the other paths */
-        if (e) {
+        snprintf(pa->remote, sizeof pa->remote, "%s:%u", hosts[r], ports[r]);
+        snprintf(pa->rhost, sizeof pa->rhost, "%s", hosts[r]);
+        pa->rport = ports[r];
+        if (jobs[i + 1].err) {
             pa->probe_fails = 1; /* it failed to connect: known dead until a probe works */
-            kvl_path_set_state(p, pa, KVL_PATH_DOWN, kvl_last_error());
-        } else {
-            up++;
+            kvl_path_set_state(p, pa, KVL_PATH_DOWN, jobs[i + 1].msg);
         }
     }
-    if (e == KVL_ERR_DUPLICATE_NAME || e == KVL_ERR_HANDSHAKE || !up) {
-        if (!e)
-            e = kvl_fail(KVL_ERR_UNREACHABLE, "peer '%s': no data path connected; path 0: %s",
-                         name, p->paths[0].last_error);
+    kvl_peer_update_hint(p);
+    int ctrl_fd = jobs[0].fd;
+    if (e) {
         char msg[1024];
         snprintf(msg, sizeof msg, "%s", kvl_last_error());
-        close(ctrl_fd);
-        for (uint32_t i = 0; i < p->n_paths; i++)
-            if (fds[i] >= 0)
-                close(fds[i]);
-        peer_free(p);
+        for (uint32_t i = 0; i <= p->n_paths; i++)
+            if (jobs[i].fd >= 0)
+                close(jobs[i].fd);
+        kvl_peer_free(p);
         return kvl_fail(e, "%s", msg);
     }
 
@@ -247,28 +372,36 @@ kvl_err kvl_peer_connect(kvl_agent *a, const char *name, uint64_t instance,
     if (!cmd) {
         close(ctrl_fd);
         for (uint32_t i = 0; i < p->n_paths; i++)
-            if (fds[i] >= 0)
-                close(fds[i]);
-        peer_free(p);
+            if (p->paths[i].fd >= 0)
+                close(p->paths[i].fd);
+        kvl_peer_free(p);
         return kvl_fail(KVL_ERR_NOMEM, "add_peer: out of memory");
     }
     /* the engine adopts the sockets when it takes the command */
     kvl_sock_nonblock(ctrl_fd, 1);
     p->ctrl_fd = ctrl_fd;
-    for (uint32_t i = 0; i < p->n_paths; i++) {
-        if (fds[i] >= 0)
-            kvl_sock_nonblock(fds[i], 1);
-        p->paths[i].fd = fds[i];
-    }
+    for (uint32_t i = 0; i < p->n_paths; i++)
+        if (p->paths[i].fd >= 0)
+            kvl_sock_nonblock(p->paths[i].fd, 1);
     cmd->type = KVL_CMD_ADOPT_PEER;
     cmd->peer = p;
+    kvl_cmd *retire = old ? calloc(1, sizeof *retire) : NULL;
     pthread_mutex_lock(&a->mu);
-    if (old)
-        old->replaced = 1;
+    int old_listed = 0;
+    for (kvl_peer *q = a->peers; old && q; q = q->next)
+        old_listed |= q == old;
+    if (old_listed && retire)
+        unlink_and_retire(a, old, retire, "replaced by a newer connection of the same name");
+    else if (old_listed)
+        old->replaced = 1; /* out of memory to retire it: it stays until close */
     p->next = a->peers;
     a->peers = p;
     pthread_mutex_unlock(&a->mu);
     kvl_engine_post(a, cmd);
+    if (old_listed && retire)
+        kvl_engine_post(a, retire);
+    else
+        free(retire);
     /* return once the engine owns the connections, so paths() shows them;
      * the engine takes commands within one loop iteration */
     struct timespec ts = kvl_deadline_ts(5000);

@@ -93,6 +93,7 @@ void kvl_prober_request(kvl_agent *a, kvl_peer *p, int path)
     }
     job->peer = p;
     job->path = path;
+    p->probes++; /* p stays allocated while the prober uses it */
     snprintf(job->local, sizeof job->local, "%s", pa->local);
     snprintf(job->host, sizeof job->host, "%s", pa->rhost);
     job->port = pa->rport;
@@ -105,11 +106,32 @@ void kvl_prober_request(kvl_agent *a, kvl_peer *p, int path)
     pthread_mutex_unlock(&a->probe_mu);
 }
 
+/* The control connection failed to reconnect where it was: the next try
+ * goes over the next data path that is up (its NIC pair works). */
+static void ctrl_next_route(kvl_peer *p)
+{
+    kvl_path *c = &p->ctrl_path;
+    uint32_t cur = p->n_paths;
+    for (uint32_t i = 0; i < p->n_paths; i++)
+        if (!strcmp(p->paths[i].local, c->local) && !strcmp(p->paths[i].rhost, c->rhost))
+            cur = i;
+    for (uint32_t k = 1; k <= p->n_paths; k++) {
+        const kvl_path *pa = &p->paths[(cur + k) % p->n_paths];
+        if (pa->conn && !kvl_conn_is_dead(pa->conn)) {
+            snprintf(c->local, sizeof c->local, "%s", pa->local);
+            snprintf(c->rhost, sizeof c->rhost, "%s", pa->rhost);
+            c->rport = pa->rport;
+            return;
+        }
+    }
+}
+
 void kvl_prober_done(kvl_agent *a, kvl_cmd *cmd)
 {
     kvl_peer *p = cmd->peer;
     kvl_path *pa = cmd->path < 0 ? &p->ctrl_path : &p->paths[cmd->path];
     uint64_t now = kvl_now_ns();
+    p->probes--;
     kvl_conn *c = cmd->fd >= 0 && !p->replaced ? kvl_conn_new(a, cmd->fd, 0) : NULL;
     if (!c) {
         if (cmd->fd >= 0)
@@ -117,7 +139,10 @@ void kvl_prober_done(kvl_agent *a, kvl_cmd *cmd)
         kvl_monitor_probe_failed(p, pa, now, cmd->error[0] ? cmd->error : "reconnect failed");
         if (cmd->path >= 0) {
             pa->probe_fails++;
+            kvl_peer_update_hint(p);
             kvl_sched_check_reachable(p); /* known dead now: fail what waits for it */
+        } else {
+            ctrl_next_route(p);
         }
         return;
     }
@@ -129,6 +154,7 @@ void kvl_prober_done(kvl_agent *a, kvl_cmd *cmd)
     kvl_path_set_state(p, pa, KVL_PATH_UP, "reconnected");
     pa->backoff_ms = 0;
     pa->probe_fails = 0;
+    kvl_peer_update_hint(p);
     pa->reconnects++;
     pa->t_progress_ns = now;
     pa->ping_sent_ns = 0;

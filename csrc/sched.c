@@ -15,10 +15,7 @@
 #include "internal.h"
 
 #define EWMA_NEW 0.3           /* weight of a new rate sample: adapts in ~3 chunks */
-#define DEFAULT_BPS 1e9        /* prior for a path without samples: ties go by load */
-#define HEDGE_GAIN 2.0         /* hedge only if the copy would finish in under half the time */
 #define SHORT_BUSY_NS 50000000ull /* busy periods under 50 ms only raise the rate estimate */
-#define REMEASURE_NS 2000000000ull /* an idle, low-rated path is tried again after 2 s */
 
 static int path_usable(const kvl_path *pa)
 {
@@ -108,41 +105,27 @@ static void account_send(kvl_xfer *x, uint32_t ci, kvl_path *pa, int hedge)
     }
 }
 
+/* The policy's view of p's paths at this instant (policy.c). */
+static void snapshot(const kvl_peer *p, kvl_path_view *v, uint64_t now)
+{
+    for (uint32_t i = 0; i < p->n_paths; i++) {
+        const kvl_path *pa = &p->paths[i];
+        uint64_t last = pa->t_chunk_ns > pa->busy_start_ns ? pa->t_chunk_ns : pa->busy_start_ns;
+        v[i] = (kvl_path_view){
+            .usable = path_usable(pa),
+            .bw_Bps = pa->bw_Bps,
+            .rtt_us = pa->rtt_us,
+            .nic_other_Bps = pa->nic_other_Bps,
+            .inflight_bytes = pa->inflight_bytes,
+            .inflight_chunks = pa->inflight_chunks,
+            .idle_ns = now > last ? now - last : 0,
+        };
+    }
+}
+
 static int window_open(const kvl_agent *a, const kvl_path *pa)
 {
     return pa->inflight_chunks < a->cfg.window_chunks || pa->inflight_bytes < a->cfg.window_bytes;
-}
-
-static double prior_bps(const kvl_peer *p)
-{
-    double sum = 0;
-    int known = 0;
-    for (uint32_t i = 0; i < p->n_paths; i++)
-        if (path_usable(&p->paths[i]) && p->paths[i].bw_Bps > 0) {
-            sum += p->paths[i].bw_Bps;
-            known++;
-        }
-    return known ? sum / known : DEFAULT_BPS;
-}
-
-/* Rate to plan with: measured, or the prior; an idle path whose NIC carries
- * other traffic is scored by what that traffic leaves free.  An idle path
- * rated below the others and unused for REMEASURE_NS plans with the prior
- * once, so it gets a chunk and a fresh measurement: paths that once shared a
- * bottleneck (or met a burst of other traffic) are not left out for good. */
-static double plan_bps(const kvl_path *pa, double prior)
-{
-    double bw = pa->bw_Bps > 0 ? pa->bw_Bps : prior;
-    if (!pa->inflight_chunks && bw < prior) {
-        uint64_t last = pa->t_chunk_ns > pa->busy_start_ns ? pa->t_chunk_ns : pa->busy_start_ns;
-        if (kvl_now_ns() - last > REMEASURE_NS)
-            bw = prior;
-    }
-    if (!pa->inflight_chunks && pa->nic_other_Bps > 0) {
-        double left = bw - pa->nic_other_Bps;
-        bw = left > 0.1 * bw ? left : 0.1 * bw;
-    }
-    return bw;
 }
 
 static kvl_path *pick_round_robin(kvl_peer *p)
@@ -160,12 +143,15 @@ static kvl_path *pick_round_robin(kvl_peer *p)
 /* Straggler hedging: when nothing is left to send, an idle path takes a copy
  * of the in-flight chunk predicted to finish last, if it would finish that
  * chunk in well under the time its own path still needs. */
-static void hedge(kvl_peer *p, double prior)
+static void hedge(kvl_peer *p)
 {
     kvl_agent *a = p->agent;
+    kvl_path_view v[KVL_MAX_PATHS];
+    snapshot(p, v, kvl_now_ns());
+    double prior = kvl_policy_prior(v, p->n_paths);
     for (uint32_t i = 0; i < p->n_paths; i++) {
         kvl_path *idle = &p->paths[i];
-        if (!path_usable(idle) || idle->inflight_chunks)
+        if (!v[i].usable || v[i].inflight_chunks)
             continue;
         kvl_xfer *bx = NULL;
         uint32_t bci = 0;
@@ -177,12 +163,10 @@ static void hedge(kvl_peer *p, double prior)
                 if (x->cstate[ci] != KVL_CHUNK_INFLIGHT || x->hpath[ci] != KVL_NO_PATH ||
                     x->cpath[ci] == idle->index)
                     continue;
-                const kvl_path *slow = &p->paths[x->cpath[ci]];
-                double left = (double)slow->inflight_bytes / plan_bps(slow, prior);
-                double here = (double)x->plan.chunks[ci].bytes / plan_bps(idle, prior) +
-                              idle->rtt_us * 1e-6;
-                if (left > HEDGE_GAIN * here && left > worst) {
-                    worst = left;
+                double late = kvl_policy_hedge_late_s(&v[x->cpath[ci]], &v[i],
+                                                      x->plan.chunks[ci].bytes, prior);
+                if (late > worst) {
+                    worst = late;
                     bx = x;
                     bci = ci;
                 }
@@ -194,48 +178,23 @@ static void hedge(kvl_peer *p, double prior)
                 "hedge: chunk %u of transfer %llu, predicted %.0f ms late on path %u, copied here",
                 bci, (unsigned long long)bx->id, worst * 1e3, bx->cpath[bci]);
         account_send(bx, bci, idle, 1);
+        snapshot(p, v, kvl_now_ns()); /* this path is busy now */
         if (send_copy(idle, bx, bci) != 0)
             kvl_sched_fail(bx, KVL_ERR_NOMEM, "out of memory queueing chunk %u", bci);
     }
 }
 
-static kvl_path *slower_but_in_time(kvl_peer *p, uint64_t bytes, double prior)
-{
-    kvl_agent *a = p->agent;
-    double remaining = 0, agg = 0;
-    for (kvl_xfer *x = p->active; x; x = x->next_active)
-        if (kvl_xfer_running(x))
-            remaining += (double)x->bytes_pending;
-    kvl_path *alt = NULL;
-    double alt_t = 0;
-    for (uint32_t i = 0; i < p->n_paths; i++) {
-        kvl_path *pa = &p->paths[i];
-        if (!path_usable(pa))
-            continue;
-        double bw = plan_bps(pa, prior);
-        remaining += (double)pa->inflight_bytes;
-        agg += bw;
-        if (!window_open(a, pa))
-            continue;
-        double t = (double)(pa->inflight_bytes + bytes) / bw + pa->rtt_us * 1e-6;
-        if (!alt || t < alt_t) {
-            alt = pa;
-            alt_t = t;
-        }
-    }
-    return alt && agg > 0 && alt_t <= remaining / agg ? alt : NULL;
-}
-
 void kvl_sched_dispatch(kvl_peer *p)
 {
     kvl_agent *a = p->agent;
+    kvl_path_view v[KVL_MAX_PATHS];
+    snapshot(p, v, kvl_now_ns());
     for (;;) {
         uint32_t ci = 0;
         kvl_xfer *x = next_chunk(p, &ci);
-        double prior = prior_bps(p);
         if (!x) {
             if (a->cfg.hedge && !a->cfg.round_robin)
-                hedge(p, prior);
+                hedge(p);
             return;
         }
         uint64_t bytes = x->plan.chunks[ci].bytes;
@@ -248,32 +207,21 @@ void kvl_sched_dispatch(kvl_peer *p)
                 return;
             }
         } else {
-            double best_t = 0;
-            for (uint32_t i = 0; i < p->n_paths; i++) {
-                kvl_path *pa = &p->paths[i];
-                if (!path_usable(pa))
-                    continue;
-                double t = (double)(pa->inflight_bytes + bytes) / plan_bps(pa, prior) +
-                           pa->rtt_us * 1e-6;
-                if (!best || t < best_t) {
-                    best = pa;
-                    best_t = t;
-                }
-            }
-            if (best && !window_open(a, best)) {
-                /* The earliest finish is on a full path.  A path with room
-                 * still takes the chunk if it would deliver it before all the
-                 * remaining work is done at the aggregate rate: a slow path
-                 * then helps instead of becoming the straggler. */
-                best = slower_but_in_time(p, bytes, prior);
-                if (!best)
-                    return; /* wait for the fast path */
-            }
+            uint64_t pending = 0;
+            for (kvl_xfer *y = p->active; y; y = y->next_active)
+                if (kvl_xfer_running(y))
+                    pending += y->bytes_pending;
+            int i = kvl_policy_pick(v, p->n_paths, bytes, pending, a->cfg.window_chunks,
+                                    a->cfg.window_bytes);
+            best = i < 0 ? NULL : &p->paths[i];
         }
         if (!best)
-            return; /* kvl_sched_path_down already failed what it had to */
+            return; /* wait: for room on the best path, or for a path to come back */
         take_chunk(x, ci);
         account_send(x, ci, best, 0);
+        v[best->index].inflight_bytes = best->inflight_bytes;
+        v[best->index].inflight_chunks = best->inflight_chunks;
+        v[best->index].idle_ns = 0;
         if (send_copy(best, x, ci) != 0) {
             kvl_sched_fail(x, KVL_ERR_NOMEM, "out of memory queueing chunk %u", ci);
             return;

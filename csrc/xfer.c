@@ -203,14 +203,11 @@ kvl_err kvl_xfer_submit(kvl_agent *a, kvl_peer *p, int op, const kvl_segment *se
         if (segs[i].layer >= MAX_LAYERS)
             return kvl_fail(KVL_ERR_INVALID_ARG, "segments[%zu].layer %u exceeds the %d limit",
                             i, segs[i].layer, MAX_LAYERS - 1);
-    int live = 0;
-    for (uint32_t i = 0; i < p->n_paths; i++)
-        live |= kvl_path_may_work(&p->paths[i]); /* racy read: a hint, engine decides */
-    if (!live)
+    if (!atomic_load(&p->may_work)) /* a hint: the engine decides */
         return kvl_fail(KVL_ERR_UNREACHABLE,
-                        "peer '%s': every path is down (first: %s); add the peer again once it "
-                        "is back",
-                        p->name, p->paths[0].last_error);
+                        "peer '%s': every path is down and failed to reconnect (paths() shows "
+                        "each path's error); add the peer again once it is back",
+                        p->name);
 
     kvl_xfer *x = calloc(1, sizeof *x);
     if (!x)

@@ -590,6 +590,28 @@ class Agent:
             self._exit()
         return str(md["name"])
 
+    def remove_peer(self, peer: str) -> None:
+        """Forgets ``peer``: its running transfers fail with
+        ConnectionLostError ("removed"), frames already queued are sent (up
+        to ``close_linger_s``), its connections close and its memory is freed.
+        Add it again (new metadata) to talk to it later.  Waits for calls in
+        progress on this agent to finish first, so none uses the peer as it
+        goes.
+
+        Raises:
+            UnknownPeerError: no peer of that name.
+            InvalidArgumentError: ``peer`` is not a name.
+            ClosedError: the agent is closed.
+        """
+        if not isinstance(peer, str):
+            raise InvalidArgumentError(f"peer: expected the peer's name, got {peer!r}")
+        with self._lock:
+            if self._closed:
+                raise ClosedError(f"agent {self.name!r} is closed; create a new Agent")
+            while self._users:  # nobody may hold the peer's native pointer meanwhile
+                self._idle.wait()
+            check(lib.kvl_peer_remove(self._a, peer.encode()), peer=peer)
+
     def _peer(self, a: Any, peer: str) -> Any:
         if not isinstance(peer, str):
             raise InvalidArgumentError(f"peer: expected the peer's name, got {peer!r}")

@@ -326,6 +326,14 @@ kvl_err kvl_peer_connect(kvl_agent *agent, const char *name, uint64_t instance,
                          const char *const *hosts, const uint16_t *ports,
                          size_t n, kvl_peer **out);
 
+/* Removes a peer: its running transfers fail (KVL_ERR_CONN_LOST, "removed"),
+ * queued frames are sent (bounded by close_linger_ms), its connections
+ * close and it is freed once nothing refers to it.  The name may then be
+ * added again.  Does not block.  Thread-safe against the engine, but not
+ * against other calls that use this peer: the caller serialises (pointers
+ * from kvl_peer_find / kvl_peer_connect are invalid once this returns). */
+kvl_err kvl_peer_remove(kvl_agent *agent, const char *name);
+
 /* Looks a connected peer up by name.  Thread-safe, does not block. */
 kvl_err kvl_peer_find(kvl_agent *agent, const char *name, kvl_peer **out);
 

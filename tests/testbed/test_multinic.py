@@ -192,3 +192,46 @@ def test_competing_traffic_is_seen_and_avoided(pair):
         for proc in (client, server):
             proc.kill()
             proc.wait(10)
+
+
+def _spawn_pair(tb: kt.Testbed, size: int) -> tuple[PeerProcess, PeerProcess]:
+    rx = PeerProcess("rx", ",".join(tb.addresses("b")), {}, prefix=tb.exec_prefix("b"))
+    tx = PeerProcess("tx", ",".join(tb.addresses("a")), {}, prefix=tb.exec_prefix("a"))
+    rx.call("alloc", key="kv", nbytes=size, remote_write=True, name="kv")
+    tx.call("alloc", key="src", nbytes=size, seed=1)
+    return rx, tx
+
+
+def _push_and_notify(rx: PeerProcess, tx: PeerProcess, tag: bytes) -> None:
+    xid = tx.call("push", peer="rx", local="src", remote="kv", notify=tag.hex())["id"]
+    tx.call("wait", id=xid, wait_s=30, timeout=40)
+    notes = rx.call("notifications", wait_s=10, timeout=20)["notifications"]
+    assert notes == [{"peer": "tx", "tag": tag.hex(), "op": "PUSH"}]
+    assert tx.call("digest", key="src")["digest"] == rx.call("digest", key="kv")["digest"]
+
+
+def test_add_peer_with_nic_0_down_uses_another_path_for_control(testbed):
+    # the control connection used to go over NIC 0 only: add_peer failed
+    tb = testbed(links=4, rate="1gbit")
+    rx, tx = _spawn_pair(tb, 64 * MiB)
+    try:
+        tb.link_down(0)
+        tx.call("add_peer", metadata=rx.metadata.decode(), timeout=30)
+        _push_and_notify(rx, tx, b"nic0-down")
+    finally:
+        tx.stop()
+        rx.stop()
+
+
+def test_notification_arrives_when_the_control_link_dies(testbed):
+    # a push over links 1-3 succeeded while link 0 was down, and its
+    # notification, queued on the control connection over link 0, was lost
+    tb = testbed(links=4, rate="1gbit")
+    rx, tx = _spawn_pair(tb, 64 * MiB)
+    try:
+        tx.call("add_peer", metadata=rx.metadata.decode(), timeout=30)
+        tb.link_down(0)
+        _push_and_notify(rx, tx, b"ctrl-link-down")
+    finally:
+        tx.stop()
+        rx.stop()

@@ -1,0 +1,163 @@
+/* test_inbound.c: chunk ownership and the receiver's handle (csrc/inbound.c)
+ * driven the way the connection code drives it: ANNOUNCE, copies claimed,
+ * placed, verified or lost, END, expiry. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+#include "test_main.h"
+
+static kvl_agent *agent_new(void)
+{
+    kvl_agent *a = calloc(1, sizeof *a);
+    snprintf(a->name, sizeof a->name, "test");
+    pthread_mutex_init(&a->inq_mu, NULL);
+    pthread_cond_init(&a->inq_cv, NULL);
+    pthread_mutex_init(&a->log_mu, NULL);
+    pthread_cond_init(&a->log_cv, NULL);
+    return a;
+}
+
+static void agent_free(kvl_agent *a)
+{
+    kvl_rx_free_all(a);
+    pthread_mutex_destroy(&a->inq_mu);
+    pthread_cond_destroy(&a->inq_cv);
+    pthread_mutex_destroy(&a->log_mu);
+    pthread_cond_destroy(&a->log_cv);
+    free(a);
+}
+
+/* Announces transfer xfer of instance 7: n chunks, chunk i on layer i / 2. */
+static kvl_err announce(kvl_agent *a, uint64_t xfer, uint32_t n, const char *tag)
+{
+    uint32_t lf[64], ll[64];
+    for (uint32_t i = 0; i < n; i++)
+        lf[i] = ll[i] = i / 2;
+    kvl_msg_announce m = {.xfer = xfer, .bytes = 1000ull * n, .n_chunks = n,
+                          .n_layers = (n + 1) / 2, .tag_len = (uint32_t)strlen(tag),
+                          .tag = (const uint8_t *)tag};
+    kvl_buf b = {0};
+    kvl_enc_announce(&b, &m, lf, ll);
+    kvl_msg_announce d;
+    kvl_err e = kvl_dec_announce(b.p, b.len, &d);
+    if (!e)
+        e = kvl_rx_announce(a, 7, "sender", &d);
+    kvl_buf_free(&b);
+    return e;
+}
+
+static void test_ownership(void)
+{
+    kvl_agent *a = agent_new();
+    kvl_rx_xfer *r = NULL, *r2 = NULL;
+    uint32_t st = 0;
+    /* not announced: refused */
+    CHECK(!kvl_rx_claim(a, 7, 1, 0, 1, &r, &st) && st == KVL_ERR_PROTOCOL);
+    CHECK(announce(a, 1, 4, "req") == KVL_OK);
+    CHECK(announce(a, 1, 4, "req") == KVL_OK); /* a repeat on another connection: ignored */
+    /* outside the announced count, however large */
+    CHECK(!kvl_rx_claim(a, 7, 1, 4, 1, &r, &st) && st == KVL_ERR_PROTOCOL);
+    CHECK(!kvl_rx_claim(a, 7, 1, 0x80000000u, 1, &r, &st) && st == KVL_ERR_PROTOCOL);
+    /* another sender instance with the same transfer id is another transfer */
+    CHECK(!kvl_rx_claim(a, 8, 1, 0, 1, &r, &st) && st == KVL_ERR_PROTOCOL);
+    /* copy 1 owns chunk 0, then copy 2 (newer) takes it over */
+    CHECK(kvl_rx_claim(a, 7, 1, 0, 1, &r, &st) && kvl_rx_owns(r, 0, 1));
+    CHECK(kvl_rx_claim(a, 7, 1, 0, 2, &r2, &st) && r2 == r);
+    CHECK(!kvl_rx_owns(r, 0, 1) && kvl_rx_owns(r, 0, 2));
+    /* an older copy arriving now is drained */
+    kvl_rx_xfer *r3 = NULL;
+    CHECK(!kvl_rx_claim(a, 7, 1, 0, 1, &r3, &st) && st == KVL_RX_SUPERSEDED);
+    /* copy 1 finishing "verified" settles nothing: it no longer owned the chunk */
+    kvl_rx_done(r, 0, 1, 1, 0, 1000);
+    CHECK(!r->chunks[0].settled);
+    kvl_rx_done(r, 0, 2, 1, 1, 1000);
+    CHECK(r->chunks[0].settled && r->refs == 0);
+    /* once settled, every copy is drained and answered OK */
+    CHECK(!kvl_rx_claim(a, 7, 1, 0, 9, &r3, &st) && st == KVL_OK);
+    /* the handle saw one chunk, layer 0 half done */
+    kvl_inxfer *h = NULL;
+    CHECK(kvl_inbound_next(a, "req", 3, 0, 0, &h) == KVL_OK && h);
+    kvl_inbound_progress pr;
+    kvl_inxfer_progress(h, &pr);
+    CHECK(pr.chunks_done == 1 && pr.layers_ready == 0 && pr.bytes_done == 1000);
+    kvl_rx_claim(a, 7, 1, 1, 1, &r, &st);
+    kvl_rx_done(r, 1, 1, 1, 0, 1000);
+    CHECK(kvl_inxfer_wait_layer(h, 0, 0) == KVL_OK);
+    CHECK(kvl_inxfer_wait_layer(h, 1, 0) == KVL_ERR_TIMEOUT);
+    CHECK(kvl_inxfer_wait_layer(h, 2, 0) == KVL_ERR_INVALID_ARG);
+    /* a copy that fails its crc leaves the chunk open for another copy */
+    kvl_rx_claim(a, 7, 1, 2, 1, &r, &st);
+    kvl_rx_done(r, 2, 1, 0, 0, 1000);
+    CHECK(!r->chunks[2].settled);
+    CHECK(kvl_rx_claim(a, 7, 1, 2, 2, &r, &st));
+    kvl_rx_done(r, 2, 2, 1, 0, 1000);
+    kvl_rx_claim(a, 7, 1, 3, 1, &r, &st);
+    kvl_rx_done(r, 3, 1, 1, 0, 1000);
+    CHECK(kvl_inxfer_wait(h, 0) == KVL_OK);
+    kvl_chunk_event ev;
+    int events = 0;
+    while (kvl_inxfer_next_event(h, 0, &ev) == KVL_OK)
+        events++;
+    CHECK(events == 4);
+    /* END: late copies of any chunk are drained from now on */
+    kvl_msg_status end = {.xfer = 1};
+    kvl_rx_end(a, 7, &end);
+    CHECK(!kvl_rx_claim(a, 7, 1, 3, 5, &r, &st) && st == KVL_RX_SUPERSEDED);
+    kvl_inxfer_release(h);
+    agent_free(a);
+}
+
+static void test_end_before_done_fails_the_handle(void)
+{
+    kvl_agent *a = agent_new();
+    CHECK(announce(a, 2, 2, "x") == KVL_OK);
+    kvl_inxfer *h = NULL;
+    CHECK(kvl_inbound_next(a, NULL, 0, 1, 0, &h) == KVL_OK);
+    kvl_msg_status end = {.xfer = 2, .status = KVL_ERR_CONN_LOST};
+    snprintf(end.msg, sizeof end.msg, "all paths down");
+    kvl_rx_end(a, 7, &end);
+    CHECK(kvl_inxfer_wait(h, 0) == KVL_ERR_CONN_LOST);
+    CHECK(strstr(kvl_last_error(), "all paths down") != NULL);
+    kvl_inxfer_release(h);
+    agent_free(a);
+}
+
+static void test_bounds(void)
+{
+    kvl_agent *a = agent_new();
+    /* malformed maps are refused by the decoder */
+    uint32_t lf[2] = {1, 0}, ll[2] = {1, 0};
+    kvl_msg_announce m = {.xfer = 3, .bytes = 2, .n_chunks = 2, .n_layers = 2};
+    kvl_buf b = {0};
+    kvl_enc_announce(&b, &m, lf, ll); /* layers going backwards */
+    kvl_msg_announce d;
+    CHECK(kvl_dec_announce(b.p, b.len, &d) == KVL_ERR_PROTOCOL);
+    kvl_buf_free(&b);
+    lf[0] = 0;
+    ll[0] = 5; /* beyond n_layers */
+    kvl_enc_announce(&b, &m, lf, ll);
+    CHECK(kvl_dec_announce(b.p, b.len, &d) == KVL_ERR_PROTOCOL);
+    kvl_buf_free(&b);
+    m.n_chunks = KVL_MAX_XFER_CHUNKS + 1; /* more chunks than a transfer may have */
+    kvl_buf_free(&b);
+    b = (kvl_buf){0};
+    uint8_t hdr[32] = {0};
+    memcpy(hdr, &m.xfer, 8);
+    CHECK(kvl_dec_announce(hdr, sizeof hdr, &d) == KVL_ERR_PROTOCOL);
+    /* the entry table is bounded */
+    int refused = 0;
+    for (uint64_t x = 100; x < 100 + 20000 && !refused; x++)
+        refused = announce(a, x, 1, "") != KVL_OK;
+    CHECK(refused && a->n_rx_xfers == 16384);
+    agent_free(a);
+}
+
+int main(void)
+{
+    double t0 = test_now_s();
+    test_ownership();
+    test_end_before_done_fails_the_handle();
+    test_bounds();
+    return test_report("test_inbound", t0);
+}

@@ -1,0 +1,51 @@
+"""Peers: the control connection over any path that works, remove_peer, and
+peers replaced by a restarted agent of the same name."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvlink
+from tests.integration.test_transfer import digest
+from tests.peer_proc import pattern
+
+MiB = 1 << 20
+
+
+def test_remove_peer_fails_its_transfers_and_frees_the_name(make_agent, spawn_peer):
+    rx = spawn_peer("rx", nics="loopback:2")
+    rx.call("alloc", key="kv", nbytes=256 * MiB, remote_write=True, name="kv")
+    tx = make_agent("tx", nics="loopback:2")
+    src = pattern(256 * MiB, seed=4)
+    tx.register(src)
+    tx.add_peer(rx.metadata)
+    h = tx.push("rx", src=src, dst="kv")
+    tx.remove_peer("rx")
+    with pytest.raises(kvlink.ConnectionLostError, match="removed"):
+        h.wait(timeout_s=30)
+    assert tx.paths() == []
+    with pytest.raises(kvlink.UnknownPeerError):
+        tx.push("rx", src=src, dst="kv")
+    with pytest.raises(kvlink.UnknownPeerError):
+        tx.remove_peer("rx")
+    # the name can be added again and works
+    tx.add_peer(rx.metadata)
+    tx.push("rx", src=src, dst="kv").wait(timeout_s=30)
+    assert rx.call("digest", key="kv")["digest"] == digest(src)
+    assert len(tx.paths()) == 2
+
+
+def test_restarted_peer_replaces_the_old_one(make_agent, spawn_peer):
+    tx = make_agent("tx", nics="loopback:2")
+    src = np.full(MiB, 3, np.uint8)
+    tx.register(src)
+    for round_ in range(3):  # the same name, a new instance each time
+        rx = spawn_peer("rx", nics="loopback:2")
+        rx.call("alloc", key="kv", nbytes=MiB, remote_write=True, name="kv")
+        tx.add_peer(rx.metadata)
+        tx.push("rx", src=src, dst="kv").wait(timeout_s=30)
+        assert rx.call("digest", key="kv")["digest"] == digest(src), round_
+        rx.kill()
+    # only the live peer's paths are listed: replaced ones are gone
+    assert len(tx.paths()) == 2

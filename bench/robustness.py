@@ -1,0 +1,187 @@
+"""Robustness figures (issue 8): a receiver paused mid-push, hedging without
+reconnects, and notifications when the sender closes right after wait().
+
+    .venv/bin/python bench/robustness.py [--iters 3] [--json FILE]
+
+Each scenario runs the sender here and the receiver in a child process over
+loopback paths; figures are ratios or counts from this run only.
+
+- pause: a 1 GiB push, unpaused (the ideal, median of --iters) and with the
+  receiver stopped (SIGSTOP) for 1.5 s a third of the way in; reports the
+  paused time minus (ideal + pause) and checks every byte.
+- hedge: 100 back-to-back 16 MiB pushes on loopback:4; reconnects, paths not
+  UP at the end, hedged copies.
+- notify: 20 rounds of a fresh sender agent, a 16 MiB push with a tag,
+  wait(), close(); notifications that arrived.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import signal
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+import kvlink
+
+MiB = 1 << 20
+PAUSE_S = 1.5
+
+
+def _receiver(conn: Any, nics: str, nbytes: int) -> None:
+    """Child: an agent with one writable region; answers digest/notes/exit."""
+    buf = np.zeros(nbytes, np.uint8)
+    with kvlink.Agent("rx", kvlink.Config(nics=nics)) as rx:
+        rx.register(buf, remote_write=True, name="kv")
+        conn.send(rx.metadata())
+        while True:
+            cmd = conn.recv()
+            if cmd == "digest":
+                conn.send(hashlib.blake2b(buf.data).hexdigest())
+            elif cmd == "notes":
+                got: list[bytes] = []
+                while True:
+                    batch = rx.notifications(timeout_s=2)
+                    if not batch:
+                        break
+                    got += [n.tag for n in batch]
+                conn.send(got)
+            else:
+                conn.send("bye")
+                return
+
+
+class Receiver:
+    def __init__(self, nics: str, nbytes: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_receiver, args=(child, nics, nbytes), daemon=True)
+        self.proc.start()
+        if not self.conn.poll(60):
+            raise RuntimeError("the receiver did not start within 60 s")
+        self.metadata: bytes = self.conn.recv()
+
+    def ask(self, cmd: str, timeout_s: float = 60) -> Any:
+        self.conn.send(cmd)
+        if not self.conn.poll(timeout_s):
+            raise RuntimeError(f"the receiver did not answer {cmd!r} within {timeout_s} s")
+        return self.conn.recv()
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            os.kill(self.proc.pid, signal.SIGCONT)
+            self.ask("exit")
+        self.proc.join(10)
+
+
+def pause(paths: int, iters: int) -> dict[str, Any]:
+    size = 1 << 30
+    rx = Receiver(f"loopback:{paths}", size)
+    src = np.frombuffer(np.random.default_rng(paths).bytes(size), np.uint8)
+    want = hashlib.blake2b(src.data).hexdigest()
+    try:
+        with kvlink.Agent("tx", kvlink.Config(nics=f"loopback:{paths}")) as tx:
+            tx.register(src)
+            tx.add_peer(rx.metadata)
+            tx.push("rx", src=src, dst="kv").wait(timeout_s=60)  # warm-up
+            ideal = []
+            for _ in range(iters):
+                t0 = time.monotonic()
+                tx.push("rx", src=src, dst="kv").wait(timeout_s=60)
+                ideal.append(time.monotonic() - t0)
+            t_ideal = statistics.median(ideal)
+            paused, ok = [], True
+            for _ in range(iters):
+                h = tx.push("rx", src=src, dst="kv")
+                t0 = time.monotonic()
+                time.sleep(t_ideal / 3)
+                os.kill(rx.proc.pid, signal.SIGSTOP)
+                time.sleep(PAUSE_S)
+                os.kill(rx.proc.pid, signal.SIGCONT)
+                h.wait(timeout_s=60)
+                paused.append(time.monotonic() - t0)
+                ok &= rx.ask("digest") == want
+            reconnects = sum(p.reconnects for p in tx.paths())
+    finally:
+        rx.stop()
+    t_paused = statistics.median(paused)
+    return {
+        "scenario": "pause",
+        "paths": paths,
+        "ideal_s": round(t_ideal, 3),
+        "paused_s": round(t_paused, 3),
+        "over_s": round(t_paused - t_ideal - PAUSE_S, 3),
+        "worst_over_s": round(max(paused) - t_ideal - PAUSE_S, 3),
+        "verified": ok,
+        "reconnects": reconnects,
+    }
+
+
+def hedge() -> dict[str, Any]:
+    size = 16 * MiB
+    rx = Receiver("loopback:4", size)
+    src = np.frombuffer(np.random.default_rng(7).bytes(size), np.uint8)
+    try:
+        with kvlink.Agent("tx", kvlink.Config(nics="loopback:4")) as tx:
+            tx.register(src)
+            tx.add_peer(rx.metadata)
+            t0 = time.monotonic()
+            for _ in range(100):
+                tx.push("rx", src=src, dst="kv").wait(timeout_s=60)
+            elapsed = time.monotonic() - t0
+            ps = tx.paths()
+            ok = rx.ask("digest") == hashlib.blake2b(src.data).hexdigest()
+    finally:
+        rx.stop()
+    return {
+        "scenario": "hedge",
+        "pushes": 100,
+        "reconnects": sum(p.reconnects for p in ps),
+        "paths_not_up": sum(p.state != kvlink.PathState.UP for p in ps),
+        "hedges": sum(p.hedges for p in ps),
+        "seconds": round(elapsed, 2),
+        "verified": ok,
+    }
+
+
+def notify() -> dict[str, Any]:
+    size = 16 * MiB
+    rx = Receiver("loopback:4", size)
+    src = np.full(size, 5, np.uint8)
+    try:
+        for i in range(20):
+            with kvlink.Agent(f"tx{i}", kvlink.Config(nics="loopback:4")) as tx:
+                tx.register(src)
+                tx.add_peer(rx.metadata)
+                tx.push("rx", src=src, dst="kv", notify=b"n%d" % i).wait(timeout_s=60)
+        got = rx.ask("notes")
+    finally:
+        rx.stop()
+    return {"scenario": "notify", "sent": 20, "delivered": len(got), "distinct": len(set(got))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--iters", type=int, default=3, help="pushes per figure (default 3)")
+    ap.add_argument("--json", metavar="FILE", help="also append the results as JSON lines")
+    args = ap.parse_args(argv)
+    results = [pause(1, args.iters), pause(4, args.iters), hedge(), notify()]
+    for r in results:
+        print(json.dumps(r))
+    if args.json:
+        with open(args.json, "a") as f:
+            for r in results:
+                f.write(json.dumps(r) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

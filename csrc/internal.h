@@ -43,7 +43,7 @@ struct timespec kvl_deadline_ts(uint32_t timeout_ms);
  * bytes of payload followed by a 4-byte crc32c trailer when payload_len > 0.
  * All integers little-endian. */
 #define KVL_MAGIC 0x4b4c564bu /* "KVLK" */
-#define KVL_PROTO_VERSION 1
+#define KVL_PROTO_VERSION 2 /* 2: ANNOUNCE, NOTIFY_ACK, END with status */
 #define KVL_HDR_BYTES 24
 #define KVL_MAX_BODY (1u << 20)
 

@@ -23,6 +23,7 @@ from ._errors import ErrorCode
 from ._native import cstr, ffi, lib
 
 log = logging.getLogger("kvlink")
+log.addHandler(logging.NullHandler())  # a library: the application decides where logs go
 
 _WAIT_MS = 1000  # the thread is woken at close, so this only bounds a lost wake-up
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import kvlink
+from tests import wire_client as wc
 from tests.peer_client import PeerError
 
 MiB = 1 << 20
@@ -220,14 +221,15 @@ def test_garbage_and_truncated_frames_on_listener(make_agent, spawn_peer):
     rx.call("alloc", key="w", nbytes=MiB, remote_write=True, name="w")
     port = rx.addresses[0][1]
     magic = struct.pack("<I", 0x4B4C564B)
-    hello_hdr = magic + bytes([1, 1]) + b"\0\0"
+    hello_hdr = magic + bytes([wc.VERSION, 1]) + b"\0\0"
     attacks = [
         os.urandom(4096),  # garbage
         b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",  # another protocol
         hello_hdr[:7],  # truncated header
         hello_hdr + struct.pack("<IIQ", 50, 0, 0) + b"abc",  # body cut short
         hello_hdr + struct.pack("<IIQ", 1 << 30, 0, 0),  # absurd body length
-        magic + bytes([1, 3]) + b"\0\0" + struct.pack("<IIQ", 28, 0, 1 << 20),  # DATA first
+        # DATA first
+        magic + bytes([wc.VERSION, 3]) + b"\0\0" + struct.pack("<IIQ", 28, 0, 1 << 20),
         hello_hdr + struct.pack("<IIQ", 12, 0xDEADBEEF, 0) + b"x" * 12,  # bad body crc
     ]
     for data in attacks:
@@ -236,7 +238,7 @@ def test_garbage_and_truncated_frames_on_listener(make_agent, spawn_peer):
     # another protocol version gets a HELLO_ACK saying so (HandshakeError on
     # that side), then the connection closes
     back = _send_raw(port, magic + bytes([9, 1]) + b"\0\0" + struct.pack("<IIQ", 0, 0, 0))
-    assert back[:6] == magic + bytes([1, 2])  # our version, HELLO_ACK
+    assert back[:6] == magic + bytes([wc.VERSION, 2])  # our version, HELLO_ACK
     assert struct.unpack_from("<I", back, 24)[0] == kvlink.ErrorCode.HANDSHAKE
     assert b"wire protocol 9" in back
     tx = make_agent("tx", nics="loopback:1")

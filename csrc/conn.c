@@ -99,9 +99,21 @@ struct kvl_conn {
 
 static void ep_set(kvl_conn *c, int out)
 {
-    struct epoll_event ev = {.events = EPOLLIN | (out ? EPOLLOUT : 0), .data.ptr = c};
+    /* a refused connection is read no more: only its answer goes out */
+    uint32_t in = c->close_after_flush ? 0 : EPOLLIN;
+    struct epoll_event ev = {.events = in | (out ? EPOLLOUT : 0), .data.ptr = c};
     if (c->epout != out && epoll_ctl(c->a->epfd, EPOLL_CTL_MOD, c->fd, &ev) == 0)
         c->epout = out;
+}
+
+/* Refuses the connection: nothing it sends from now on is read (a refused
+ * HELLO must not let the frames behind it through); it closes once its
+ * answer is out. */
+static void refuse(kvl_conn *c)
+{
+    c->close_after_flush = 1;
+    c->epout = -1; /* force the epoll update without EPOLLIN */
+    ep_set(c, 1);
 }
 
 kvl_conn *kvl_conn_new(kvl_agent *a, int fd, int listener)
@@ -582,7 +594,7 @@ static void on_hello(kvl_conn *c)
     }
     send_region_table(c, KVL_F_HELLO_ACK, status, msg);
     if (status != KVL_OK)
-        c->close_after_flush = 1;
+        refuse(c);
 }
 
 static void on_data(kvl_conn *c)
@@ -1036,7 +1048,7 @@ static void set_lowat(kvl_conn *c)
 static void conn_read(kvl_conn *c)
 {
     size_t budget = IO_BUDGET;
-    while (!c->dead && budget) {
+    while (!c->dead && budget && !c->close_after_flush) {
         ssize_t n;
         switch (c->rs) {
         case RS_HDR:
@@ -1083,7 +1095,7 @@ static void conn_read(kvl_conn *c)
                 c->handshaken = 1; /* nothing more is read from it */
                 c->kind = KVL_CONN_DATA;
                 send_region_table(c, KVL_F_HELLO_ACK, KVL_ERR_HANDSHAKE, why);
-                c->close_after_flush = 1;
+                refuse(c);
                 conn_write(c);
                 return;
             }

@@ -188,7 +188,7 @@ class PathInfo:
     stall_ms: int  # time without progress while busy
     reconnects: int  # times re-established after going down
     hedges: int  # straggler copies sent on this path
-    t_down_ns: int  # CLOCK_MONOTONIC time it last went down (0: never)
+    t_down_ns: int  # CLOCK_MONOTONIC time it last left service, STALLED or DOWN (0: never)
     last_error: str
 
 

@@ -170,7 +170,8 @@ typedef struct kvl_path_info {
     uint32_t stall_ms;     /* time since the path last made progress while busy */
     uint32_t reconnects;   /* times the path was re-established after going down */
     uint64_t hedges;       /* straggler copies sent on this path */
-    uint64_t t_down_ns;    /* CLOCK_MONOTONIC time it last went down (0: never) */
+    uint64_t t_down_ns;    /* CLOCK_MONOTONIC time it last left service, STALLED or
+                              DOWN (0: never) */
     char last_error[160];
 } kvl_path_info;
 

@@ -266,3 +266,19 @@ def test_stalled_half_frame_is_dropped_and_agent_serves(make_agent, spawn_peer):
         t0 = time.monotonic()
         assert s.recv(1) == b""
         assert time.monotonic() - t0 < 3
+
+
+def test_frames_behind_a_refused_hello_are_not_processed(make_agent):
+    # A HELLO with the listener's own name is refused (DUPLICATE_NAME); the
+    # NOTIFY sent right behind it in the same segment used to be delivered
+    # as coming from 'victim'.
+    victim = make_agent("victim")
+    s = socket.create_connection(victim.addresses[0], timeout=10)
+    try:
+        s.sendall(wc.hello("victim", 0xBAD) + wc.notify(43, b"forged"))
+        body = wc.recv_until(s, wc.HELLO_ACK)
+        assert struct.unpack_from("<I", body)[0] == kvlink.ErrorCode.DUPLICATE_NAME
+        assert s.recv(4096) == b"", "the refused connection is closed"
+    finally:
+        s.close()
+    assert victim.notifications(timeout_s=0.5) == []

@@ -373,15 +373,11 @@ kvl_err kvl_agent_create(const kvl_config *cfg, kvl_agent **out)
     pthread_mutex_init(&a->mu, NULL);
     pthread_mutex_init(&a->notif_mu, NULL);
     pthread_mutex_init(&a->stats_mu, NULL);
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&a->notif_cv, &ca);
+    kvl_cond_init(&a->notif_cv);
     pthread_mutex_init(&a->inq_mu, NULL);
-    pthread_cond_init(&a->inq_cv, &ca);
+    kvl_cond_init(&a->inq_cv);
     pthread_mutex_init(&a->log_mu, NULL);
-    pthread_cond_init(&a->log_cv, &ca);
-    pthread_condattr_destroy(&ca);
+    kvl_cond_init(&a->log_cv);
     kvl_regions_init(&a->regions);
     a->cfg = *cfg;
     a->cfg.name = a->name;

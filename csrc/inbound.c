@@ -81,11 +81,7 @@ static kvl_inxfer *inx_new(const char *peer, const kvl_msg_announce *m, uint64_t
     if (!t)
         return NULL;
     pthread_mutex_init(&t->mu, NULL);
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&t->cv, &ca);
-    pthread_condattr_destroy(&ca);
+    kvl_cond_init(&t->cv);
     atomic_init(&t->refs, 2);
     t->layer_left = calloc(m->n_layers, sizeof *t->layer_left);
     t->layer_done = calloc(m->n_layers, 1);
@@ -429,29 +425,27 @@ kvl_err kvl_inbound_next(kvl_agent *a, const void *tag, size_t tag_len, int any_
                     tag_len, timeout_ms);
 }
 
-static int inx_wait(kvl_inxfer *t, int (*pred)(kvl_inxfer *, uint32_t), uint32_t arg,
+static int inx_wait(kvl_inxfer *t, int (*pred)(void *, uint32_t), uint32_t arg,
                     uint32_t timeout_ms)
 {
-    struct timespec ts = kvl_deadline_ts(timeout_ms);
-    while (!pred(t, arg))
-        if (pthread_cond_timedwait(&t->cv, &t->mu, &ts) == ETIMEDOUT)
-            return pred(t, arg) ? 0 : -1;
-    return 0;
+    return kvl_cond_wait_until(&t->cv, &t->mu, pred, t, arg, timeout_ms);
 }
 
-static int inx_finished(kvl_inxfer *t, uint32_t unused)
+static int inx_finished(void *obj, uint32_t unused)
 {
     (void)unused;
-    return t->info.state != KVL_XFER_RUNNING;
+    return ((kvl_inxfer *)obj)->info.state != KVL_XFER_RUNNING;
 }
 
-static int inx_layer_ready(kvl_inxfer *t, uint32_t layer)
+static int inx_layer_ready(void *obj, uint32_t layer)
 {
+    kvl_inxfer *t = obj;
     return t->layer_done[layer] == LAYER_DONE || t->info.state != KVL_XFER_RUNNING;
 }
 
-static int inx_event_ready(kvl_inxfer *t, uint32_t unused)
+static int inx_event_ready(void *obj, uint32_t unused)
 {
+    kvl_inxfer *t = obj;
     (void)unused;
     return t->ev_read < t->n_events || t->info.state != KVL_XFER_RUNNING;
 }

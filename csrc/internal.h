@@ -37,6 +37,12 @@ void kvl_clear_error(void);
 uint64_t kvl_now_ns(void);
 /* CLOCK_MONOTONIC deadline timeout_ms from now, for pthread_cond_timedwait. */
 struct timespec kvl_deadline_ts(uint32_t timeout_ms);
+/* A condition variable on CLOCK_MONOTONIC (every timed wait in the core). */
+void kvl_cond_init(pthread_cond_t *cv);
+/* With mu held: waits on cv until pred(obj, arg) or timeout_ms passed.
+ * Returns 0 when pred holds, -1 on timeout. */
+int kvl_cond_wait_until(pthread_cond_t *cv, pthread_mutex_t *mu, int (*pred)(void *, uint32_t),
+                        void *obj, uint32_t arg, uint32_t timeout_ms);
 
 /* ---- wire.c: frames on the wire (docs/wire-protocol.md) ----
  * Every frame: a 24-byte header, body_len bytes of body, then payload_len

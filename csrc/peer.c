@@ -275,11 +275,7 @@ kvl_err kvl_peer_connect(kvl_agent *a, const char *name, uint64_t instance,
     strcpy(p->name, name);
     p->instance = instance;
     pthread_mutex_init(&p->mu, NULL);
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&p->cv, &ca);
-    pthread_condattr_destroy(&ca);
+    kvl_cond_init(&p->cv);
 
     /* every data path and the control connection (from address 0) at once */
     p->n_paths = (uint32_t)a->n_addrs;

@@ -213,11 +213,7 @@ kvl_err kvl_xfer_submit(kvl_agent *a, kvl_peer *p, int op, const kvl_segment *se
     if (!x)
         return kvl_fail(KVL_ERR_NOMEM, "submit: out of memory");
     pthread_mutex_init(&x->mu, NULL);
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&x->cv, &ca);
-    pthread_condattr_destroy(&ca);
+    kvl_cond_init(&x->cv);
     atomic_init(&x->refs, 2);
     x->op = op;
     x->peer = p;
@@ -401,31 +397,27 @@ void kvl_xfer_publish(kvl_xfer *x)
     pthread_mutex_unlock(&x->mu);
 }
 
-/* Waits on x->cv until pred(x, arg) or the deadline; called with x->mu held.
- * Returns 0 when pred holds, -1 on timeout. */
-static int wait_until(kvl_xfer *x, int (*pred)(kvl_xfer *, uint32_t), uint32_t arg,
+static int wait_until(kvl_xfer *x, int (*pred)(void *, uint32_t), uint32_t arg,
                       uint32_t timeout_ms)
 {
-    struct timespec ts = kvl_deadline_ts(timeout_ms);
-    while (!pred(x, arg))
-        if (pthread_cond_timedwait(&x->cv, &x->mu, &ts) == ETIMEDOUT)
-            return pred(x, arg) ? 0 : -1;
-    return 0;
+    return kvl_cond_wait_until(&x->cv, &x->mu, pred, x, arg, timeout_ms);
 }
 
-static int finished(kvl_xfer *x, uint32_t unused)
+static int finished(void *obj, uint32_t unused)
 {
     (void)unused;
-    return x->info.state != KVL_XFER_RUNNING;
+    return ((kvl_xfer *)obj)->info.state != KVL_XFER_RUNNING;
 }
 
-static int layer_ready(kvl_xfer *x, uint32_t layer)
+static int layer_ready(void *obj, uint32_t layer)
 {
+    kvl_xfer *x = obj;
     return x->layer_done[layer] == LAYER_DONE || x->info.state != KVL_XFER_RUNNING;
 }
 
-static int event_ready(kvl_xfer *x, uint32_t unused)
+static int event_ready(void *obj, uint32_t unused)
 {
+    kvl_xfer *x = obj;
     (void)unused;
     return x->ev_read < x->n_events || x->info.state != KVL_XFER_RUNNING;
 }

@@ -51,8 +51,9 @@ static void frame_done(frame *f, uint8_t type, uint64_t payload_len)
     free(hdr);
 }
 
-typedef enum dec_kind { D_HELLO, D_HELLO_ACK, D_CHUNK, D_STATUS, D_NOTIFY, D_N } dec_kind;
-static const char *const dec_names[D_N] = {"hello", "hello_ack", "chunk", "status", "notify"};
+typedef enum dec_kind { D_HELLO, D_HELLO_ACK, D_CHUNK, D_STATUS, D_NOTIFY, D_ANNOUNCE, D_N } dec_kind;
+static const char *const dec_names[D_N] = {"hello", "hello_ack", "chunk", "status", "notify",
+                                           "announce"};
 
 /* Runs decoder k on [body, body+len) (copied to an exact-size buffer) and
  * checks that what it accepted is safe to use: every pointer it returns lies
@@ -128,6 +129,27 @@ static kvl_err run_decoder(dec_kind k, const uint8_t *src, size_t len)
             CHECK(m.tag_len <= KVL_MAX_TAG);
             if (CHECK(m.tag >= body && m.tag + m.tag_len == end))
                 (void)kvl_crc32c(0, m.tag, m.tag_len); /* touches every tag byte */
+        }
+        break;
+    }
+    case D_ANNOUNCE: {
+        kvl_msg_announce m;
+        memset(&m, 0xa5, sizeof m);
+        e = kvl_dec_announce(body, len, &m);
+        if (e == KVL_OK) {
+            CHECK(m.xfer && m.tag_len <= KVL_MAX_TAG);
+            CHECK(m.n_chunks >= 1 && m.n_chunks <= KVL_MAX_XFER_CHUNKS);
+            CHECK(m.n_layers >= 1 && m.n_layers <= KVL_MAX_LAYERS);
+            if (CHECK(m.tag >= body && m.map == m.tag + m.tag_len &&
+                      m.map + (size_t)m.n_chunks * 8 == end)) {
+                uint32_t prev = 0;
+                for (uint32_t i = 0; i < m.n_chunks; i++) { /* what the receiver relies on */
+                    uint32_t lf, ll;
+                    kvl_dec_announce_chunk(&m, i, &lf, &ll);
+                    CHECK(lf <= ll && ll < m.n_layers && lf >= prev);
+                    prev = lf;
+                }
+            }
         }
         break;
     }
@@ -639,6 +661,56 @@ static void test_notify(void)
     free(tag);
 }
 
+static void test_announce(void)
+{
+    static const uint32_t counts[] = {1, 3, 40};
+    uint32_t lf[40], ll[40];
+    for (uint32_t i = 0; i < 40; i++) { /* chunk i: layers i/3 .. (i+1)/3, layer-major */
+        lf[i] = i / 3;
+        ll[i] = (i + 1) / 3;
+    }
+    for (size_t c = 0; c < 3; c++) {
+        uint32_t n = counts[c];
+        kvl_msg_announce m = {.xfer = 9, .bytes = 1000u * n, .n_chunks = n,
+                              .n_layers = ll[n - 1] + 1, .timeout_ms = 5000, .tag_len = 5,
+                              .tag = (const uint8_t *)"req-1"};
+        frame f = {0};
+        kvl_frame_start(&f.b);
+        kvl_enc_announce(&f.b, &m, lf, ll);
+        frame_done(&f, KVL_F_ANNOUNCE, 0);
+        CHECK(f.len == 32 + 5 + 8u * n);
+        kvl_msg_announce out;
+        uint8_t *body = dup_exact(f.body, f.len);
+        if (CHECKF(kvl_dec_announce(body, f.len, &out) == KVL_OK, "%u chunks: %s", n,
+                   kvl_last_error()))
+            CHECK(out.xfer == 9 && out.n_chunks == n && out.n_layers == m.n_layers &&
+                  out.timeout_ms == 5000 && out.tag_len == 5 && !memcmp(out.tag, "req-1", 5));
+        free(body);
+        check_truncations(D_ANNOUNCE, f.body, f.len, "ANNOUNCE");
+        keep(D_ANNOUNCE, &f);
+        kvl_buf_free(&f.b);
+    }
+    /* every bound of the header, with the bytes really there */
+    struct { const char *what; size_t off; uint32_t v; } bad[] = {
+        {"n_chunks 0", 16, 0},        {"n_chunks over the cap", 16, KVL_MAX_XFER_CHUNKS + 1},
+        {"n_layers 0", 20, 0},        {"n_layers over the cap", 20, KVL_MAX_LAYERS + 1},
+        {"tag_len 4097", 28, KVL_MAX_TAG + 1},
+    };
+    kvl_msg_announce m = {.xfer = 9, .bytes = 2, .n_chunks = 2, .n_layers = 1};
+    uint32_t z[2] = {0, 0};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        frame f = {0};
+        kvl_frame_start(&f.b);
+        kvl_enc_announce(&f.b, &m, z, z);
+        frame_done(&f, KVL_F_ANNOUNCE, 0);
+        uint8_t *body = dup_exact(f.body, f.len);
+        memcpy(body + bad[i].off, &bad[i].v, 4);
+        EXPECT_PROTOCOL(D_ANNOUNCE, body, f.len, bad[i].what);
+        free(body);
+        kvl_buf_free(&f.b);
+    }
+}
+
 /* ---- fuzz ---- */
 
 /* 200000 bodies through every decoder: random bytes, and mutations of the
@@ -723,6 +795,7 @@ int main(void)
     test_chunk();
     test_status();
     test_notify();
+    test_announce();
     test_fuzz();
     for (size_t i = 0; i < n_pool; i++)
         free(pool[i].body);

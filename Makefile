@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # Rebuild the C core whenever a C source or the header changed.
-kvlink/_kvlink_c.abi3.so: $(STAMP) $(wildcard csrc/*.c csrc/*.h csrc/include/*.h csrc/transport/*/*.c) kvlink/_ffi_build.py
+kvlink/_kvlink_c.abi3.so: $(STAMP) $(wildcard csrc/*.c csrc/*.h csrc/include/*.h csrc/transport/*.h csrc/transport/*/*.[ch]) kvlink/_ffi_build.py
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	touch $@
 

@@ -102,26 +102,23 @@ kvl_err kvl_paths(kvl_agent *a, kvl_path_info *out, size_t cap, size_t *n)
 
 static void adopt_peer(kvl_agent *a, kvl_peer *p)
 {
-    kvl_conn *c = kvl_conn_new(a, p->ctrl_fd, 0);
+    kvl_conn *c = kvl_conn_adopt(a, p->ctrl_ep);
     if (c)
         kvl_conn_bind_outbound(c, p, -1);
-    else
-        close(p->ctrl_fd);
     p->ctrl = c;
-    p->ctrl_fd = -1;
+    p->ctrl_ep = NULL;
     for (uint32_t i = 0; i < p->n_paths; i++) {
         kvl_path *pa = &p->paths[i];
-        if (pa->fd < 0)
+        if (!pa->ep)
             continue;
-        c = kvl_conn_new(a, pa->fd, 0);
+        c = kvl_conn_adopt(a, pa->ep);
         if (!c) {
-            close(pa->fd);
-            kvl_path_set_state(p, pa, KVL_PATH_DOWN, "engine: out of memory");
+            kvl_path_set_state(p, pa, KVL_PATH_DOWN, "engine: cannot take the connection over");
         } else {
             kvl_conn_bind_outbound(c, p, (int)i);
             pa->conn = c;
         }
-        pa->fd = -1;
+        pa->ep = NULL;
     }
     p->eng_next = a->eng_peers;
     a->eng_peers = p;
@@ -173,6 +170,28 @@ static void reap_peers(kvl_agent *a, uint64_t now)
         kvl_peer_free(p);
         kvl_engine_snapshot_paths(a);
     }
+}
+
+/* ---- the event loop's registrations (the transport's descriptors) ---- */
+
+int kvl_engine_watch(kvl_agent *a, int fd, void *ptr, uint32_t events)
+{
+    struct epoll_event ev = {.events = events, .data.ptr = ptr};
+    return epoll_ctl(a->epfd, EPOLL_CTL_ADD, fd, &ev);
+}
+
+int kvl_engine_rewatch(kvl_agent *a, int fd, void *ptr, uint32_t events)
+{
+    struct epoll_event ev = {.events = events, .data.ptr = ptr};
+    return epoll_ctl(a->epfd, EPOLL_CTL_MOD, fd, &ev);
+}
+
+void kvl_engine_unwatch(kvl_agent *a, int fd) { epoll_ctl(a->epfd, EPOLL_CTL_DEL, fd, NULL); }
+
+uint8_t *kvl_engine_scratch(kvl_agent *a, size_t *len)
+{
+    *len = a->scratch_len;
+    return a->scratch;
 }
 
 static void run_commands(kvl_agent *a)
@@ -279,7 +298,7 @@ static void *engine_main(void *arg)
                 (void)rc;
                 run_commands(a);
             } else {
-                kvl_conn_on_event(evs[i].data.ptr, evs[i].events);
+                a->tp->on_event(evs[i].data.ptr, evs[i].events);
             }
         }
         now = kvl_now_ns();
@@ -336,6 +355,11 @@ static kvl_err check_config(const kvl_config *cfg)
 
 static void agent_free(kvl_agent *a)
 {
+    for (size_t i = 0; a->listeners && i < a->n_addrs; i++)
+        if (a->listeners[i]) {
+            a->tp->close(a->listeners[i], 0);
+            a->tp->free(a->listeners[i]);
+        }
     if (a->epfd >= 0)
         close(a->epfd);
     if (a->wakefd >= 0)
@@ -408,17 +432,9 @@ kvl_err kvl_agent_create(const kvl_config *cfg, kvl_agent **out)
     for (size_t i = 0; i < cfg->n_addrs; i++) {
         snprintf(a->addrs[i], sizeof a->addrs[i], "%s", cfg->addrs[i]);
         uint16_t port = cfg->port;
-        int fd;
-        if ((e = a->tp->listen(a->addrs[i], &port, &fd)) == KVL_OK) {
+        if ((e = a->tp->listen(a, a->addrs[i], &port, &a->listeners[i])) == KVL_OK)
             a->ports[i] = port;
-            a->listeners[i] = kvl_conn_new(a, fd, 1);
-            if (!a->listeners[i]) {
-                close(fd);
-                e = kvl_fail(KVL_ERR_NOMEM, "agent_create: out of memory");
-            }
-        }
         if (e) {
-            kvl_conn_close_all(a);
             agent_free(a);
             return e;
         }
@@ -426,7 +442,6 @@ kvl_err kvl_agent_create(const kvl_config *cfg, kvl_agent **out)
     kvl_monitor_init(a);
     if (kvl_prober_start(a) != KVL_OK) {
         e = kvl_fail(KVL_ERR_SYSTEM, "agent_create: cannot start the prober thread");
-        kvl_conn_close_all(a);
         agent_free(a);
         return e;
     }
@@ -434,7 +449,6 @@ kvl_err kvl_agent_create(const kvl_config *cfg, kvl_agent **out)
         atomic_store(&a->stopping, 1);
         kvl_prober_stop(a);
         e = kvl_fail(KVL_ERR_SYSTEM, "agent_create: cannot start the engine thread");
-        kvl_conn_close_all(a);
         agent_free(a);
         return e;
     }
@@ -483,8 +497,8 @@ kvl_err kvl_agent_close(kvl_agent *a)
         next = cmd->next;
         if (cmd->type == KVL_CMD_SUBMIT)
             fail_and_drop(cmd->xfer);
-        if (cmd->type == KVL_CMD_PROBED && cmd->fd >= 0)
-            close(cmd->fd);
+        if (cmd->type == KVL_CMD_PROBED && cmd->ep)
+            a->tp->discard(cmd->ep);
         if (cmd->type == KVL_CMD_REMOVE_PEER)
             cmd->peer->retiring = 1; /* out of the callers' list: freed below */
         free(cmd->tag);
@@ -508,11 +522,11 @@ kvl_err kvl_agent_close(kvl_agent *a)
             fail_and_drop(x);
         }
         if (!p->adopted) {
-            if (p->ctrl_fd >= 0)
-                close(p->ctrl_fd);
+            if (p->ctrl_ep)
+                a->tp->discard(p->ctrl_ep);
             for (uint32_t i = 0; i < p->n_paths; i++)
-                if (p->paths[i].fd >= 0)
-                    close(p->paths[i].fd);
+                if (p->paths[i].ep)
+                    a->tp->discard(p->paths[i].ep);
         }
         kvl_peer_free(p);
     }

@@ -181,42 +181,8 @@ void kvl_dec_announce_chunk(const kvl_msg_announce *m, uint32_t i, uint32_t *lay
 void kvl_dec_piece(const kvl_msg_chunk *m, uint32_t i, kvl_wire_piece *p);
 void kvl_dec_region(const uint8_t *table, uint32_t i, kvl_region_info *r);
 
-/* ---- transport/tcp/tcp.c: socket plumbing behind the transport ops ---- */
-typedef struct kvl_tcp_sample {
-    double rtt_us;
-    double delivery_Bps;     /* the kernel's most recent delivery-rate sample */
-    uint64_t bytes_acked;    /* cumulative bytes the peer acknowledged */
-    uint64_t bytes_received; /* cumulative bytes received */
-    uint32_t last_ack_recv_ms;  /* since the last TCP ACK arrived */
-    uint32_t last_data_recv_ms; /* since the last data segment arrived */
-    int app_limited;            /* the delivery-rate sample was limited by us, not the path */
-    uint32_t unacked;        /* segments in flight */
-    uint32_t notsent_bytes;
-    uint32_t total_retrans;
-} kvl_tcp_sample;
-
-typedef struct kvl_transport_ops {
-    const char *name;
-    /* Listening socket on host:*port (0 = ephemeral; the bound port is
-     * written back).  Non-blocking. */
-    kvl_err (*listen)(const char *host, uint16_t *port, int *fd);
-    /* Connects from local host to remote host:port within timeout_ms;
-     * returns a blocking socket with data-path options applied. */
-    kvl_err (*connect)(const char *local, const char *remote, uint16_t port,
-                       uint32_t timeout_ms, int sock_buf, int *fd);
-    /* Applies data-path options to an accepted socket. */
-    kvl_err (*tune)(int fd, int sock_buf);
-    /* Kernel's view of the connection (TCP_INFO); -1 if unavailable. */
-    int (*sample)(int fd, kvl_tcp_sample *out);
-    /* Makes the next close abortive (RST), discarding queued data. */
-    void (*abort)(int fd);
-} kvl_transport_ops;
-extern const kvl_transport_ops kvl_tcp_ops;
-
-/* Blocking helpers used by the handshake (caller thread, not the engine). */
-kvl_err kvl_sock_send_all(int fd, const void *buf, size_t len, uint64_t deadline_ns);
-kvl_err kvl_sock_recv_all(int fd, void *buf, size_t len, uint64_t deadline_ns);
-kvl_err kvl_sock_nonblock(int fd, int on);
+/* ---- the transport interface (csrc/transport/transport.h) ---- */
+#include "transport/transport.h"
 
 /* ---- region.c ---- */
 #define KVL_LOCAL_READONLY 0x100u /* rights bit: our own memory may not be written */
@@ -256,7 +222,7 @@ typedef struct kvl_out kvl_out;
 typedef struct kvl_path {
     uint32_t index;
     kvl_conn *conn;
-    int fd;                    /* socket waiting for the engine to adopt it, or -1 */
+    kvl_ep *ep;                /* connected endpoint waiting for the engine to adopt it */
     uint32_t state;            /* kvl_path_state */
     char local[48], remote[48];
     uint64_t inflight_bytes;
@@ -297,7 +263,7 @@ struct kvl_peer {
     char name[KVL_NAME_MAX];
     uint64_t instance;
     kvl_conn *ctrl;
-    int ctrl_fd;               /* control socket until adoption */
+    kvl_ep *ctrl_ep;           /* control endpoint until adoption */
     kvl_path ctrl_path;        /* where the control connection goes, and its probe state */
     kvl_path paths[KVL_MAX_PATHS];
     uint32_t n_paths;
@@ -391,7 +357,7 @@ typedef struct kvl_cmd {
     kvl_peer *peer;
     kvl_xfer *xfer;
     int path;                  /* PROBED: path index, -1 for the control connection */
-    int fd;                    /* PROBED: the new socket, or -1 */
+    kvl_ep *ep;                /* PROBED: the new endpoint, or NULL */
     char error[160];           /* PROBED: why it failed */
     uint8_t *tag;              /* PREPARE: owned */
     uint32_t tag_len;
@@ -416,7 +382,7 @@ struct kvl_agent {
     const kvl_transport_ops *tp;
     kvl_regions regions;
     int epfd, wakefd;
-    kvl_conn **listeners;
+    kvl_ep **listeners;
     pthread_t thread;
     int thread_started;
     atomic_int stopping;
@@ -483,33 +449,27 @@ struct kvl_agent {
     size_t n_snap, cap_snap;
 };
 
-/* ---- conn.c: per-connection receive / send state machines ---- */
-kvl_conn *kvl_conn_new(kvl_agent *a, int fd, int listener);
-void kvl_conn_on_event(kvl_conn *c, uint32_t events);
+/* ---- proto.c: the protocol over a transport's endpoints ---- */
+/* A connection over endpoint ep (outbound after its handshake, or just
+ * accepted); the endpoint is attached to the engine.  NULL: out of memory. */
+kvl_conn *kvl_conn_new(kvl_agent *a, kvl_ep *ep);
+/* Engine thread: takes a connected (detached) endpoint into the event loop
+ * as a connection; NULL on failure (the endpoint is discarded). */
+kvl_conn *kvl_conn_adopt(kvl_agent *a, kvl_ep *ep);
 void kvl_conn_fail(kvl_conn *c, kvl_err err, const char *why);
 int kvl_conn_is_dead(const kvl_conn *c);
 uint64_t kvl_conn_serial(const kvl_conn *c);
-void kvl_conn_free(kvl_conn *c);
 /* Frees connections failed during this engine iteration. */
 void kvl_conn_reap(kvl_agent *a);
 /* Teardown (engine stopped): frees every connection without callbacks. */
 void kvl_conn_close_all(kvl_agent *a);
 /* Queues a control frame (buf is taken over).  Returns 0, or -1 if dead. */
 int kvl_conn_send_frame(kvl_conn *c, kvl_buf *buf);
-/* Queues a DATA frame for chunk ci of x (push). */
+/* Queues a DATA frame (push) or READ_REQ (pull) for chunk ci of x. */
 int kvl_conn_send_chunk(kvl_conn *c, kvl_xfer *x, uint32_t ci);
 void kvl_conn_bind_outbound(kvl_conn *c, kvl_peer *p, int path);
 void kvl_conn_expire(kvl_agent *a, uint64_t now);
-int kvl_conn_sample(const kvl_conn *c, kvl_tcp_sample *out);
-/* Cancels the copy (xid, ci, attempt) queued on c without disturbing the
- * connection: a frame not yet started is dropped; a DATA frame part-way out
- * finishes from zeros with a trailer that cannot verify (the receiver drains
- * it: its chunk is settled) and lets go of the transfer's memory at once.
- * Returns 1 if the copy was found. */
-int kvl_conn_cancel_chunk(kvl_conn *c, uint64_t xid, uint32_t ci, uint32_t attempt);
-/* Fails the connection with an abortive close (RST): used to cancel what it
- * still carries (a stalled path). */
-void kvl_conn_abort(kvl_conn *c, const char *why);
+int kvl_conn_sample(const kvl_conn *c, kvl_tp_sample *out);
 /* Iterates a->conns (live connections). */
 kvl_conn *kvl_conn_next(const kvl_conn *c);
 /* 1 while frames wait in the send queue. */
@@ -518,6 +478,12 @@ int kvl_conn_has_output(const kvl_conn *c);
 void kvl_conn_drop_unstarted(kvl_conn *c);
 uint64_t kvl_conn_bytes_sent(const kvl_conn *c);
 uint64_t kvl_conn_bytes_recv(const kvl_conn *c);
+/* Cancels the copy (xid, ci, attempt) queued on c without disturbing the
+ * connection (the transport's cancel()).  Returns 1 if the copy was found. */
+int kvl_conn_cancel_chunk(kvl_conn *c, uint64_t xid, uint32_t ci, uint32_t attempt);
+/* Fails the connection with an abortive close (RST): used to cut a path
+ * that stayed silent while stalled. */
+void kvl_conn_abort(kvl_conn *c, const char *why);
 
 /* ---- xfer.c ---- */
 /* Chunk ci verified: progress, layer and event bookkeeping, wakes waiters. */
@@ -618,7 +584,7 @@ void kvl_prober_done(kvl_agent *a, kvl_cmd *cmd);
 void kvl_peer_free(kvl_peer *p);
 /* peer.c: blocking connect + handshake, shared by add_peer and the prober */
 kvl_err kvl_peer_open_conn(kvl_agent *a, kvl_peer *p, const char *local, const char *host,
-                           uint16_t port, int kind, uint16_t path, int *fd);
+                           uint16_t port, int kind, uint16_t path, kvl_ep **ep);
 
 /* ---- inbound.c: which copy of a pushed chunk may write ---- */
 #define KVL_RX_SUPERSEDED 100 /* wire-only ACK status: a newer copy owns the chunk */

@@ -180,7 +180,7 @@ static uint64_t stall_limit_ms(const kvl_agent *a, const kvl_path *pa)
     return limit < STALL_LIMIT_MAX_MS ? limit : STALL_LIMIT_MAX_MS;
 }
 
-static void stall(kvl_peer *p, kvl_path *pa, const kvl_tcp_sample *s, const char *what,
+static void stall(kvl_peer *p, kvl_path *pa, const kvl_tp_sample *s, const char *what,
                   uint64_t ms, uint64_t limit_ms, uint64_t now)
 {
     char why[160];
@@ -195,7 +195,7 @@ static void stall(kvl_peer *p, kvl_path *pa, const kvl_tcp_sample *s, const char
 
 /* A stalled path: back in service as soon as anything moves on it; cut and
  * re-probed if it stays silent for STALL_CUT_MS. */
-static void watch_stalled(kvl_peer *p, kvl_path *pa, const kvl_tcp_sample *s, uint64_t now)
+static void watch_stalled(kvl_peer *p, kvl_path *pa, const kvl_tp_sample *s, uint64_t now)
 {
     int moved = s->bytes_acked != pa->stall_acked || s->bytes_received != pa->stall_received ||
                 !pa->ping_sent_ns;
@@ -229,7 +229,7 @@ void kvl_monitor_stall_check(kvl_agent *a, uint64_t now)
     for (kvl_peer *p = a->eng_peers; p; p = p->eng_next) {
         for (uint32_t i = 0; i < p->n_paths; i++) {
             kvl_path *pa = &p->paths[i];
-            kvl_tcp_sample s;
+            kvl_tp_sample s;
             if (!pa->conn || kvl_conn_sample(pa->conn, &s) != 0)
                 continue;
             if (pa->state == KVL_PATH_STALLED) {
@@ -257,7 +257,7 @@ void kvl_monitor_stall_check(kvl_agent *a, uint64_t now)
 
 static void watch_path(kvl_agent *a, kvl_path *pa, uint64_t now)
 {
-    kvl_tcp_sample s;
+    kvl_tp_sample s;
     pa->jitter_ms -= pa->jitter_ms * JITTER_DECAY;
     if (!pa->conn || kvl_conn_sample(pa->conn, &s) != 0)
         return;

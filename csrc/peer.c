@@ -28,9 +28,9 @@ static size_t pair_remote(const char *local, const char *const *hosts, size_t n,
     return i % n;
 }
 
-/* HELLO on fd, then the HELLO_ACK.  Fills *ack; on a control connection the
+/* HELLO on ep, then the HELLO_ACK.  Fills *ack; on a control connection the
  * region table is copied into p. */
-static kvl_err handshake(kvl_agent *a, kvl_peer *p, int fd, int kind, uint16_t path,
+static kvl_err handshake(kvl_agent *a, kvl_peer *p, kvl_ep *ep, int kind, uint16_t path,
                          const char *where, uint64_t deadline, uint64_t *instance)
 {
     kvl_msg_hello m = {.instance = a->instance, .kind = (uint8_t)kind, .path = path};
@@ -41,12 +41,12 @@ static kvl_err handshake(kvl_agent *a, kvl_peer *p, int fd, int kind, uint16_t p
     kvl_frame_finish(&b, KVL_F_HELLO, 0);
     if (b.oom)
         return kvl_fail(KVL_ERR_NOMEM, "handshake: out of memory");
-    kvl_err e = kvl_sock_send_all(fd, b.p, b.len, deadline);
+    kvl_err e = a->tp->send_all(ep, b.p, b.len, deadline);
     kvl_buf_free(&b);
     uint8_t hdr[KVL_HDR_BYTES];
     kvl_frame_hdr h;
     if (!e)
-        e = kvl_sock_recv_all(fd, hdr, sizeof hdr, deadline);
+        e = a->tp->recv_all(ep, hdr, sizeof hdr, deadline);
     if (e)
         return kvl_fail(e == KVL_ERR_TIMEOUT ? KVL_ERR_UNREACHABLE : e,
                         "handshake with peer '%s' at %s: %s", p->name, where, kvl_last_error());
@@ -60,7 +60,7 @@ static kvl_err handshake(kvl_agent *a, kvl_peer *p, int fd, int kind, uint16_t p
     uint8_t *body = malloc(h.body_len ? h.body_len : 1);
     if (!body)
         return kvl_fail(KVL_ERR_NOMEM, "handshake: out of memory");
-    e = kvl_sock_recv_all(fd, body, h.body_len, deadline);
+    e = a->tp->recv_all(ep, body, h.body_len, deadline);
     kvl_msg_hello_ack ack;
     if (!e && kvl_crc32c(0, body, h.body_len) != h.body_crc)
         e = kvl_fail(KVL_ERR_HANDSHAKE, "HELLO_ACK body failed its crc32c check");
@@ -113,27 +113,27 @@ static kvl_err handshake(kvl_agent *a, kvl_peer *p, int fd, int kind, uint16_t p
 
 /* Connect + handshake; *instance: the one expected (0: any), then the one met. */
 static kvl_err open_conn(kvl_agent *a, kvl_peer *p, const char *local, const char *host,
-                         uint16_t port, int kind, uint16_t path, uint64_t *instance, int *fd)
+                         uint16_t port, int kind, uint16_t path, uint64_t *instance, kvl_ep **ep)
 {
     char where[80];
     snprintf(where, sizeof where, "%s:%u", host, port);
     uint64_t deadline = kvl_now_ns() + (uint64_t)a->cfg.connect_timeout_ms * 1000000ull;
-    kvl_err e = a->tp->connect(local, host, port, a->cfg.connect_timeout_ms,
-                               a->cfg.sock_buf_bytes, fd);
+    *ep = NULL;
+    kvl_err e = a->tp->connect(a, local, host, port, a->cfg.connect_timeout_ms, ep);
     if (e)
         return kvl_fail(e, "peer '%s': %s", p->name, kvl_last_error());
-    if ((e = handshake(a, p, *fd, kind, path, where, deadline, instance))) {
-        close(*fd);
-        *fd = -1;
+    if ((e = handshake(a, p, *ep, kind, path, where, deadline, instance))) {
+        a->tp->discard(*ep);
+        *ep = NULL;
     }
     return e;
 }
 
 kvl_err kvl_peer_open_conn(kvl_agent *a, kvl_peer *p, const char *local, const char *host,
-                           uint16_t port, int kind, uint16_t path, int *fd)
+                           uint16_t port, int kind, uint16_t path, kvl_ep **ep)
 {
     uint64_t instance = p->instance; /* fixed once the peer is adopted */
-    return open_conn(a, p, local, host, port, kind, path, &instance, fd);
+    return open_conn(a, p, local, host, port, kind, path, &instance, ep);
 }
 
 /* One connection being opened by its own thread: add_peer connects every
@@ -145,7 +145,7 @@ typedef struct conn_job {
     uint16_t port, path;
     int kind;
     uint64_t instance;
-    int fd;
+    kvl_ep *ep;
     kvl_err err;
     char msg[256];
     pthread_t thread;
@@ -156,7 +156,7 @@ static void *conn_job_main(void *arg)
 {
     conn_job *j = arg;
     j->err = open_conn(j->a, j->p, j->local, j->host, j->port, j->kind, j->path, &j->instance,
-                       &j->fd);
+                       &j->ep);
     if (j->err)
         snprintf(j->msg, sizeof j->msg, "%s", kvl_last_error());
     return NULL;
@@ -289,7 +289,7 @@ kvl_err kvl_peer_connect(kvl_agent *a, const char *name, uint64_t instance,
             remote_of[k] = r;
         jobs[i] = (conn_job){.a = a, .p = p, .local = a->addrs[k], .host = hosts[r],
                              .port = ports[r], .path = (uint16_t)k, .instance = instance,
-                             .kind = i ? KVL_CONN_DATA : KVL_CONN_CONTROL, .fd = -1};
+                             .kind = i ? KVL_CONN_DATA : KVL_CONN_CONTROL};
     }
     run_jobs(jobs, p->n_paths + 1);
     kvl_err e = KVL_OK;
@@ -342,7 +342,7 @@ kvl_err kvl_peer_connect(kvl_agent *a, const char *name, uint64_t instance,
         kvl_path *pa = &p->paths[i];
         size_t r = remote_of[i];
         pa->index = i;
-        pa->fd = jobs[i + 1].fd;
+        pa->ep = jobs[i + 1].ep;
         snprintf(pa->local, sizeof pa->local, "%s", a->addrs[i]);
         snprintf(pa->remote, sizeof pa->remote, "%s:%u", hosts[r], ports[r]);
         snprintf(pa->rhost, sizeof pa->rhost, "%s", hosts[r]);
@@ -353,32 +353,27 @@ kvl_err kvl_peer_connect(kvl_agent *a, const char *name, uint64_t instance,
         }
     }
     kvl_peer_update_hint(p);
-    int ctrl_fd = jobs[0].fd;
     if (e) {
         char msg[1024];
         snprintf(msg, sizeof msg, "%s", kvl_last_error());
         for (uint32_t i = 0; i <= p->n_paths; i++)
-            if (jobs[i].fd >= 0)
-                close(jobs[i].fd);
+            if (jobs[i].ep)
+                a->tp->discard(jobs[i].ep);
         kvl_peer_free(p);
         return kvl_fail(e, "%s", msg);
     }
 
     kvl_cmd *cmd = calloc(1, sizeof *cmd);
     if (!cmd) {
-        close(ctrl_fd);
+        a->tp->discard(jobs[0].ep);
         for (uint32_t i = 0; i < p->n_paths; i++)
-            if (p->paths[i].fd >= 0)
-                close(p->paths[i].fd);
+            if (p->paths[i].ep)
+                a->tp->discard(p->paths[i].ep);
         kvl_peer_free(p);
         return kvl_fail(KVL_ERR_NOMEM, "add_peer: out of memory");
     }
     /* the engine adopts the sockets when it takes the command */
-    kvl_sock_nonblock(ctrl_fd, 1);
-    p->ctrl_fd = ctrl_fd;
-    for (uint32_t i = 0; i < p->n_paths; i++)
-        if (p->paths[i].fd >= 0)
-            kvl_sock_nonblock(p->paths[i].fd, 1);
+    p->ctrl_ep = jobs[0].ep;
     cmd->type = KVL_CMD_ADOPT_PEER;
     cmd->peer = p;
     kvl_cmd *retire = old ? calloc(1, sizeof *retire) : NULL;

@@ -30,25 +30,23 @@ static void *prober_main(void *arg)
             return NULL;
         }
         kvl_cmd *cmd = calloc(1, sizeof *cmd);
-        int fd = -1;
+        kvl_ep *ep = NULL;
         int kind = job->path < 0 ? KVL_CONN_CONTROL : KVL_CONN_DATA;
         uint16_t idx = job->path < 0 ? 0 : (uint16_t)job->path;
         kvl_err e = kvl_peer_open_conn(a, job->peer, job->local, job->host, job->port, kind,
-                                       idx, &fd);
+                                       idx, &ep);
         if (!cmd) {
-            if (fd >= 0)
-                close(fd);
+            if (ep)
+                a->tp->discard(ep);
             free(job);
             continue;
         }
         cmd->type = KVL_CMD_PROBED;
         cmd->peer = job->peer;
         cmd->path = job->path;
-        cmd->fd = e ? -1 : fd;
+        cmd->ep = e ? NULL : ep;
         if (e)
             snprintf(cmd->error, sizeof cmd->error, "%s", kvl_last_error());
-        else
-            kvl_sock_nonblock(fd, 1);
         free(job);
         kvl_engine_post(a, cmd);
     }
@@ -132,10 +130,13 @@ void kvl_prober_done(kvl_agent *a, kvl_cmd *cmd)
     kvl_path *pa = cmd->path < 0 ? &p->ctrl_path : &p->paths[cmd->path];
     uint64_t now = kvl_now_ns();
     p->probes--;
-    kvl_conn *c = cmd->fd >= 0 && !p->replaced ? kvl_conn_new(a, cmd->fd, 0) : NULL;
+    kvl_conn *c = NULL;
+    if (cmd->ep && !p->replaced)
+        c = kvl_conn_adopt(a, cmd->ep); /* discards the endpoint when it fails */
+    else if (cmd->ep)
+        a->tp->discard(cmd->ep);
+    cmd->ep = NULL;
     if (!c) {
-        if (cmd->fd >= 0)
-            close(cmd->fd);
         kvl_monitor_probe_failed(p, pa, now, cmd->error[0] ? cmd->error : "reconnect failed");
         if (cmd->path >= 0) {
             pa->probe_fails++;

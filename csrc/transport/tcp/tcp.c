@@ -1,7 +1,6 @@
-/* tcp.c: the native TCP transport: sockets, options and blocking helpers.
- *
- * The engine drives connections with epoll; this file only creates sockets
- * and sets the options every data-path socket needs.
+/* tcp.c: the native TCP transport's sockets: listen, connect, the options
+ * every data-path socket needs, TCP_INFO samples and the blocking helpers of
+ * the handshake.  The byte stream of a connection is stream.c.
  */
 #include <arpa/inet.h>
 #include <errno.h>
@@ -9,11 +8,13 @@
 #include <netinet/in.h>
 #include <linux/tcp.h> /* struct tcp_info with bytes_acked and delivery_rate */
 #include <poll.h>
+#include <stdlib.h>
+#include <sys/epoll.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include "../../internal.h"
+#include "tcp.h"
 
 /* Give up on a connection whose sent data stays unacknowledged this long:
  * a TCP sender never errors by itself while a link is down. */
@@ -37,7 +38,7 @@ static kvl_err parse_addr(const char *host, uint16_t port, struct sockaddr_in *s
     return KVL_OK;
 }
 
-static kvl_err tcp_tune(int fd, int sock_buf)
+kvl_err kvl_tcp_tune(int fd, int sock_buf)
 {
     int one = 1;
     /* acks and small control frames must not wait for Nagle */
@@ -59,7 +60,7 @@ static kvl_err tcp_tune(int fd, int sock_buf)
     return KVL_OK;
 }
 
-static kvl_err tcp_listen(const char *host, uint16_t *port, int *out)
+kvl_err kvl_tcp_listen(kvl_agent *a, const char *host, uint16_t *port, kvl_ep **out)
 {
     struct sockaddr_in sa;
     kvl_err e = parse_addr(host, *port, &sa);
@@ -85,12 +86,19 @@ static kvl_err tcp_listen(const char *host, uint16_t *port, int *out)
     socklen_t sl = sizeof sa;
     getsockname(fd, (struct sockaddr *)&sa, &sl);
     *port = ntohs(sa.sin_port);
-    *out = fd;
+    kvl_ep *ep = kvl_tcp_ep_new(a, fd, 1);
+    if (!ep || kvl_engine_watch(a, fd, ep, EPOLLIN) != 0) {
+        free(ep);
+        close(fd);
+        return kvl_fail(KVL_ERR_NOMEM, "cannot watch the listener on %s:%u", host, *port);
+    }
+    ep->watched = 1;
+    *out = ep;
     return KVL_OK;
 }
 
-static kvl_err tcp_connect(const char *local, const char *remote, uint16_t port,
-                           uint32_t timeout_ms, int sock_buf, int *out)
+static kvl_err connect_fd(const char *local, const char *remote, uint16_t port,
+                          uint32_t timeout_ms, int sock_buf, int *out)
 {
     struct sockaddr_in la, ra;
     kvl_err e = parse_addr(local, 0, &la);
@@ -109,7 +117,7 @@ static kvl_err tcp_connect(const char *local, const char *remote, uint16_t port,
         return kvl_fail(KVL_ERR_SYSTEM, "cannot bind source address %s: %s", local,
                         strerror(er));
     }
-    if ((e = tcp_tune(fd, sock_buf))) {
+    if ((e = kvl_tcp_tune(fd, sock_buf))) {
         close(fd);
         return e;
     }
@@ -148,7 +156,23 @@ static kvl_err tcp_connect(const char *local, const char *remote, uint16_t port,
     return KVL_OK;
 }
 
-static int tcp_sample(int fd, kvl_tcp_sample *out)
+kvl_err kvl_tcp_connect(kvl_agent *a, const char *local, const char *host, uint16_t port,
+                        uint32_t timeout_ms, kvl_ep **out)
+{
+    int fd = -1;
+    kvl_err e = connect_fd(local, host, port, timeout_ms, a->cfg.sock_buf_bytes, &fd);
+    if (e)
+        return e;
+    kvl_ep *ep = kvl_tcp_ep_new(a, fd, 0);
+    if (!ep) {
+        close(fd);
+        return kvl_fail(KVL_ERR_NOMEM, "connect: out of memory");
+    }
+    *out = ep;
+    return KVL_OK;
+}
+
+int kvl_tcp_sample(int fd, kvl_tp_sample *out)
 {
     struct tcp_info ti;
     socklen_t sl = sizeof ti;
@@ -162,27 +186,15 @@ static int tcp_sample(int fd, kvl_tcp_sample *out)
     out->last_ack_recv_ms = ti.tcpi_last_ack_recv;
     out->last_data_recv_ms = ti.tcpi_last_data_recv;
     out->app_limited = ti.tcpi_delivery_rate_app_limited;
-    out->unacked = ti.tcpi_unacked;
-    out->notsent_bytes = ti.tcpi_notsent_bytes;
-    out->total_retrans = ti.tcpi_total_retrans;
     return 0;
 }
 
-static void tcp_abort(int fd)
+void kvl_tcp_abort(int fd)
 {
     /* linger 0: close with RST, dropping what is still queued both ways */
     struct linger lg = {.l_onoff = 1, .l_linger = 0};
     setsockopt(fd, SOL_SOCKET, SO_LINGER, &lg, sizeof lg);
 }
-
-const kvl_transport_ops kvl_tcp_ops = {
-    .name = "tcp",
-    .listen = tcp_listen,
-    .connect = tcp_connect,
-    .tune = tcp_tune,
-    .sample = tcp_sample,
-    .abort = tcp_abort,
-};
 
 static int wait_fd(int fd, short ev, uint64_t deadline_ns)
 {
@@ -199,8 +211,9 @@ static int wait_fd(int fd, short ev, uint64_t deadline_ns)
     }
 }
 
-kvl_err kvl_sock_send_all(int fd, const void *buf, size_t len, uint64_t deadline_ns)
+kvl_err kvl_tcp_send_all(kvl_ep *ep, const void *buf, size_t len, uint64_t deadline_ns)
 {
+    int fd = ep->fd;
     const uint8_t *p = buf;
     while (len) {
         ssize_t n = send(fd, p, len, MSG_NOSIGNAL | MSG_DONTWAIT);
@@ -217,8 +230,9 @@ kvl_err kvl_sock_send_all(int fd, const void *buf, size_t len, uint64_t deadline
     return KVL_OK;
 }
 
-kvl_err kvl_sock_recv_all(int fd, void *buf, size_t len, uint64_t deadline_ns)
+kvl_err kvl_tcp_recv_all(kvl_ep *ep, void *buf, size_t len, uint64_t deadline_ns)
 {
+    int fd = ep->fd;
     uint8_t *p = buf;
     while (len) {
         ssize_t n = recv(fd, p, len, MSG_DONTWAIT);

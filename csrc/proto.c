@@ -1,0 +1,844 @@
+/* proto.c: the kvlink protocol over a transport's endpoints.
+ *
+ * One kvl_conn per connection: what it is (control or data, inbound or
+ * outbound, which peer and path), and the protocol state of the frame in
+ * progress.  Frames arrive from the transport (kvl_proto_on_frame) and are
+ * checked and routed here; every header is checked against the regions
+ * this agent exposes before one payload byte is placed (kvl_proto_sink).
+ * Frames go out through the transport's send(); the bytes themselves never
+ * pass through this file.
+ *
+ * Everything here runs on the engine thread only.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+struct kvl_conn {
+    kvl_agent *a;
+    kvl_ep *ep;            /* the transport's side */
+    int kind;              /* kvl_conn_kind, once known */
+    int handshaken;
+    int outbound;
+    kvl_peer *peer;        /* outbound: the peer and path this serves */
+    int path;
+    char peer_name[KVL_NAME_MAX]; /* inbound: from HELLO */
+    kvl_inbound *ib;
+    int rx_path;           /* inbound data: the sender's path index (HELLO) */
+    uint64_t serial;       /* unique per agent: tells a reconnected path's connection apart */
+    uint64_t t_open_ns;
+    int dead;
+    /* the payload in progress: where it goes, and what it belongs to */
+    const kvl_frame_hdr *h; /* the frame being handled (the transport's) */
+    const uint8_t *body;
+    struct iovec *dst;     /* iov_base NULL = drain into scratch */
+    int ndst, dst_cap;
+    kvl_msg_status pst;    /* DATA: the ACK we will send */
+    kvl_rx_xfer *rx;       /* DATA: ownership entry while this copy places bytes */
+    int drained;           /* DATA: this copy is not placed; answer pst.status as is */
+    kvl_xfer *px;          /* READ_RESP: the transfer being filled (io_ref held) */
+    kvl_region **prefs;
+    int nprefs, prefs_cap;
+    kvl_conn *next, *prev;
+};
+
+static const kvl_transport_ops *tp(const kvl_conn *c) { return c->a->tp; }
+
+kvl_conn *kvl_conn_new(kvl_agent *a, kvl_ep *ep)
+{
+    kvl_conn *c = calloc(1, sizeof *c);
+    if (!c)
+        return NULL;
+    c->a = a;
+    c->ep = ep;
+    c->path = -1;
+    c->serial = ++a->next_conn_serial;
+    c->t_open_ns = kvl_now_ns();
+    c->next = a->conns;
+    if (a->conns)
+        a->conns->prev = c;
+    a->conns = c;
+    return c;
+}
+
+kvl_conn *kvl_proto_accepted(kvl_agent *a, kvl_ep *ep) { return kvl_conn_new(a, ep); }
+
+kvl_conn *kvl_conn_adopt(kvl_agent *a, kvl_ep *ep)
+{
+    kvl_conn *c = kvl_conn_new(a, ep);
+    if (c && a->tp->attach(ep, c) == KVL_OK)
+        return c;
+    if (c) { /* unlink the half-made connection */
+        a->conns = c->next;
+        if (a->conns)
+            a->conns->prev = NULL;
+        free(c);
+    }
+    a->tp->discard(ep);
+    return NULL;
+}
+
+void kvl_conn_bind_outbound(kvl_conn *c, kvl_peer *p, int path)
+{
+    c->outbound = 1;
+    c->handshaken = 1;
+    c->peer = p;
+    c->path = path;
+    c->kind = path < 0 ? KVL_CONN_CONTROL : KVL_CONN_DATA;
+    strcpy(c->peer_name, p->name);
+}
+
+int kvl_conn_is_dead(const kvl_conn *c) { return c->dead; }
+uint64_t kvl_conn_serial(const kvl_conn *c) { return c->serial; }
+int kvl_conn_sample(const kvl_conn *c, kvl_tp_sample *out)
+{
+    return c->dead ? -1 : tp(c)->sample(c->ep, out);
+}
+
+static void conn_close(kvl_conn *c, int abortive, kvl_err err, const char *why);
+
+void kvl_conn_abort(kvl_conn *c, const char *why)
+{
+    if (!c->dead)
+        conn_close(c, 1, KVL_ERR_CONN_LOST, why);
+}
+
+uint64_t kvl_conn_bytes_sent(const kvl_conn *c) { return tp(c)->bytes_sent(c->ep); }
+uint64_t kvl_conn_bytes_recv(const kvl_conn *c) { return tp(c)->bytes_recv(c->ep); }
+kvl_conn *kvl_conn_next(const kvl_conn *c) { return c->next; }
+int kvl_conn_has_output(const kvl_conn *c) { return !c->dead && tp(c)->has_output(c->ep); }
+void kvl_conn_drop_unstarted(kvl_conn *c)
+{
+    if (!c->dead)
+        tp(c)->drop_unstarted(c->ep);
+}
+int kvl_conn_cancel_chunk(kvl_conn *c, uint64_t xid, uint32_t ci, uint32_t attempt)
+{
+    return !c->dead && tp(c)->cancel(c->ep, xid, ci, attempt);
+}
+
+/* ---- send ---- */
+
+void kvl_proto_release(kvl_agent *a, kvl_tp_hold *h)
+{
+    if (h->xfer)
+        h->xfer->io_refs--;
+    for (int i = 0; i < h->nrefs; i++)
+        kvl_regions_release(&a->regions, h->refs[i]);
+    free(h->refs);
+    memset(h, 0, sizeof *h);
+}
+
+static int send_frame(kvl_conn *c, kvl_tp_frame *f)
+{
+    if (c->dead) {
+        kvl_proto_release(c->a, &f->hold);
+        free(f->payload);
+        kvl_buf_free(&f->head);
+        return -1;
+    }
+    return tp(c)->send(c->ep, f);
+}
+
+int kvl_conn_send_frame(kvl_conn *c, kvl_buf *buf)
+{
+    kvl_tp_frame f = {.head = *buf};
+    memset(buf, 0, sizeof *buf);
+    return send_frame(c, &f);
+}
+
+/* Adds [p, p+len) to an iovec array, merging with the previous entry when
+ * contiguous (paged KV blocks often are). */
+static void iov_add(struct iovec *v, int *n, void *p, size_t len)
+{
+    if (*n && (uint8_t *)v[*n - 1].iov_base + v[*n - 1].iov_len == (uint8_t *)p) {
+        v[*n - 1].iov_len += len;
+        return;
+    }
+    v[*n].iov_base = p;
+    v[*n].iov_len = len;
+    (*n)++;
+}
+
+int kvl_conn_send_chunk(kvl_conn *c, kvl_xfer *x, uint32_t ci)
+{
+    if (c->dead)
+        return -1;
+    const kvl_chunk *ch = &x->plan.chunks[ci];
+    const kvl_piece *pc = &x->plan.pieces[ch->first_piece];
+    int push = x->op == KVL_OP_PUSH;
+    kvl_tp_frame f = {.is_chunk = 1, .xid = x->id, .chunk = ci, .attempt = x->attempt[ci]};
+    kvl_frame_start(&f.head);
+    kvl_enc_chunk(&f.head, x->id, ci, x->attempt[ci], ch->n_pieces);
+    for (uint32_t i = 0; i < ch->n_pieces; i++) {
+        const kvl_segment *s = &x->segs[pc[i].seg];
+        kvl_wire_piece wp = {
+            .region = push ? s->dst_region : s->src_region,
+            .offset = (push ? s->dst_offset : s->src_offset) + pc[i].seg_offset,
+            .len = pc[i].len,
+        };
+        kvl_enc_piece(&f.head, &wp);
+    }
+    if (push) {
+        f.payload = malloc(ch->n_pieces * sizeof *f.payload);
+        if (!f.payload)
+            f.head.oom = 1;
+        else
+            for (uint32_t i = 0; i < ch->n_pieces; i++)
+                iov_add(f.payload, &f.n_payload, x->local_ptr[pc[i].seg] + pc[i].seg_offset,
+                        pc[i].len);
+        f.payload_len = ch->bytes;
+        f.hold.xfer = x;
+        x->io_refs++;
+    }
+    kvl_frame_finish(&f.head, push ? KVL_F_DATA : KVL_F_READ_REQ, f.payload_len);
+    if (f.head.oom) {
+        kvl_proto_release(c->a, &f.hold);
+        free(f.payload);
+        kvl_buf_free(&f.head);
+        return -1;
+    }
+    return send_frame(c, &f);
+}
+
+/* ---- receive helpers ---- */
+
+static int dst_reserve(kvl_conn *c, int n)
+{
+    if (n <= c->dst_cap)
+        return 0;
+    struct iovec *nd = realloc(c->dst, (size_t)n * sizeof *nd);
+    if (!nd)
+        return -1;
+    c->dst = nd;
+    c->dst_cap = n;
+    return 0;
+}
+
+static void drain_all(kvl_conn *c)
+{
+    c->ndst = 0;
+    dst_reserve(c, 1);
+    c->dst[0].iov_base = NULL;
+    c->dst[0].iov_len = c->h->payload_len;
+    c->ndst = 1;
+}
+
+static void release_prefs(kvl_conn *c)
+{
+    for (int i = 0; i < c->nprefs; i++)
+        kvl_regions_release(&c->a->regions, c->prefs[i]);
+    c->nprefs = 0;
+}
+
+static int prefs_push(kvl_conn *c, kvl_region *r)
+{
+    if (c->nprefs == c->prefs_cap) {
+        int ncap = c->prefs_cap ? c->prefs_cap * 2 : 8;
+        kvl_region **nr = realloc(c->prefs, (size_t)ncap * sizeof *nr);
+        if (!nr)
+            return -1;
+        c->prefs = nr;
+        c->prefs_cap = ncap;
+    }
+    c->prefs[c->nprefs++] = r;
+    return 0;
+}
+
+/* Checks every piece of a DATA/READ_REQ body against our regions with the
+ * rights `need`; on success the regions are referenced in c->prefs and the
+ * pieces' addresses are in c->dst.  On failure *st carries the reason. */
+static int resolve_pieces(kvl_conn *c, const kvl_msg_chunk *m, uint32_t need,
+                          kvl_msg_status *st, uint64_t *total)
+{
+    kvl_region *last = NULL;
+    *total = 0;
+    c->ndst = 0;
+    if (dst_reserve(c, (int)m->n_pieces)) {
+        st->status = KVL_ERR_NOMEM;
+        snprintf(st->msg, sizeof st->msg, "receiver out of memory");
+        return -1;
+    }
+    for (uint32_t i = 0; i < m->n_pieces; i++) {
+        kvl_wire_piece p;
+        kvl_dec_piece(m, i, &p);
+        if (!last || last->id != p.region || p.offset > last->size ||
+            p.len > last->size - p.offset) {
+            char what[96];
+            snprintf(what, sizeof what, "chunk %u piece %u on agent '%s'", m->chunk, i,
+                     c->a->name);
+            kvl_region *r;
+            kvl_err e = kvl_regions_acquire(&c->a->regions, p.region, p.offset, p.len, need,
+                                            what, &r);
+            if (e || prefs_push(c, r)) {
+                if (!e)
+                    kvl_regions_release(&c->a->regions, r);
+                st->status = e ? e : KVL_ERR_NOMEM;
+                snprintf(st->msg, sizeof st->msg, "%s", e ? kvl_last_error() : "out of memory");
+                release_prefs(c);
+                return -1;
+            }
+            last = r;
+        }
+        if (p.len == 0 || *total + p.len > KVL_MAX_CHUNK) {
+            st->status = KVL_ERR_PROTOCOL;
+            snprintf(st->msg, sizeof st->msg, "chunk %u piece %u has a bad length", m->chunk, i);
+            release_prefs(c);
+            return -1;
+        }
+        *total += p.len;
+        iov_add(c->dst, &c->ndst, last->base + p.offset, p.len);
+    }
+    return 0;
+}
+
+/* ACK, or READ_RESP with the payload f carries (f may be NULL). */
+static void send_status(kvl_conn *c, uint8_t type, const kvl_msg_status *st, kvl_tp_frame *f)
+{
+    kvl_tp_frame none = {0};
+    if (!f)
+        f = &none;
+    kvl_frame_start(&f->head);
+    kvl_enc_status(&f->head, st);
+    kvl_frame_finish(&f->head, type, f->payload_len);
+    send_frame(c, f);
+}
+
+static void send_region_table(kvl_conn *c, uint8_t type, uint32_t status, const char *msg)
+{
+    kvl_region_info *tab = NULL;
+    size_t n = 0;
+    if (status == KVL_OK && c->kind == KVL_CONN_CONTROL &&
+        kvl_regions_snapshot(&c->a->regions, &tab, &n) != KVL_OK) {
+        kvl_conn_fail(c, KVL_ERR_NOMEM, "out of memory for the region table");
+        return;
+    }
+    kvl_buf b = {0};
+    kvl_frame_start(&b);
+    kvl_enc_hello_ack(&b, status, c->a->instance, c->a->name, msg, tab, n);
+    kvl_frame_finish(&b, type, 0);
+    free(tab);
+    kvl_conn_send_frame(c, &b);
+}
+
+/* ---- frame handlers ---- */
+
+static void on_hello(kvl_conn *c)
+{
+    kvl_msg_hello m;
+    if (kvl_dec_hello(c->body, c->h->body_len, &m)) {
+        kvl_conn_fail(c, KVL_ERR_PROTOCOL, kvl_last_error());
+        return;
+    }
+    c->kind = m.kind;
+    c->rx_path = m.path;
+    c->handshaken = 1;
+    strcpy(c->peer_name, m.name);
+    kvl_agent *a = c->a;
+    char msg[256] = "";
+    uint32_t status = KVL_OK;
+    kvl_inbound *ib;
+    for (ib = a->inbound; ib; ib = ib->next)
+        if (strcmp(ib->name, m.name) == 0)
+            break;
+    if (strcmp(m.name, a->name) == 0) {
+        status = KVL_ERR_DUPLICATE_NAME;
+        snprintf(msg, sizeof msg,
+                 "agent '%s' refused a connection from an agent with its own name; every "
+                 "agent needs a unique name",
+                 a->name);
+    } else if (ib && ib->conns > 0 && ib->instance != m.instance) {
+        status = KVL_ERR_DUPLICATE_NAME;
+        snprintf(msg, sizeof msg,
+                 "agent '%s' already has a live peer named '%s' (instance %016llx); agent "
+                 "names must be unique: rename one of them",
+                 a->name, m.name, (unsigned long long)ib->instance);
+    } else {
+        if (!ib) {
+            ib = calloc(1, sizeof *ib);
+            if (!ib) {
+                kvl_conn_fail(c, KVL_ERR_NOMEM, "out of memory");
+                return;
+            }
+            strcpy(ib->name, m.name);
+            ib->next = a->inbound;
+            a->inbound = ib;
+        }
+        ib->instance = m.instance;
+        ib->conns++;
+        c->ib = ib;
+    }
+    send_region_table(c, KVL_F_HELLO_ACK, status, msg);
+    if (status != KVL_OK)
+        tp(c)->refuse(c->ep); /* nothing behind a refused HELLO is read */
+}
+
+static void on_data(kvl_conn *c)
+{
+    kvl_msg_chunk m;
+    if (kvl_dec_chunk(c->body, c->h->body_len, &m)) {
+        kvl_conn_fail(c, KVL_ERR_PROTOCOL, kvl_last_error());
+        return;
+    }
+    memset(&c->pst, 0, sizeof c->pst);
+    c->pst.xfer = m.xfer;
+    c->pst.chunk = m.chunk;
+    c->pst.attempt = m.attempt;
+    c->drained = 0;
+    uint64_t declared = 0, total;
+    for (uint32_t i = 0; i < m.n_pieces; i++) {
+        kvl_wire_piece p;
+        kvl_dec_piece(&m, i, &p);
+        declared += p.len > KVL_MAX_CHUNK ? KVL_MAX_CHUNK + 1 : p.len;
+    }
+    if (declared != c->h->payload_len) {
+        kvl_conn_fail(c, KVL_ERR_PROTOCOL, "DATA frame: pieces and payload length disagree");
+        return;
+    }
+    if (resolve_pieces(c, &m, KVL_REMOTE_WRITE, &c->pst, &total) == 0) {
+        uint32_t drain_status = KVL_OK;
+        uint64_t instance = c->ib ? c->ib->instance : 0;
+        if (!kvl_rx_claim(c->a, instance, m.xfer, m.chunk, m.attempt, &c->rx, &drain_status)) {
+            /* another copy owns or already verified this chunk: drain ours */
+            release_prefs(c);
+            c->pst.status = drain_status;
+            if (drain_status == KVL_ERR_PROTOCOL)
+                snprintf(c->pst.msg, sizeof c->pst.msg,
+                         "agent '%s': push %llu was not announced, or has no chunk %u (out of "
+                         "room for inbound transfers?)",
+                         c->a->name, (unsigned long long)m.xfer, m.chunk);
+            c->rx = NULL;
+            drain_all(c);
+            c->drained = 1;
+        }
+    }
+    if (c->pst.status != KVL_OK)
+        drain_all(c);
+}
+
+static void on_read_req(kvl_conn *c)
+{
+    kvl_msg_chunk m;
+    if (kvl_dec_chunk(c->body, c->h->body_len, &m)) {
+        kvl_conn_fail(c, KVL_ERR_PROTOCOL, kvl_last_error());
+        return;
+    }
+    kvl_msg_status st = {.xfer = m.xfer, .chunk = m.chunk, .attempt = m.attempt};
+    uint64_t total = 0;
+    kvl_tp_frame f = {0}, *fp = NULL;
+    if (resolve_pieces(c, &m, KVL_REMOTE_READ, &st, &total) == 0) {
+        struct iovec *iov = malloc((size_t)c->ndst * sizeof *iov);
+        if (!iov) {
+            release_prefs(c);
+            kvl_conn_fail(c, KVL_ERR_NOMEM, "out of memory for a READ_RESP");
+            return;
+        }
+        memcpy(iov, c->dst, (size_t)c->ndst * sizeof *iov);
+        f.payload = iov;
+        f.n_payload = c->ndst;
+        f.payload_len = total;
+        /* the frame now owns the region references */
+        f.hold.refs = c->prefs;
+        f.hold.nrefs = c->nprefs;
+        c->prefs = NULL;
+        c->nprefs = c->prefs_cap = 0;
+        fp = &f;
+    }
+    send_status(c, KVL_F_READ_RESP, &st, fp);
+}
+
+/* The chunk a status frame names, if it is still in flight on this path
+ * with the same attempt; anything else is a stale answer and is ignored. */
+static kvl_xfer *match_chunk(kvl_conn *c, const kvl_msg_status *st)
+{
+    kvl_xfer *x = kvl_sched_find_xfer(c->peer, st->xfer);
+    if (!x || !kvl_xfer_running(x) || st->chunk >= x->plan.n_chunks)
+        return NULL;
+    uint32_t ci = st->chunk;
+    if (x->cstate[ci] != KVL_CHUNK_INFLIGHT)
+        return NULL;
+    int primary = x->cpath[ci] == (uint8_t)c->path && x->pattempt[ci] == st->attempt;
+    int hedged = x->hpath[ci] == (uint8_t)c->path && x->hattempt[ci] == st->attempt;
+    return primary || hedged ? x : NULL;
+}
+
+static void on_status_error(kvl_conn *c, kvl_xfer *x, const kvl_msg_status *st)
+{
+    if (st->status == KVL_RX_SUPERSEDED)
+        return; /* a newer copy of this chunk is the one that counts */
+    if (st->status == KVL_ERR_CHECKSUM) {
+        kvl_sched_requeue(c->peer, x, st->chunk, KVL_ERR_CHECKSUM, st->msg);
+        return;
+    }
+    kvl_err e = st->status > 0 && st->status <= KVL_ERR_DEADLINE ? st->status : KVL_ERR_PROTOCOL;
+    kvl_sched_fail(x, e, "peer '%s' refused chunk %u: %s", c->peer->name, st->chunk, st->msg);
+}
+
+static void on_ack(kvl_conn *c)
+{
+    kvl_msg_status st;
+    if (kvl_dec_status(c->body, c->h->body_len, &st)) {
+        kvl_conn_fail(c, KVL_ERR_PROTOCOL, kvl_last_error());
+        return;
+    }
+    kvl_xfer *x = match_chunk(c, &st);
+    if (!x)
+        return;
+    if (st.status == KVL_OK)
+        kvl_sched_on_chunk_done(c->peer, x, st.chunk, (uint32_t)c->path, kvl_now_ns());
+    else
+        on_status_error(c, x, &st);
+}
+
+static void on_read_resp(kvl_conn *c)
+{
+    kvl_msg_status st;
+    if (kvl_dec_status(c->body, c->h->body_len, &st)) {
+        kvl_conn_fail(c, KVL_ERR_PROTOCOL, kvl_last_error());
+        return;
+    }
+    memset(&c->pst, 0, sizeof c->pst);
+    c->pst = st;
+    kvl_xfer *x = match_chunk(c, &st);
+    if (x && st.status != KVL_OK) {
+        on_status_error(c, x, &st);
+        x = NULL;
+    }
+    if (!x) {
+        drain_all(c);
+        return;
+    }
+    const kvl_chunk *ch = &x->plan.chunks[st.chunk];
+    if (c->h->payload_len != ch->bytes) {
+        kvl_conn_fail(c, KVL_ERR_PROTOCOL, "READ_RESP payload length differs from the request");
+        return;
+    }
+    c->ndst = 0;
+    if (dst_reserve(c, (int)ch->n_pieces)) {
+        kvl_conn_fail(c, KVL_ERR_NOMEM, "out of memory");
+        return;
+    }
+    const kvl_piece *pc = &x->plan.pieces[ch->first_piece];
+    for (uint32_t i = 0; i < ch->n_pieces; i++)
+        iov_add(c->dst, &c->ndst, x->local_ptr[pc[i].seg] + pc[i].seg_offset, pc[i].len);
+    if (st.attempt < x->powner[st.chunk]) {
+        drain_all(c); /* a newer copy of this chunk is already being placed */
+        return;
+    }
+    x->powner[st.chunk] = st.attempt;
+    c->px = x;
+    x->io_refs++;
+}
+
+static void on_notify(kvl_conn *c)
+{
+    kvl_msg_notify m;
+    if (kvl_dec_notify(c->body, c->h->body_len, &m)) {
+        kvl_conn_fail(c, KVL_ERR_PROTOCOL, kvl_last_error());
+        return;
+    }
+    if (kvl_notify_inbound(c->a, c->peer_name, c->ib ? c->ib->instance : 0, &m) && m.xfer) {
+        kvl_buf b = {0};
+        kvl_frame_start(&b);
+        kvl_enc_token(&b, m.xfer);
+        kvl_frame_finish(&b, KVL_F_NOTIFY_ACK, 0);
+        kvl_conn_send_frame(c, &b);
+    }
+}
+
+static void on_notify_ack(kvl_conn *c)
+{
+    uint64_t xfer;
+    if (kvl_dec_token(c->body, c->h->body_len, &xfer)) {
+        kvl_conn_fail(c, KVL_ERR_PROTOCOL, kvl_last_error());
+        return;
+    }
+    kvl_notify_acked(c->peer, xfer);
+}
+
+static void on_regions(kvl_conn *c)
+{
+    kvl_msg_hello_ack m;
+    if (kvl_dec_hello_ack(c->body, c->h->body_len, &m)) {
+        kvl_conn_fail(c, KVL_ERR_PROTOCOL, kvl_last_error());
+        return;
+    }
+    kvl_peer *p = c->peer;
+    kvl_region_info *tab = calloc(m.n_regions ? m.n_regions : 1, sizeof *tab);
+    if (!tab) {
+        kvl_conn_fail(c, KVL_ERR_NOMEM, "out of memory");
+        return;
+    }
+    for (uint32_t i = 0; i < m.n_regions; i++)
+        kvl_dec_region(m.regions, i, &tab[i]);
+    pthread_mutex_lock(&p->mu);
+    free(p->regions);
+    p->regions = tab;
+    p->n_regions = m.n_regions;
+    p->regions_gen++;
+    p->refresh_pending = 0;
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+}
+
+static void on_ping(kvl_conn *c)
+{
+    uint64_t token;
+    if (kvl_dec_token(c->body, c->h->body_len, &token)) {
+        kvl_conn_fail(c, KVL_ERR_PROTOCOL, kvl_last_error());
+        return;
+    }
+    kvl_buf b = {0};
+    kvl_frame_start(&b);
+    kvl_enc_token(&b, token);
+    kvl_frame_finish(&b, KVL_F_PONG, 0);
+    kvl_conn_send_frame(c, &b);
+}
+
+static void on_end(kvl_conn *c)
+{
+    kvl_msg_status m;
+    if (kvl_dec_status(c->body, c->h->body_len, &m)) {
+        kvl_conn_fail(c, KVL_ERR_PROTOCOL, kvl_last_error());
+        return;
+    }
+    kvl_rx_end(c->a, c->ib ? c->ib->instance : 0, &m);
+}
+
+static void on_announce(kvl_conn *c)
+{
+    kvl_msg_announce m;
+    if (kvl_dec_announce(c->body, c->h->body_len, &m)) {
+        kvl_conn_fail(c, KVL_ERR_PROTOCOL, kvl_last_error());
+        return;
+    }
+    /* out of room: its DATA frames are then refused, which fails the push
+     * on the sender with that reason */
+    kvl_rx_announce(c->a, c->ib ? c->ib->instance : 0, c->peer_name, &m);
+}
+
+static void on_pong(kvl_conn *c)
+{
+    uint64_t token;
+    if (kvl_dec_token(c->body, c->h->body_len, &token)) {
+        kvl_conn_fail(c, KVL_ERR_PROTOCOL, kvl_last_error());
+        return;
+    }
+    kvl_monitor_on_pong(c->peer, c->path, token, kvl_now_ns());
+}
+
+/* A whole frame (header and body) has arrived: route it by type and by what
+ * this connection is. */
+void kvl_proto_on_frame(kvl_conn *c, const kvl_frame_hdr *h, const uint8_t *body)
+{
+    c->h = h;
+    c->body = body;
+    uint8_t t = h->type;
+    if (kvl_crc32c(0, c->body, c->h->body_len) != c->h->body_crc) {
+        kvl_conn_fail(c, KVL_ERR_PROTOCOL, "frame body failed its crc32c check");
+        return;
+    }
+    int in_data = !c->outbound && c->kind == KVL_CONN_DATA;
+    int in_ctrl = !c->outbound && c->kind == KVL_CONN_CONTROL;
+    int out_data = c->outbound && c->kind == KVL_CONN_DATA;
+    int out_ctrl = c->outbound && c->kind == KVL_CONN_CONTROL;
+    if (!c->handshaken) {
+        if (t != KVL_F_HELLO)
+            kvl_conn_fail(c, KVL_ERR_PROTOCOL, "first frame is not a HELLO");
+        else
+            on_hello(c);
+    } else if (t == KVL_F_DATA && in_data)
+        on_data(c);
+    else if (t == KVL_F_READ_REQ && in_data)
+        on_read_req(c);
+    else if (t == KVL_F_ACK && out_data)
+        on_ack(c);
+    else if (t == KVL_F_READ_RESP && out_data)
+        on_read_resp(c);
+    else if (t == KVL_F_NOTIFY && !c->outbound)
+        on_notify(c);
+    else if (t == KVL_F_REGIONS_REQ && in_ctrl)
+        send_region_table(c, KVL_F_REGIONS, KVL_OK, "");
+    else if (t == KVL_F_REGIONS && out_ctrl)
+        on_regions(c);
+    else if (t == KVL_F_PING && !c->outbound)
+        on_ping(c);
+    else if (t == KVL_F_END && !c->outbound)
+        on_end(c);
+    else if (t == KVL_F_PONG && out_data)
+        on_pong(c);
+    else if (t == KVL_F_NOTIFY_ACK && c->outbound)
+        on_notify_ack(c);
+    else if (t == KVL_F_ANNOUNCE && in_data)
+        on_announce(c);
+    else {
+        char why[96];
+        snprintf(why, sizeof why, "unexpected frame type %u on this connection", t);
+        kvl_conn_fail(c, KVL_ERR_PROTOCOL, why);
+        return;
+    }
+}
+
+const struct iovec *kvl_proto_sink(kvl_conn *c, int *n)
+{
+    *n = c->ndst;
+    return c->dst;
+}
+
+int kvl_proto_payload_live(kvl_conn *c)
+{
+    /* the transfer failed, or another copy of this chunk owns it or was
+     * verified: the destination must not change through this copy */
+    if (c->px && (!kvl_xfer_running(c->px) || c->px->cstate[c->pst.chunk] == KVL_CHUNK_DONE ||
+                  c->px->powner[c->pst.chunk] != c->pst.attempt))
+        return 0;
+    return !c->rx || kvl_rx_owns(c->rx, c->pst.chunk, c->pst.attempt);
+}
+
+void kvl_proto_on_payload(kvl_conn *c, uint32_t crc, uint32_t want)
+{
+    int crc_ok = want == crc;
+    if (c->h->type == KVL_F_DATA) {
+        release_prefs(c);
+        if (c->rx) {
+            kvl_rx_xfer *r = c->rx;
+            c->rx = NULL;
+            int owner = kvl_rx_owns(r, c->pst.chunk, c->pst.attempt);
+            int settled_elsewhere = !owner && !r->ended && c->pst.chunk < r->n &&
+                                    r->chunks[c->pst.chunk].settled;
+            kvl_rx_done(r, c->pst.chunk, c->pst.attempt, owner && crc_ok, (uint32_t)c->rx_path,
+                        c->h->payload_len);
+            if (!owner) { /* lost the chunk to another copy mid-way */
+                c->pst.status = settled_elsewhere ? KVL_OK : KVL_RX_SUPERSEDED;
+                c->drained = 1;
+            }
+        }
+        if (c->pst.status == KVL_OK && !crc_ok && !c->drained) {
+            c->pst.status = KVL_ERR_CHECKSUM;
+            snprintf(c->pst.msg, sizeof c->pst.msg,
+                     "payload crc32c mismatch on '%s' (computed %08x, sender %08x)", c->a->name,
+                     crc, want);
+        }
+        send_status(c, KVL_F_ACK, &c->pst, NULL);
+        return;
+    }
+    /* READ_RESP */
+    kvl_xfer *x = c->px;
+    c->px = NULL;
+    if (!x)
+        return;
+    x->io_refs--;
+    if (match_chunk(c, &c->pst) == x && x->powner[c->pst.chunk] == c->pst.attempt) {
+        if (crc_ok) {
+            kvl_sched_on_chunk_done(c->peer, x, c->pst.chunk, (uint32_t)c->path, kvl_now_ns());
+        } else {
+            char why[128];
+            snprintf(why, sizeof why, "payload crc32c mismatch (computed %08x, sender %08x)",
+                     crc, want);
+            kvl_sched_requeue(c->peer, x, c->pst.chunk, KVL_ERR_CHECKSUM, why);
+        }
+    }
+}
+
+void kvl_proto_on_version(kvl_conn *c, const char *why)
+{
+    if (c->handshaken) { /* a version change mid-connection is garbage */
+        kvl_conn_fail(c, KVL_ERR_PROTOCOL, why);
+        return;
+    }
+    /* tell the initiator why before hanging up: HandshakeError there, not a
+     * bare connection reset */
+    c->handshaken = 1;
+    c->kind = KVL_CONN_DATA;
+    send_region_table(c, KVL_F_HELLO_ACK, KVL_ERR_HANDSHAKE, why);
+    tp(c)->refuse(c->ep);
+}
+
+void kvl_proto_on_error(kvl_conn *c, kvl_err err, const char *why) { kvl_conn_fail(c, err, why); }
+
+static void conn_close(kvl_conn *c, int abortive, kvl_err err, const char *why)
+{
+    (void)err;
+    if (c->dead)
+        return;
+    c->dead = 1;
+    kvl_agent *a = c->a;
+    /* what the payload in progress held; then the transport drops its queue
+     * (releasing what queued frames held) and closes */
+    release_prefs(c);
+    if (c->rx) {
+        kvl_rx_done(c->rx, c->pst.chunk, c->pst.attempt, 0, 0, 0);
+        c->rx = NULL;
+    }
+    if (c->px) {
+        c->px->io_refs--;
+        c->px = NULL;
+    }
+    uint64_t sent = tp(c)->bytes_sent(c->ep), recv = tp(c)->bytes_recv(c->ep);
+    tp(c)->close(c->ep, abortive);
+    if (c->ib)
+        c->ib->conns--;
+    if (c->outbound) {
+        kvl_notify_conn_lost(c->peer, c);
+        if (c->path >= 0) {
+            kvl_path *pa = &c->peer->paths[c->path];
+            pa->bytes_sent_prev += sent;
+            pa->bytes_recv_prev += recv;
+            kvl_sched_path_down(c->peer, (uint32_t)c->path, why);
+        } else if (c->peer->ctrl == c) {
+            c->peer->ctrl = NULL;
+            kvl_monitor_probe_failed(c->peer, &c->peer->ctrl_path, kvl_now_ns(), why);
+        }
+    }
+    /* unlink now, free at the end of the engine iteration */
+    if (c->prev)
+        c->prev->next = c->next;
+    else
+        a->conns = c->next;
+    if (c->next)
+        c->next->prev = c->prev;
+    c->next = a->dead;
+    c->prev = NULL;
+    a->dead = c;
+}
+
+void kvl_conn_fail(kvl_conn *c, kvl_err err, const char *why) { conn_close(c, 0, err, why); }
+
+static void conn_free(kvl_conn *c)
+{
+    c->a->tp->free(c->ep); /* teardown: queued frames' holds are the agent's to free */
+    free(c->prefs);
+    free(c->dst);
+    free(c);
+}
+
+void kvl_conn_expire(kvl_agent *a, uint64_t now)
+{
+    uint64_t limit = (uint64_t)a->cfg.connect_timeout_ms * 1000000ull;
+    for (kvl_conn *c = a->conns, *next; c; c = next) {
+        next = c->next;
+        if (!c->handshaken && now - c->t_open_ns > limit)
+            kvl_conn_fail(c, KVL_ERR_TIMEOUT, "no HELLO within the handshake timeout");
+    }
+}
+
+void kvl_conn_reap(kvl_agent *a)
+{
+    while (a->dead) {
+        kvl_conn *c = a->dead;
+        a->dead = c->next;
+        conn_free(c);
+    }
+}
+
+void kvl_conn_close_all(kvl_agent *a)
+{
+    kvl_conn_reap(a);
+    while (a->conns) {
+        kvl_conn *c = a->conns;
+        a->conns = c->next;
+        conn_free(c);
+    }
+}

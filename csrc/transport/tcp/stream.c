@@ -1,0 +1,604 @@
+/* stream.c: one TCP connection as a kvlink endpoint (kvl_ep).
+ *
+ * Send side: a queue of frames; a frame's payload is an iovec over the
+ * sender's registered memory, so the only copy is the kernel's.  The crc32c
+ * of the payload is folded in right after each sendmsg, while those bytes
+ * are still in cache, and goes out as the 4-byte trailer.
+ *
+ * Receive side: a state machine (header -> body -> payload -> trailer).
+ * Header and body go to the core (kvl_proto_on_frame), which says where the
+ * payload goes (kvl_proto_sink); the payload is read straight into that
+ * memory, checked again before every batch (kvl_proto_payload_live), folded
+ * into the crc32c while in cache, and the result handed back with the
+ * trailer (kvl_proto_on_payload).
+ *
+ * Engine thread only, but for the blocking helpers of a detached endpoint
+ * (tcp.c).
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "../../internal.h"
+#include "tcp.h"
+
+#define IO_BATCH (2u << 20)  /* bytes per syscall: fewer wakeups, and the crc pass still hits L2 */
+#define IO_BUDGET (8u << 20) /* bytes per readiness event before serving others */
+#define MAX_IOV 64
+
+enum { RS_HDR, RS_BODY, RS_PAYLOAD, RS_TRAILER };
+
+typedef struct kvl_out kvl_out;
+struct kvl_out {
+    kvl_out *next;
+    kvl_tp_frame f;        /* head, payload iovec, chunk identity, what it holds */
+    size_t head_sent;
+    int iov_idx;
+    size_t iov_off;
+    uint64_t payload_sent;
+    uint32_t crc;
+    uint8_t trailer[4];
+    size_t trailer_sent;
+    int cancelled;         /* the rest of the payload comes from zeros, not our memory */
+};
+
+/* A cancelled DATA frame's remaining payload is sent from here: the stream
+ * must stay whole, and the receiver drains the bytes (its chunk is settled). */
+static const uint8_t zeros[256u << 10];
+
+/* ---- send queue ---- */
+
+static void out_free(kvl_ep *ep, kvl_out *o)
+{
+    kvl_proto_release(ep->a, &o->f.hold);
+    free(o->f.payload);
+    kvl_buf_free(&o->f.head);
+    free(o);
+}
+
+static void watch(kvl_ep *ep, int out)
+{
+    /* a refused endpoint is read no more: only its answer goes out */
+    uint32_t in = ep->refused ? 0 : EPOLLIN;
+    if (ep->epout != out && kvl_engine_rewatch(ep->a, ep->fd, ep, in | (out ? EPOLLOUT : 0)) == 0)
+        ep->epout = out;
+}
+
+static int tcp_send(kvl_ep *ep, kvl_tp_frame *f)
+{
+    kvl_out *o = ep->dead || f->head.oom ? NULL : calloc(1, sizeof *o);
+    if (!o) {
+        kvl_proto_release(ep->a, &f->hold);
+        free(f->payload);
+        kvl_buf_free(&f->head);
+        return -1;
+    }
+    o->f = *f;
+    memset(f, 0, sizeof *f);
+    if (ep->sq_tail)
+        ep->sq_tail->next = o;
+    else
+        ep->sq = o;
+    ep->sq_tail = o;
+    watch(ep, 1);
+    return 0;
+}
+
+static int tcp_has_output(const kvl_ep *ep) { return !ep->dead && ep->sq != NULL; }
+
+static void tcp_drop_unstarted(kvl_ep *ep)
+{
+    kvl_out **pp = &ep->sq;
+    ep->sq_tail = NULL;
+    while (*pp) {
+        kvl_out *o = *pp;
+        if (o->f.is_chunk && o->head_sent == 0) {
+            *pp = o->next;
+            out_free(ep, o);
+        } else {
+            ep->sq_tail = o;
+            pp = &o->next;
+        }
+    }
+}
+
+static int tcp_cancel(kvl_ep *ep, uint64_t xid, uint32_t chunk, uint32_t attempt)
+{
+    if (ep->dead)
+        return 0;
+    for (kvl_out **pp = &ep->sq, *prev = NULL; *pp; prev = *pp, pp = &(*pp)->next) {
+        kvl_out *o = *pp;
+        if (!o->f.is_chunk || o->f.xid != xid || o->f.chunk != chunk || o->f.attempt != attempt)
+            continue;
+        if (o->head_sent == 0) { /* not started: it simply never goes out */
+            *pp = o->next;
+            if (ep->sq_tail == o)
+                ep->sq_tail = prev;
+            out_free(ep, o);
+            if (!ep->sq)
+                watch(ep, 0);
+            return 1;
+        }
+        if (o->f.payload_len && !o->cancelled) {
+            /* mid-frame: the rest goes out as zeros with a trailer that
+             * cannot match, and our memory is let go of right now */
+            o->cancelled = 1;
+            kvl_proto_release(ep->a, &o->f.hold);
+            memset(&o->f.hold, 0, sizeof o->f.hold);
+        }
+        return 1;
+    }
+    return 0;
+}
+
+/* Advances o over n payload bytes just sent, folding them into the crc. */
+static void out_advance_payload(kvl_out *o, size_t n)
+{
+    if (o->cancelled) {
+        o->payload_sent += n;
+        return;
+    }
+    while (n) {
+        struct iovec *v = &o->f.payload[o->iov_idx];
+        size_t take = v->iov_len - o->iov_off;
+        if (take > n)
+            take = n;
+        o->crc = kvl_crc32c(o->crc, (uint8_t *)v->iov_base + o->iov_off, take);
+        o->iov_off += take;
+        o->payload_sent += take;
+        n -= take;
+        if (o->iov_off == v->iov_len) {
+            o->iov_idx++;
+            o->iov_off = 0;
+        }
+    }
+}
+
+/* The next piece of o to write: head, payload batch, or trailer. */
+static int out_iov(kvl_out *o, struct iovec *v)
+{
+    int n = 0;
+    size_t want = 0;
+    if (o->head_sent < o->f.head.len) {
+        v[n].iov_base = o->f.head.p + o->head_sent;
+        v[n++].iov_len = o->f.head.len - o->head_sent;
+        want += o->f.head.len - o->head_sent;
+    }
+    if (o->payload_sent < o->f.payload_len && o->cancelled) {
+        uint64_t rest = o->f.payload_len - o->payload_sent;
+        v[n].iov_base = (void *)zeros;
+        v[n++].iov_len = rest < sizeof zeros ? (size_t)rest : sizeof zeros;
+    } else if (o->payload_sent < o->f.payload_len) {
+        int idx = o->iov_idx;
+        size_t off = o->iov_off;
+        while (n < MAX_IOV && idx < o->f.n_payload && want < IO_BATCH) {
+            size_t len = o->f.payload[idx].iov_len - off;
+            if (len > IO_BATCH - want)
+                len = IO_BATCH - want;
+            v[n].iov_base = (uint8_t *)o->f.payload[idx].iov_base + off;
+            v[n++].iov_len = len;
+            want += len;
+            idx++;
+            off = 0;
+        }
+    } else if (o->f.payload_len && o->trailer_sent < 4) {
+        if (o->trailer_sent == 0) {
+            uint32_t t = o->cancelled ? ~o->crc : o->crc; /* a cancelled copy never verifies */
+            for (int i = 0; i < 4; i++)
+                o->trailer[i] = (uint8_t)(t >> (8 * i));
+        }
+        v[n].iov_base = o->trailer + o->trailer_sent;
+        v[n++].iov_len = 4 - o->trailer_sent;
+    }
+    return n;
+}
+
+static void fail(kvl_ep *ep, kvl_err err, const char *what, int errnum)
+{
+    char why[160];
+    snprintf(why, sizeof why, "%s: %s", what, strerror(errnum));
+    kvl_proto_on_error(ep->c, err, why);
+}
+
+static void ep_write(kvl_ep *ep)
+{
+    size_t budget = IO_BUDGET;
+    while (ep->sq && budget && !ep->dead) {
+        kvl_out *o = ep->sq;
+        struct iovec v[MAX_IOV + 2];
+        int n = out_iov(o, v);
+        if (n > 0) {
+            struct msghdr mh = {.msg_iov = v, .msg_iovlen = (size_t)n};
+            ssize_t got = sendmsg(ep->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+            if (got < 0) {
+                if (errno != EAGAIN && errno != EINTR)
+                    fail(ep, KVL_ERR_CONN_LOST, "send", errno);
+                return;
+            }
+            size_t left = (size_t)got;
+            budget = left >= budget ? 0 : budget - left;
+            if (o->head_sent < o->f.head.len) {
+                size_t h = o->f.head.len - o->head_sent;
+                if (h > left)
+                    h = left;
+                o->head_sent += h;
+                left -= h;
+            }
+            if (left && o->payload_sent < o->f.payload_len) {
+                out_advance_payload(o, left);
+                ep->tx_payload += left;
+                left = 0;
+            }
+            if (left)
+                o->trailer_sent += left;
+            if (o->head_sent < o->f.head.len || o->payload_sent < o->f.payload_len ||
+                (o->f.payload_len && o->trailer_sent < 4))
+                continue;
+        }
+        ep->sq = o->next;
+        if (!ep->sq)
+            ep->sq_tail = NULL;
+        out_free(ep, o);
+    }
+    if (!ep->sq && !ep->dead) {
+        watch(ep, 0);
+        if (ep->refused)
+            kvl_proto_on_error(ep->c, KVL_OK, "closed after refusing the handshake");
+    }
+}
+
+static void tcp_refuse(kvl_ep *ep)
+{
+    ep->refused = 1;
+    ep->epout = -1; /* force the update without EPOLLIN */
+    watch(ep, 1);
+}
+
+/* ---- receive ---- */
+
+/* Reads payload bytes into the sink.  Returns bytes read, 0 on EOF, -1 with
+ * errno on error. */
+static ssize_t read_payload(kvl_ep *ep)
+{
+    int ndst;
+    const struct iovec *dst = kvl_proto_sink(ep->c, &ndst);
+    int live = kvl_proto_payload_live(ep->c);
+    struct iovec v[MAX_IOV];
+    int n = 0;
+    size_t want = 0;
+    int idx = ep->dst_idx;
+    size_t off = ep->dst_off;
+    if (!live || dst[idx].iov_base == NULL) {
+        /* drained: the destination must not change through this copy */
+        size_t scratch_len;
+        uint8_t *scratch = kvl_engine_scratch(ep->a, &scratch_len);
+        size_t len = dst[idx].iov_len - off;
+        v[n].iov_base = scratch;
+        v[n++].iov_len = len < scratch_len ? len : scratch_len;
+    } else {
+        while (n < MAX_IOV && idx < ndst && want < IO_BATCH && dst[idx].iov_base) {
+            size_t len = dst[idx].iov_len - off;
+            if (len > IO_BATCH - want)
+                len = IO_BATCH - want;
+            v[n].iov_base = (uint8_t *)dst[idx].iov_base + off;
+            v[n++].iov_len = len;
+            want += len;
+            idx++;
+            off = 0;
+        }
+    }
+    ssize_t got = readv(ep->fd, v, n);
+    if (got <= 0)
+        return got;
+    size_t left = (size_t)got;
+    for (int i = 0; i < n && left; i++) {
+        size_t take = v[i].iov_len < left ? v[i].iov_len : left;
+        ep->crc = kvl_crc32c(ep->crc, v[i].iov_base, take);
+        left -= take;
+        ep->dst_off += take;
+        if (ep->dst_off == dst[ep->dst_idx].iov_len) {
+            ep->dst_idx++;
+            ep->dst_off = 0;
+        }
+    }
+    ep->pay_got += (uint64_t)got;
+    return got;
+}
+
+/* While a payload is arriving, asks the kernel to wake us only once a whole
+ * batch (or the rest of the frame, which the peer must send) is queued: one
+ * large readv per wakeup instead of many small ones.  Between frames the
+ * default of one byte applies, so headers and ACKs are seen at once. */
+static void set_lowat(kvl_ep *ep)
+{
+    int want = 0;
+    if (ep->rs == RS_PAYLOAD) {
+        uint64_t rest = ep->h.payload_len - ep->pay_got + 4; /* + the crc trailer */
+        want = rest > (uint64_t)ep->lowat_max ? ep->lowat_max : (int)rest;
+    }
+    if (want == ep->lowat)
+        return;
+    int v = want ? want : 1;
+    if (setsockopt(ep->fd, SOL_SOCKET, SO_RCVLOWAT, &v, sizeof v) == 0)
+        ep->lowat = want;
+}
+
+/* Header and body are in: the core routes the frame; a payload follows. */
+static void on_body(kvl_ep *ep)
+{
+    kvl_proto_on_frame(ep->c, &ep->h, ep->body);
+    if (ep->dead || ep->refused)
+        return;
+    if (ep->h.payload_len) {
+        ep->rs = RS_PAYLOAD;
+        ep->dst_idx = 0;
+        ep->dst_off = 0;
+        ep->pay_got = 0;
+        ep->crc = 0;
+        ep->trailer_got = 0;
+        /* never more than a quarter of the receive buffer: above what the
+         * buffer holds the kernel would grow it and clamp the TCP window to
+         * the low-water mark, capping the path's throughput.  Read once per
+         * frame; autotuning may grow the buffer between frames. */
+        int rcvbuf = 0;
+        socklen_t len = sizeof rcvbuf;
+        if (getsockopt(ep->fd, SOL_SOCKET, SO_RCVBUF, &rcvbuf, &len) < 0)
+            rcvbuf = 0;
+        ep->lowat_max = rcvbuf / 4 < (int)IO_BATCH ? rcvbuf / 4 : (int)IO_BATCH;
+    } else {
+        ep->rs = RS_HDR;
+        ep->hdr_got = 0;
+    }
+}
+
+static int on_header(kvl_ep *ep)
+{
+    kvl_err de = kvl_hdr_decode(ep->hdr, &ep->h);
+    if (de == KVL_ERR_HANDSHAKE && !ep->got_frame) {
+        /* another protocol version: the core tells the initiator why
+         * (HandshakeError there, not a bare reset) and refuses us */
+        char why[256];
+        snprintf(why, sizeof why, "%s", kvl_last_error());
+        kvl_proto_on_version(ep->c, why);
+        return -1;
+    }
+    if (de) {
+        kvl_proto_on_error(ep->c, KVL_ERR_PROTOCOL, kvl_last_error());
+        return -1;
+    }
+    ep->got_frame = 1;
+    if (ep->h.body_len > ep->body_cap) {
+        uint8_t *nb = realloc(ep->body, ep->h.body_len);
+        if (!nb) {
+            kvl_proto_on_error(ep->c, KVL_ERR_NOMEM, "out of memory for a frame body");
+            return -1;
+        }
+        ep->body = nb;
+        ep->body_cap = ep->h.body_len;
+    }
+    ep->body_got = 0;
+    ep->rs = RS_BODY;
+    if (ep->h.body_len == 0)
+        on_body(ep);
+    return 0;
+}
+
+static void ep_read(kvl_ep *ep)
+{
+    size_t budget = IO_BUDGET;
+    while (!ep->dead && budget && !ep->refused) {
+        ssize_t n;
+        switch (ep->rs) {
+        case RS_HDR:
+            n = recv(ep->fd, ep->hdr + ep->hdr_got, KVL_HDR_BYTES - ep->hdr_got, MSG_DONTWAIT);
+            break;
+        case RS_BODY:
+            n = recv(ep->fd, ep->body + ep->body_got, ep->h.body_len - ep->body_got,
+                     MSG_DONTWAIT);
+            break;
+        case RS_PAYLOAD:
+            n = read_payload(ep);
+            break;
+        default:
+            n = recv(ep->fd, ep->trailer + ep->trailer_got, 4 - ep->trailer_got, MSG_DONTWAIT);
+            break;
+        }
+        if (n == 0) {
+            kvl_proto_on_error(ep->c, KVL_ERR_CONN_LOST,
+                               ep->rs == RS_HDR && ep->hdr_got == 0
+                                   ? "connection closed by the peer"
+                                   : "connection closed mid-frame");
+            return;
+        }
+        if (n < 0) {
+            if (errno == EAGAIN || errno == EINTR)
+                set_lowat(ep);
+            else
+                fail(ep, KVL_ERR_CONN_LOST, "recv", errno);
+            return;
+        }
+        budget = (size_t)n >= budget ? 0 : budget - (size_t)n;
+        switch (ep->rs) {
+        case RS_HDR:
+            ep->hdr_got += (size_t)n;
+            if (ep->hdr_got == KVL_HDR_BYTES && on_header(ep))
+                return;
+            break;
+        case RS_BODY:
+            ep->body_got += (size_t)n;
+            if (ep->body_got == ep->h.body_len)
+                on_body(ep);
+            break;
+        case RS_PAYLOAD:
+            if (ep->pay_got == ep->h.payload_len)
+                ep->rs = RS_TRAILER;
+            break;
+        default:
+            ep->trailer_got += (size_t)n;
+            if (ep->trailer_got == 4) {
+                uint32_t want = (uint32_t)ep->trailer[0] | (uint32_t)ep->trailer[1] << 8 |
+                                (uint32_t)ep->trailer[2] << 16 | (uint32_t)ep->trailer[3] << 24;
+                if (!ep->dead)
+                    ep->rx_payload += ep->h.payload_len;
+                ep->rs = RS_HDR;
+                ep->hdr_got = 0;
+                kvl_proto_on_payload(ep->c, ep->crc, want);
+            }
+            break;
+        }
+    }
+}
+
+/* ---- lifecycle ---- */
+
+kvl_ep *kvl_tcp_ep_new(kvl_agent *a, int fd, int listener)
+{
+    kvl_ep *ep = calloc(1, sizeof *ep);
+    if (!ep)
+        return NULL;
+    ep->a = a;
+    ep->fd = fd;
+    ep->listener = listener;
+    return ep;
+}
+
+static kvl_err tcp_attach(kvl_ep *ep, kvl_conn *c)
+{
+    ep->c = c;
+    if (kvl_sock_nonblock(ep->fd, 1) != KVL_OK)
+        return KVL_ERR_SYSTEM;
+    if (kvl_engine_watch(ep->a, ep->fd, ep, EPOLLIN) != 0)
+        return kvl_fail_errno("epoll_ctl");
+    ep->watched = 1;
+    return KVL_OK;
+}
+
+static void accept_all(kvl_ep *l)
+{
+    kvl_agent *a = l->a;
+    for (;;) {
+        int fd = accept4(l->fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0)
+            return; /* EAGAIN, or a transient error such as EMFILE: retried on next event */
+        kvl_ep *ep = kvl_tcp_tune(fd, a->cfg.sock_buf_bytes) == KVL_OK
+                         ? kvl_tcp_ep_new(a, fd, 0)
+                         : NULL;
+        if (!ep) {
+            close(fd);
+            continue;
+        }
+        if (kvl_engine_watch(a, fd, ep, EPOLLIN) != 0) {
+            close(fd);
+            free(ep);
+            continue;
+        }
+        ep->watched = 1;
+        if (!(ep->c = kvl_proto_accepted(a, ep))) {
+            kvl_engine_unwatch(a, fd);
+            close(fd);
+            free(ep);
+        }
+    }
+}
+
+static void tcp_on_event(kvl_ep *ep, uint32_t events)
+{
+    if (ep->dead)
+        return;
+    if (ep->listener) {
+        accept_all(ep);
+        return;
+    }
+    if (events & (EPOLLIN | EPOLLHUP | EPOLLERR))
+        ep_read(ep);
+    if (!ep->dead && (events & EPOLLOUT))
+        ep_write(ep);
+    if (!ep->dead && (events & EPOLLERR)) {
+        int soerr = 0;
+        socklen_t sl = sizeof soerr;
+        getsockopt(ep->fd, SOL_SOCKET, SO_ERROR, &soerr, &sl);
+        fail(ep, KVL_ERR_CONN_LOST, "socket error", soerr);
+    }
+}
+
+static void tcp_close(kvl_ep *ep, int abortive)
+{
+    if (ep->dead)
+        return;
+    ep->dead = 1;
+    if (abortive)
+        kvl_tcp_abort(ep->fd);
+    if (ep->watched)
+        kvl_engine_unwatch(ep->a, ep->fd);
+    close(ep->fd);
+    ep->fd = -1;
+    while (ep->sq) {
+        kvl_out *o = ep->sq;
+        ep->sq = o->next;
+        out_free(ep, o);
+    }
+    ep->sq_tail = NULL;
+}
+
+static void tcp_free(kvl_ep *ep)
+{
+    if (!ep)
+        return;
+    if (ep->fd >= 0)
+        close(ep->fd);
+    while (ep->sq) { /* teardown: the agent releases what frames held */
+        kvl_out *o = ep->sq;
+        ep->sq = o->next;
+        memset(&o->f.hold, 0, sizeof o->f.hold);
+        out_free(ep, o);
+    }
+    free(ep->body);
+    free(ep);
+}
+
+static int tcp_sample_ep(const kvl_ep *ep, kvl_tp_sample *out)
+{
+    return ep->dead ? -1 : kvl_tcp_sample(ep->fd, out);
+}
+
+static uint64_t tcp_bytes_sent(const kvl_ep *ep) { return ep->tx_payload; }
+static uint64_t tcp_bytes_recv(const kvl_ep *ep) { return ep->rx_payload; }
+
+static kvl_err tcp_reg_mem(kvl_agent *a, void *base, uint64_t len, uint32_t mem, uint8_t *rkey,
+                           uint32_t *rkey_len)
+{
+    (void)a;
+    (void)base;
+    (void)len;
+    (void)mem;
+    (void)rkey;
+    *rkey_len = 0; /* the receiver's CPU places every byte: no remote key */
+    return KVL_OK;
+}
+
+const kvl_transport_ops kvl_tcp_ops = {
+    .name = "tcp",
+    .caps = KVL_TP_SW_CRC,
+    .listen = kvl_tcp_listen,
+    .connect = kvl_tcp_connect,
+    .send_all = kvl_tcp_send_all,
+    .recv_all = kvl_tcp_recv_all,
+    .discard = tcp_free,
+    .attach = tcp_attach,
+    .on_event = tcp_on_event,
+    .send = tcp_send,
+    .cancel = tcp_cancel,
+    .drop_unstarted = tcp_drop_unstarted,
+    .has_output = tcp_has_output,
+    .refuse = tcp_refuse,
+    .sample = tcp_sample_ep,
+    .bytes_sent = tcp_bytes_sent,
+    .bytes_recv = tcp_bytes_recv,
+    .close = tcp_close,
+    .free = tcp_free,
+    .reg_mem = tcp_reg_mem,
+};

@@ -1,0 +1,165 @@
+/* transport.h: what the core needs from a transport, and what it offers back.
+ *
+ * A transport carries kvlink frames (docs/wire-protocol.md) over endpoints:
+ * one per data path and one per control connection.  The core (proto.c,
+ * engine.c, sched.c, monitor.c, peer.c, probe.c) sees endpoints only as
+ * kvl_ep pointers and calls the ops below; every socket call of the TCP
+ * transport lives in csrc/transport/tcp/.  Included by internal.h.
+ *
+ * The unit is the frame, and for data the chunk: the core hands a transport
+ * a whole chunk frame (header + body + the payload as an iovec over
+ * registered memory) naming the copy it carries (transfer id, chunk,
+ * attempt), can cancel that copy, and learns when the frame has let go of
+ * the memory (kvl_proto_release).  On the receiving side the transport hands
+ * the core each frame's header and body; for a payload frame the core says
+ * where the bytes go (kvl_proto_sink, checked again before every batch with
+ * kvl_proto_payload_live) and gets the payload's crc32c at the end.
+ *
+ * Rules every transport keeps (the engine's correctness rests on them):
+ *  - A chunk is done only when its bytes are verified at the destination:
+ *    over TCP the receiver checks the crc32c trailer and answers ACK; a
+ *    one-sided transport (KVL_TP_ONE_SIDED) writes, flushes, then sends a
+ *    small frame with the chunk's id and crc that the receiver checks
+ *    (software crc over the placed bytes) before it answers ACK.
+ *  - Duplicate copies: the receiver's ownership table (inbound.c) decides
+ *    which copy may place bytes.  A transport whose writes land without the
+ *    receiver's CPU cannot drain a late copy, so it must make cancel()
+ *    complete or flush every other copy of a chunk before the core reports
+ *    that chunk done (architecture.md, "Duplicate copies on a one-sided
+ *    transport").  TCP cancels in the stream: an unstarted frame is dropped,
+ *    a frame part-way out is finished from zeros with a trailer that cannot
+ *    verify.
+ *  - Every endpoint op runs on the engine thread, except connect, send_all,
+ *    recv_all and discard on a detached endpoint (add_peer's helper threads
+ *    and the prober).
+ */
+#ifndef KVLINK_TRANSPORT_H
+#define KVLINK_TRANSPORT_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/uio.h>
+
+/* Capability bits (kvl_transport_ops.caps). */
+enum {
+    KVL_TP_ONE_SIDED = 1, /* chunk writes land without the receiver's CPU (RDMA put) */
+    KVL_TP_GPU_MEM = 2,   /* can read and write device memory */
+    KVL_TP_SW_CRC = 4     /* payload crc32c is computed by the core's software, not offloaded */
+};
+
+typedef struct kvl_ep kvl_ep;     /* the transport's side of one connection */
+typedef struct kvl_conn kvl_conn; /* the core's side (proto.c) */
+
+/* What the monitor reads of a path, every tick. */
+typedef struct kvl_tp_sample {
+    double rtt_us;
+    double delivery_Bps;        /* the latest delivery-rate sample */
+    int app_limited;            /* ... limited by us, not the path */
+    uint64_t bytes_acked;       /* cumulative bytes the peer acknowledged */
+    uint64_t bytes_received;    /* cumulative bytes received */
+    uint32_t last_ack_recv_ms;  /* since the last acknowledgement arrived */
+    uint32_t last_data_recv_ms; /* since the last data arrived */
+} kvl_tp_sample;
+
+/* What an outgoing frame holds on to until it has left or is dropped; the
+ * transport hands it back through kvl_proto_release. */
+typedef struct kvl_tp_hold {
+    struct kvl_xfer *xfer;        /* DATA: the transfer whose memory it reads (an io_ref) */
+    struct kvl_region **refs;     /* READ_RESP: regions it reads, referenced */
+    int nrefs;
+} kvl_tp_hold;
+
+/* One frame to send.  send() takes over head, payload (the iovec array,
+ * not the memory it points to) and hold, also when it fails. */
+typedef struct kvl_tp_frame {
+    kvl_buf head;                 /* header + body, finished */
+    struct iovec *payload;        /* payload_len bytes of registered memory, or NULL */
+    int n_payload;
+    uint64_t payload_len;
+    int is_chunk;                 /* DATA or READ_REQ: the copy below, for cancel() */
+    uint64_t xid;
+    uint32_t chunk, attempt;
+    kvl_tp_hold hold;
+} kvl_tp_frame;
+
+typedef struct kvl_transport_ops {
+    const char *name;
+    uint32_t caps; /* KVL_TP_* */
+    /* Listens on host:*port (0: ephemeral, the bound port written back) and
+     * takes the listener into the engine's event loop.  Caller thread,
+     * before the engine runs. */
+    kvl_err (*listen)(kvl_agent *a, const char *host, uint16_t *port, kvl_ep **out);
+    /* Connects from local to host:port within timeout_ms.  The endpoint is
+     * detached (not in the event loop) and blocking, for the handshake.
+     * Blocks; any thread. */
+    kvl_err (*connect)(kvl_agent *a, const char *local, const char *host, uint16_t port,
+                       uint32_t timeout_ms, kvl_ep **out);
+    /* Blocking I/O on a detached endpoint, up to a CLOCK_MONOTONIC deadline. */
+    kvl_err (*send_all)(kvl_ep *ep, const void *buf, size_t len, uint64_t deadline_ns);
+    kvl_err (*recv_all)(kvl_ep *ep, void *buf, size_t len, uint64_t deadline_ns);
+    /* Frees a detached endpoint.  Any thread. */
+    void (*discard)(kvl_ep *ep);
+    /* Engine thread: takes a detached endpoint into the event loop for c. */
+    kvl_err (*attach)(kvl_ep *ep, kvl_conn *c);
+    /* Engine thread: the event loop says ep is ready (EPOLL* bits). */
+    void (*on_event)(kvl_ep *ep, uint32_t events);
+    /* Queues a frame (see kvl_tp_frame); 0, or -1 if the endpoint is dead
+     * or out of memory (the frame is released either way). */
+    int (*send)(kvl_ep *ep, kvl_tp_frame *f);
+    /* Cancels the queued copy (xid, chunk, attempt) without disturbing the
+     * connection; 1 if found.  Its memory is let go of at once. */
+    int (*cancel)(kvl_ep *ep, uint64_t xid, uint32_t chunk, uint32_t attempt);
+    /* close(): drops chunk frames not yet started. */
+    void (*drop_unstarted)(kvl_ep *ep);
+    /* 1 while frames wait to go out. */
+    int (*has_output)(const kvl_ep *ep);
+    /* Stops reading ep; it closes once its queued frames have left. */
+    void (*refuse)(kvl_ep *ep);
+    /* The path's state as the transport sees it; -1 if unavailable. */
+    int (*sample)(const kvl_ep *ep, kvl_tp_sample *out);
+    /* Payload bytes sent / received over ep. */
+    uint64_t (*bytes_sent)(const kvl_ep *ep);
+    uint64_t (*bytes_recv)(const kvl_ep *ep);
+    /* Closes ep (abortive: drop what is queued both ways at once) and
+     * releases its queued frames.  ep stays allocated until free(). */
+    void (*close)(kvl_ep *ep, int abortive);
+    void (*free)(kvl_ep *ep);
+    /* Registers memory with the transport; writes the remote key a peer
+     * needs (none for TCP: *rkey_len = 0). */
+    kvl_err (*reg_mem)(kvl_agent *a, void *base, uint64_t len, uint32_t mem, uint8_t *rkey,
+                       uint32_t *rkey_len);
+} kvl_transport_ops;
+
+extern const kvl_transport_ops kvl_tcp_ops;
+
+/* ---- what the core offers a transport (proto.c, engine.c) ---- */
+
+/* A listener accepted ep: the core's connection for it, or NULL (then the
+ * transport closes it). */
+kvl_conn *kvl_proto_accepted(kvl_agent *a, kvl_ep *ep);
+/* A frame's header (decoded and bounds-checked: kvl_hdr_decode) and body
+ * arrived.  For a frame with a payload the core has set the sink before it
+ * returns.  The core may close the connection from here. */
+void kvl_proto_on_frame(kvl_conn *c, const kvl_frame_hdr *h, const uint8_t *body);
+/* The first header of a connection speaks another protocol version: the
+ * core answers why and refuses the connection. */
+void kvl_proto_on_version(kvl_conn *c, const char *why);
+/* Where the payload in progress goes: n entries; iov_base NULL: drain. */
+const struct iovec *kvl_proto_sink(kvl_conn *c, int *n);
+/* 0 once the payload in progress may no longer be placed (another copy
+ * owns its chunk, or its transfer failed): drain the rest. */
+int kvl_proto_payload_live(kvl_conn *c);
+/* The payload and its trailer arrived; crc: computed over what was read. */
+void kvl_proto_on_payload(kvl_conn *c, uint32_t crc, uint32_t trailer);
+/* The endpoint failed or the peer closed it. */
+void kvl_proto_on_error(kvl_conn *c, kvl_err err, const char *why);
+/* A frame left or was dropped: let go of what it held. */
+void kvl_proto_release(kvl_agent *a, kvl_tp_hold *h);
+/* Engine: a buffer to drain payload bytes into (contents meaningless). */
+uint8_t *kvl_engine_scratch(kvl_agent *a, size_t *len);
+/* Engine: the event loop.  ptr comes back in on_event's ep. */
+int kvl_engine_watch(kvl_agent *a, int fd, void *ptr, uint32_t events);
+int kvl_engine_rewatch(kvl_agent *a, int fd, void *ptr, uint32_t events);
+void kvl_engine_unwatch(kvl_agent *a, int fd);
+
+#endif

@@ -92,7 +92,8 @@ typedef struct kvl_wire_piece {
     uint64_t region, offset, len;
 } kvl_wire_piece;
 #define KVL_WIRE_PIECE_BYTES 24
-#define KVL_WIRE_REGION_BYTES 88
+#define KVL_WIRE_REGION_BYTES 90 /* a region record without its remote key */
+#define KVL_MAX_RKEY 256          /* bytes of a transport's remote key */
 
 typedef struct kvl_msg_hello {
     uint64_t instance;
@@ -108,7 +109,7 @@ typedef struct kvl_msg_hello_ack {
     char name[KVL_NAME_MAX];
     char msg[256];
     uint32_t n_regions;
-    const uint8_t *regions; /* n_regions * KVL_WIRE_REGION_BYTES, inside the body */
+    const uint8_t *regions; /* n_regions records (checked), inside the body */
 } kvl_msg_hello_ack;
 
 /* DATA and READ_REQ */
@@ -179,7 +180,9 @@ kvl_err kvl_dec_announce(const uint8_t *body, size_t len, kvl_msg_announce *m);
 void kvl_dec_announce_chunk(const kvl_msg_announce *m, uint32_t i, uint32_t *layer_first,
                             uint32_t *layer_last);
 void kvl_dec_piece(const kvl_msg_chunk *m, uint32_t i, kvl_wire_piece *p);
-void kvl_dec_region(const uint8_t *table, uint32_t i, kvl_region_info *r);
+/* Decodes the region record at p (from a table kvl_dec_hello_ack accepted)
+ * and returns where the next one starts. */
+const uint8_t *kvl_dec_region_next(const uint8_t *p, kvl_region_info *r);
 
 /* ---- the transport interface (csrc/transport/transport.h) ---- */
 #include "transport/transport.h"
@@ -194,6 +197,8 @@ typedef struct kvl_region {
     uint32_t rights;
     uint32_t mem;
     char name[KVL_NAME_MAX];
+    uint32_t rkey_len;        /* the transport's remote key (reg_mem) */
+    uint8_t rkey[KVL_MAX_RKEY];
     int refs; /* transfers / frames using it; under regions_mu */
 } kvl_region;
 

@@ -98,8 +98,9 @@ static kvl_err handshake(kvl_agent *a, kvl_peer *p, kvl_ep *ep, int kind, uint16
             free(body);
             return kvl_fail(KVL_ERR_NOMEM, "handshake: out of memory");
         }
+        const uint8_t *rec = ack.regions;
         for (uint32_t i = 0; i < ack.n_regions; i++)
-            kvl_dec_region(ack.regions, i, &tab[i]);
+            rec = kvl_dec_region_next(rec, &tab[i]);
         pthread_mutex_lock(&p->mu);
         free(p->regions);
         p->regions = tab;

@@ -571,8 +571,9 @@ static void on_regions(kvl_conn *c)
         kvl_conn_fail(c, KVL_ERR_NOMEM, "out of memory");
         return;
     }
+    const uint8_t *rec = m.regions;
     for (uint32_t i = 0; i < m.n_regions; i++)
-        kvl_dec_region(m.regions, i, &tab[i]);
+        rec = kvl_dec_region_next(rec, &tab[i]);
     pthread_mutex_lock(&p->mu);
     free(p->regions);
     p->regions = tab;

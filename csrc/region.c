@@ -93,6 +93,12 @@ kvl_err kvl_region_register(kvl_agent *a, void *ptr, uint64_t len, uint32_t righ
     r->size = len;
     r->rights = rights;
     r->mem = mem;
+    /* the transport's remote key, carried in the region table (none for TCP) */
+    kvl_err ke = a->tp->reg_mem(a, ptr, len, mem, r->rkey, &r->rkey_len);
+    if (ke || r->rkey_len > KVL_MAX_RKEY) {
+        free(r);
+        return ke ? ke : kvl_fail(KVL_ERR_SYSTEM, "register: the remote key is too long");
+    }
     if (name)
         strcpy(r->name, name);
     kvl_regions *t = &a->regions;
@@ -210,6 +216,8 @@ kvl_err kvl_regions_snapshot(kvl_regions *t, kvl_region_info **out, size_t *n)
         v[i].rights = r->rights & (KVL_REMOTE_READ | KVL_REMOTE_WRITE);
         v[i].mem = r->mem;
         memcpy(v[i].name, r->name, sizeof v[i].name);
+        v[i].rkey_len = r->rkey_len;
+        memcpy(v[i].rkey, r->rkey, r->rkey_len);
     }
     *n = t->n;
     *out = v;

@@ -257,6 +257,9 @@ static void put_region(kvl_buf *b, const kvl_region_info *r)
     char name[KVL_NAME_MAX] = {0};
     strncpy(name, r->name, sizeof name - 1);
     put_bytes(b, name, sizeof name);
+    uint16_t klen = r->rkey_len <= KVL_MAX_RKEY ? (uint16_t)r->rkey_len : 0;
+    put_u16(b, klen);
+    put_bytes(b, r->rkey, klen);
 }
 
 void kvl_enc_hello_ack(kvl_buf *b, uint32_t status, uint64_t instance, const char *name,
@@ -281,19 +284,29 @@ kvl_err kvl_dec_hello_ack(const uint8_t *body, size_t len, kvl_msg_hello_ack *m)
     m->n_regions = get_u32(&r);
     if (m->n_regions > KVL_MAX_REGIONS)
         r.bad = 1;
-    m->regions = take(&r, (size_t)m->n_regions * KVL_WIRE_REGION_BYTES);
+    m->regions = r.bad ? NULL : body + r.off;
+    /* every record: 88 fixed bytes, a u16 key length, the key */
+    for (uint32_t i = 0; i < m->n_regions && !r.bad; i++) {
+        take(&r, KVL_WIRE_REGION_BYTES - 2);
+        uint16_t klen = get_u16(&r);
+        if (klen > KVL_MAX_RKEY)
+            r.bad = 1;
+        take(&r, klen);
+    }
     return finish(&r, "HELLO_ACK/REGIONS");
 }
 
-void kvl_dec_region(const uint8_t *table, uint32_t i, kvl_region_info *r)
+const uint8_t *kvl_dec_region_next(const uint8_t *p, kvl_region_info *r)
 {
-    const uint8_t *p = table + (size_t)i * KVL_WIRE_REGION_BYTES;
     r->id = ld_u64(p);
     r->size = ld_u64(p + 8);
     r->rights = ld_u32(p + 16);
     r->mem = ld_u32(p + 20);
     memcpy(r->name, p + 24, sizeof r->name);
     r->name[sizeof r->name - 1] = '\0';
+    r->rkey_len = (uint32_t)p[88] | (uint32_t)p[89] << 8;
+    memcpy(r->rkey, p + KVL_WIRE_REGION_BYTES, r->rkey_len);
+    return p + KVL_WIRE_REGION_BYTES + r->rkey_len;
 }
 
 void kvl_enc_chunk(kvl_buf *b, uint64_t xfer, uint32_t chunk, uint32_t attempt,

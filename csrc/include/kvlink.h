@@ -125,6 +125,8 @@ typedef struct kvl_region_info {
     uint32_t rights;  /* kvl_rights bits */
     uint32_t mem;     /* kvl_mem */
     char name[64];
+    uint32_t rkey_len; /* the transport's remote key for one-sided access (0: none, as TCP) */
+    uint8_t rkey[256];
 } kvl_region_info;
 
 /* A chunk that finished, in completion order. */

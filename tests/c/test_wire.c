@@ -86,13 +86,15 @@ static kvl_err run_decoder(dec_kind k, const uint8_t *src, size_t len)
             CHECK(strnlen(m.name, sizeof m.name) < sizeof m.name);
             CHECK(strnlen(m.msg, sizeof m.msg) < sizeof m.msg);
             CHECK(m.n_regions <= KVL_MAX_REGIONS);
-            if (CHECK(m.regions >= body &&
-                      m.regions + (size_t)m.n_regions * KVL_WIRE_REGION_BYTES == end)) {
+            if (CHECK(m.regions >= body && m.regions <= end)) {
+                const uint8_t *rec = m.regions;
                 for (uint32_t i = 0; i < m.n_regions; i++) {
                     kvl_region_info r;
-                    kvl_dec_region(m.regions, i, &r);
+                    rec = kvl_dec_region_next(rec, &r);
                     CHECK(strnlen(r.name, sizeof r.name) < sizeof r.name);
+                    CHECK(r.rkey_len <= KVL_MAX_RKEY && rec <= end);
                 }
+                CHECK(rec == end); /* the records fill the rest of the body exactly */
             }
         }
         break;
@@ -447,6 +449,8 @@ static void test_hello_ack(void)
         regs[i].rights = (uint32_t)i & 3;
         regs[i].mem = (uint32_t)i & 1;
         fill_str(regs[i].name, i == 4 ? KVL_NAME_MAX - 1 : (size_t)i, (char)('A' + i));
+        regs[i].rkey_len = i == 4 ? KVL_MAX_RKEY : (uint32_t)i * 7; /* 0 (TCP) .. the cap */
+        memset(regs[i].rkey, 0x40 + i, regs[i].rkey_len);
     }
     static const size_t counts[] = {0, 1, 5};
     for (size_t c = 0; c < 3; c++) {
@@ -464,12 +468,14 @@ static void test_hello_ack(void)
             CHECK(out.status == c + 9 && out.instance == 0xfeedull << c);
             CHECK(strcmp(out.name, name) == 0 && strcmp(out.msg, msg) == 0);
             CHECK(out.n_regions == counts[c]);
+            const uint8_t *rec = out.regions;
             for (uint32_t i = 0; i < out.n_regions && i < 5; i++) {
                 kvl_region_info r;
-                kvl_dec_region(out.regions, i, &r);
+                rec = kvl_dec_region_next(rec, &r);
                 CHECKF(r.id == regs[i].id && r.size == regs[i].size &&
                            r.rights == regs[i].rights && r.mem == regs[i].mem &&
-                           strcmp(r.name, regs[i].name) == 0,
+                           strcmp(r.name, regs[i].name) == 0 && r.rkey_len == regs[i].rkey_len &&
+                           memcmp(r.rkey, regs[i].rkey, r.rkey_len) == 0,
                        "region %u differs after the round trip", i);
             }
         }
@@ -505,6 +511,15 @@ static void test_hello_ack(void)
     EXPECT_PROTOCOL(D_HELLO_ACK, b, big, "HELLO_ACK with KVL_MAX_REGIONS+1 regions");
     memcpy(b + 16, &at, 4);
     CHECK(run_decoder(D_HELLO_ACK, b, big - KVL_WIRE_REGION_BYTES) == KVL_OK);
+    /* a remote key over the cap, with the bytes really there */
+    uint32_t one = 1;
+    memcpy(b + 16, &one, 4);
+    uint16_t klen = KVL_MAX_RKEY + 1;
+    memcpy(b + FIX + 88, &klen, 2);
+    EXPECT_PROTOCOL(D_HELLO_ACK, b, FIX + KVL_WIRE_REGION_BYTES + klen, "HELLO_ACK rkey of 257 bytes");
+    klen = KVL_MAX_RKEY;
+    memcpy(b + FIX + 88, &klen, 2);
+    CHECK(run_decoder(D_HELLO_ACK, b, FIX + KVL_WIRE_REGION_BYTES + klen) == KVL_OK);
     /* msg of 256 bytes does not fit in msg[256] with its terminator */
     uint8_t m[FIX + 256];
     memset(m, 'q', sizeof m);

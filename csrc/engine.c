@@ -202,9 +202,27 @@ static void run_commands(kvl_agent *a)
     pthread_mutex_unlock(&a->mu);
     while (cmd) {
         kvl_cmd *next = cmd->next;
-        kvl_peer *p = cmd->peer;
+        kvl_peer *p = cmd->type == KVL_CMD_SUBMIT ? cmd->xfer->peer : cmd->peer;
         if (cmd->type == KVL_CMD_ADOPT_PEER) {
             adopt_peer(a, p);
+        } else if (p && p->retiring && cmd->type != KVL_CMD_PROBED) {
+            /* removed or replaced: new work fails, nothing else is started */
+            if (cmd->type == KVL_CMD_SUBMIT) {
+                kvl_xfer *x = cmd->xfer;
+                x->next_active = NULL;
+                if (p->active_tail)
+                    p->active_tail->next_active = x;
+                else
+                    p->active = x;
+                p->active_tail = x;
+                kvl_sched_fail(x, KVL_ERR_CONN_LOST, "peer '%s' was removed", p->name);
+            } else if (cmd->type == KVL_CMD_REFRESH) {
+                pthread_mutex_lock(&p->mu);
+                p->refresh_pending = 0; /* the waiter gives up now */
+                pthread_cond_broadcast(&p->cv);
+                pthread_mutex_unlock(&p->mu);
+            }
+            free(cmd->tag);
         } else if (cmd->type == KVL_CMD_SUBMIT) {
             kvl_xfer *x = cmd->xfer;
             p = x->peer;
@@ -499,8 +517,13 @@ kvl_err kvl_agent_close(kvl_agent *a)
             fail_and_drop(cmd->xfer);
         if (cmd->type == KVL_CMD_PROBED && cmd->ep)
             a->tp->discard(cmd->ep);
-        if (cmd->type == KVL_CMD_REMOVE_PEER)
-            cmd->peer->retiring = 1; /* out of the callers' list: freed below */
+        if (cmd->type == KVL_CMD_REMOVE_PEER) { /* out of the callers' list: freed below */
+            cmd->peer->retiring = 1;
+            if (!cmd->peer->adopted) { /* in no engine list either */
+                cmd->peer->next = a->peers;
+                a->peers = cmd->peer;
+            }
+        }
         free(cmd->tag);
         free(cmd);
     }

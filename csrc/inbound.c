@@ -36,6 +36,7 @@
 #define IDLE_KEEP_NS (300ull * 1000000000ull) /* a sender that vanished without END */
 #define END_GRACE_NS (2000ull * 1000000ull)   /* after the sender's deadline: its END is due */
 #define MAX_ENTRIES 16384                     /* transfers (live and tombstones) per agent */
+#define MAX_LIVE_CHUNKS (1u << 20)            /* chunks of all announced, unended pushes */
 #define QUEUE_MAX 1024                        /* handles waiting for kvl_inbound_next */
 #define QUEUE_KEEP_NS (60ull * 1000000000ull) /* a finished handle nobody took is dropped */
 
@@ -244,6 +245,9 @@ kvl_err kvl_rx_announce(kvl_agent *a, uint64_t instance, const char *peer,
     kvl_rx_xfer *r = find(a, instance, m->xfer);
     if (r && (r->chunks || r->ended))
         return KVL_OK; /* announced on another connection already, or over */
+    if (a->rx_chunks_live + m->n_chunks > MAX_LIVE_CHUNKS)
+        return kvl_fail(KVL_ERR_NOMEM, "agent '%s' tracks %u chunks of inbound pushes already",
+                        a->name, a->rx_chunks_live);
     if (!r && !(r = entry_new(a, instance, m->xfer)))
         return kvl_fail(KVL_ERR_NOMEM, "agent '%s' holds %d inbound transfers already", a->name,
                         MAX_ENTRIES);
@@ -257,6 +261,7 @@ kvl_err kvl_rx_announce(kvl_agent *a, uint64_t instance, const char *peer,
         return kvl_fail(KVL_ERR_NOMEM, "out of memory for an inbound transfer");
     }
     r->n = m->n_chunks;
+    a->rx_chunks_live += r->n;
     r->deadline_ns = m->timeout_ms ? now + (uint64_t)m->timeout_ms * 1000000ull : 0;
     queue_put(a, r->h, now);
     return KVL_OK;
@@ -313,6 +318,19 @@ static void drop_handle(kvl_rx_xfer *r)
     r->h = NULL;
 }
 
+/* No copy of r's chunks may land from now on (END, or the sender's
+ * deadline passed without one). */
+static void tombstone(kvl_agent *a, kvl_rx_xfer *r)
+{
+    if (r->chunks)
+        a->rx_chunks_live -= r->n;
+    r->ended = 1;
+    free(r->chunks);
+    r->chunks = NULL;
+    r->n = 0;
+    r->t_last_ns = kvl_now_ns();
+}
+
 void kvl_rx_end(kvl_agent *a, uint64_t instance, const kvl_msg_status *m)
 {
     kvl_rx_xfer *r = find(a, instance, m->xfer);
@@ -328,11 +346,7 @@ void kvl_rx_end(kvl_agent *a, uint64_t instance, const kvl_msg_status *m)
                      "the sender ended the push before every chunk was verified here");
         drop_handle(r);
     }
-    r->ended = 1;
-    free(r->chunks);
-    r->chunks = NULL;
-    r->n = 0;
-    r->t_last_ns = kvl_now_ns();
+    tombstone(a, r);
 }
 
 void kvl_rx_expire(kvl_agent *a, uint64_t now)
@@ -340,11 +354,16 @@ void kvl_rx_expire(kvl_agent *a, uint64_t now)
     kvl_rx_xfer **pp = &a->rx_xfers;
     while (*pp) {
         kvl_rx_xfer *r = *pp;
-        if (r->h && r->deadline_ns && now > r->deadline_ns + END_GRACE_NS) {
-            inx_fail(r->h, KVL_ERR_DEADLINE,
-                     "push %llu from this sender passed its deadline without finishing",
-                     (unsigned long long)r->xfer);
-            drop_handle(r);
+        if (!r->ended && r->deadline_ns && now > r->deadline_ns + END_GRACE_NS) {
+            /* the sender's END never came: the push is over here too, and
+             * no late copy may land once the handle says it failed */
+            if (r->h) {
+                inx_fail(r->h, KVL_ERR_DEADLINE,
+                         "push %llu from this sender passed its deadline without finishing",
+                         (unsigned long long)r->xfer);
+                drop_handle(r);
+            }
+            tombstone(a, r);
         }
         uint64_t keep = r->ended ? ENDED_KEEP_NS : IDLE_KEEP_NS;
         if (!r->refs && now - r->t_last_ns > keep) {
@@ -354,6 +373,8 @@ void kvl_rx_expire(kvl_agent *a, uint64_t now)
                          (unsigned long long)(keep / 1000000000ull));
                 drop_handle(r);
             }
+            if (r->chunks)
+                a->rx_chunks_live -= r->n;
             free(r->chunks);
             free(r);
             a->n_rx_xfers--;
@@ -377,6 +398,7 @@ void kvl_rx_free_all(kvl_agent *a)
         free(r);
     }
     a->n_rx_xfers = 0;
+    a->rx_chunks_live = 0;
     while (a->inq_head) {
         kvl_inxfer *t = a->inq_head;
         a->inq_head = t->qnext;

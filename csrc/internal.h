@@ -407,6 +407,7 @@ struct kvl_agent {
     kvl_inbound *inbound;
     struct kvl_rx_xfer *rx_xfers; /* chunk ownership of inbound pushes (inbound.c) */
     uint32_t n_rx_xfers;
+    uint32_t rx_chunks_live;   /* chunks of announced pushes not yet ended (bounded) */
     pthread_mutex_t inq_mu;    /* handles of inbound pushes nobody took yet */
     pthread_cond_t inq_cv;
     kvl_inxfer *inq_head;
@@ -539,6 +540,11 @@ void kvl_sched_on_chunk_done(kvl_peer *p, kvl_xfer *x, uint32_t ci, uint32_t pat
  * or fail the transfer when it ran out of attempts. */
 void kvl_sched_requeue(kvl_peer *p, kvl_xfer *x, uint32_t ci, kvl_err err, const char *why);
 void kvl_sched_path_down(kvl_peer *p, uint32_t path, const char *why);
+/* The copy (path, attempt) of chunk ci was drained because a newer copy
+ * took the chunk over: the newer copy carries on if it is still in flight,
+ * else the chunk is sent again (not counted as a failure). */
+void kvl_sched_superseded(kvl_peer *p, kvl_xfer *x, uint32_t ci, uint32_t path,
+                          uint32_t attempt);
 /* Path went silent while busy: its copies are cancelled in the stream and
  * re-queued (not counted as failures); the connection stays, the path gets
  * no chunks until it moves again (monitor.c). */

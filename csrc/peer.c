@@ -225,10 +225,7 @@ kvl_err kvl_peer_remove(kvl_agent *a, const char *name)
 
 static int any_path_up(kvl_peer *p)
 {
-    for (uint32_t i = 0; i < p->n_paths; i++)
-        if (p->paths[i].state != KVL_PATH_DOWN)
-            return 1;
-    return 0;
+    return atomic_load(&p->may_work); /* the engine's hint: caller threads read no path state */
 }
 
 kvl_err kvl_peer_connect(kvl_agent *a, const char *name, uint64_t instance,

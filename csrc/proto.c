@@ -220,7 +220,10 @@ static int dst_reserve(kvl_conn *c, int n)
 static void drain_all(kvl_conn *c)
 {
     c->ndst = 0;
-    dst_reserve(c, 1);
+    if (dst_reserve(c, 1)) {
+        kvl_conn_fail(c, KVL_ERR_NOMEM, "out of memory for a drain");
+        return;
+    }
     c->dst[0].iov_base = NULL;
     c->dst[0].iov_len = c->h->payload_len;
     c->ndst = 1;
@@ -466,8 +469,10 @@ static kvl_xfer *match_chunk(kvl_conn *c, const kvl_msg_status *st)
 
 static void on_status_error(kvl_conn *c, kvl_xfer *x, const kvl_msg_status *st)
 {
-    if (st->status == KVL_RX_SUPERSEDED)
-        return; /* a newer copy of this chunk is the one that counts */
+    if (st->status == KVL_RX_SUPERSEDED) { /* a newer copy of this chunk is the one that counts */
+        kvl_sched_superseded(c->peer, x, st->chunk, (uint32_t)c->path, st->attempt);
+        return;
+    }
     if (st->status == KVL_ERR_CHECKSUM) {
         kvl_sched_requeue(c->peer, x, st->chunk, KVL_ERR_CHECKSUM, st->msg);
         return;
@@ -525,6 +530,7 @@ static void on_read_resp(kvl_conn *c)
         iov_add(c->dst, &c->ndst, x->local_ptr[pc[i].seg] + pc[i].seg_offset, pc[i].len);
     if (st.attempt < x->powner[st.chunk]) {
         drain_all(c); /* a newer copy of this chunk is already being placed */
+        kvl_sched_superseded(c->peer, x, st.chunk, (uint32_t)c->path, st.attempt);
         return;
     }
     x->powner[st.chunk] = st.attempt;

@@ -303,12 +303,43 @@ void kvl_sched_fail(kvl_xfer *x, kvl_err err, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
-    for (uint32_t ci = 0; ci < x->plan.n_chunks; ci++)
+    /* its copies still queued stop reading its memory now, so the memory
+     * is free as soon as the outcome is published */
+    for (uint32_t ci = 0; ci < x->plan.n_chunks; ci++) {
+        if (x->cstate[ci] == KVL_CHUNK_INFLIGHT)
+            for (int h = 0; h < 2; h++) {
+                uint8_t path = h ? x->hpath[ci] : x->cpath[ci];
+                kvl_conn *c = path == KVL_NO_PATH ? NULL : x->peer->paths[path].conn;
+                if (c)
+                    kvl_conn_cancel_chunk(c, x->id, ci, h ? x->hattempt[ci] : x->pattempt[ci]);
+            }
         unaccount(x->peer, x, ci);
+    }
     if (kvl_xfer_running(x))
         kvl_log(x->agent, err == KVL_ERR_CLOSED ? KVL_LOG_INFO : KVL_LOG_WARNING, x->peer->name,
                 -1, "transfer %llu failed: %s", (unsigned long long)x->id, msg);
     kvl_xfer_set_failed(x, err, "%s", msg);
+}
+
+void kvl_sched_superseded(kvl_peer *p, kvl_xfer *x, uint32_t ci, uint32_t path,
+                          uint32_t attempt)
+{
+    if (x->cstate[ci] != KVL_CHUNK_INFLIGHT)
+        return;
+    if (x->hpath[ci] == path && x->hattempt[ci] == attempt) {
+        drop_copy(p, x, ci, 1); /* the primary carries on */
+    } else if (x->cpath[ci] == path && x->pattempt[ci] == attempt) {
+        if (x->hpath[ci] != KVL_NO_PATH) { /* the newer copy is the hedge: it carries on */
+            drop_copy(p, x, ci, 0);
+            x->cpath[ci] = x->hpath[ci];
+            x->pattempt[ci] = x->hattempt[ci];
+            x->hpath[ci] = KVL_NO_PATH;
+        } else { /* the newer copy that took the chunk over is gone: send it again */
+            unaccount(p, x, ci);
+            x->retry[x->n_retry++] = ci;
+            x->bytes_pending += x->plan.chunks[ci].bytes;
+        }
+    }
 }
 
 void kvl_sched_requeue(kvl_peer *p, kvl_xfer *x, uint32_t ci, kvl_err err, const char *why)
@@ -426,24 +457,28 @@ void kvl_sched_expire(kvl_agent *a, uint64_t now)
 }
 
 /* Tells the receiver of a push that no copy of its chunks counts any more. */
+/* END goes out on every live connection to the peer, stalled ones
+ * included: a copy of this push still queued on a connection that stalled
+ * then meets a tombstone already set by the END that went another way, and
+ * cannot land after the receiver learned the push is over.  With no live
+ * connection at all, the receiver ends it at the announced deadline. */
 static void send_end(kvl_peer *p, kvl_xfer *x)
 {
-    kvl_conn *c = p->ctrl && !kvl_conn_is_dead(p->ctrl) ? p->ctrl : NULL;
-    for (uint32_t i = 0; !c && i < p->n_paths; i++)
-        if (path_usable(&p->paths[i]))
-            c = p->paths[i].conn;
-    if (!c)
-        return;
     kvl_msg_status st = {.xfer = x->id};
     if (x->fin != KVL_XFER_DONE) {
         st.status = x->info.err ? x->info.err : KVL_ERR_PROTOCOL;
         snprintf(st.msg, sizeof st.msg, "%s", x->info.message);
     }
-    kvl_buf b = {0};
-    kvl_frame_start(&b);
-    kvl_enc_status(&b, &st);
-    kvl_frame_finish(&b, KVL_F_END, 0);
-    kvl_conn_send_frame(c, &b);
+    for (uint32_t i = 0; i <= p->n_paths; i++) {
+        kvl_conn *c = i < p->n_paths ? p->paths[i].conn : p->ctrl;
+        if (!c || kvl_conn_is_dead(c))
+            continue;
+        kvl_buf b = {0};
+        kvl_frame_start(&b);
+        kvl_enc_status(&b, &st);
+        kvl_frame_finish(&b, KVL_F_END, 0);
+        kvl_conn_send_frame(c, &b);
+    }
 }
 
 static void retire(kvl_peer *p, kvl_xfer *x, kvl_xfer *prev)

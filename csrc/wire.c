@@ -432,14 +432,16 @@ kvl_err kvl_dec_announce(const uint8_t *body, size_t len, kvl_msg_announce *m)
     kvl_err e = finish(&r, "ANNOUNCE");
     if (e)
         return e;
-    /* the chunk map: layer ranges inside [0, n_layers), never decreasing */
+    /* the chunk map is layer-major: each chunk starts in the layer the one
+     * before it ended in, or later.  So the ranges add up to at most
+     * n_chunks + n_layers, and the receiver's per-layer work stays linear. */
     uint32_t prev = 0;
     for (uint32_t i = 0; i < m->n_chunks; i++) {
         uint32_t lf, ll;
         kvl_dec_announce_chunk(m, i, &lf, &ll);
         if (lf > ll || ll >= m->n_layers || lf < prev)
             return kvl_fail(KVL_ERR_PROTOCOL, "ANNOUNCE: chunk %u has layers [%u, %u]", i, lf, ll);
-        prev = lf;
+        prev = ll;
     }
     return KVL_OK;
 }

@@ -572,22 +572,29 @@ class Agent:
         harr = ffi.new("const char *[]", hosts)
         parr = ffi.new("uint16_t[]", [p for _, p in md["addrs"]])
         out = ffi.new("kvl_peer **")
+
+        def connect(a: Any) -> None:
+            rc = lib.kvl_peer_connect(
+                a, md["name"].encode(), md["instance"], harr, parr, len(md["addrs"]), out
+            )
+            check(rc, peer=md["name"])
+
         a = self._enter()
         try:
-            check(
-                lib.kvl_peer_connect(
-                    a,
-                    md["name"].encode(),
-                    md["instance"],
-                    harr,
-                    parr,
-                    len(md["addrs"]),
-                    out,
-                ),
-                peer=md["name"],
-            )
+            known = lib.kvl_peer_find(a, md["name"].encode(), out) == ErrorCode.OK
+            if not known:
+                connect(a)
         finally:
             self._exit()
+        if known:
+            # a restarted agent of that name replaces the old peer, which is
+            # then freed: no other call may hold the old one meanwhile
+            with self._lock:
+                if self._closed:
+                    raise ClosedError(f"agent {self.name!r} is closed; create a new Agent")
+                while self._users:
+                    self._idle.wait()
+                connect(self._a)
         return str(md["name"])
 
     def remove_peer(self, peer: str) -> None:

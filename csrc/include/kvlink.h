@@ -323,7 +323,10 @@ kvl_err kvl_region_deregister(kvl_agent *agent, uint64_t id);
  * peer's listeners (from its metadata).  instance is the peer's instance id
  * from its metadata (0 = accept any).  Adding a name that is already a peer
  * with the same instance returns that peer; with another instance it fails
- * with KVL_ERR_PEER_EXISTS.  *out is owned by the agent (valid until close).
+ * with KVL_ERR_PEER_EXISTS; a peer of that name none of whose paths is up is
+ * replaced (its transfers fail, it is freed: like kvl_peer_remove, the
+ * caller serialises this with other calls using the old peer).  *out is
+ * owned by the agent (valid until it is removed or replaced, or close).
  * Blocks up to connect_timeout_ms per connection.  Thread-safe. */
 kvl_err kvl_peer_connect(kvl_agent *agent, const char *name, uint64_t instance,
                          const char *const *hosts, const uint16_t *ports,

@@ -145,11 +145,50 @@ static void test_bounds(void)
     uint8_t hdr[32] = {0};
     memcpy(hdr, &m.xfer, 8);
     CHECK(kvl_dec_announce(hdr, sizeof hdr, &d) == KVL_ERR_PROTOCOL);
+    /* every chunk spanning every layer would make per-layer work quadratic:
+     * a chunk must start where the one before it ended, or later */
+    uint32_t wf[3] = {0, 0, 0}, wl[3] = {5, 5, 5};
+    kvl_msg_announce w = {.xfer = 4, .bytes = 3, .n_chunks = 3, .n_layers = 6};
+    kvl_enc_announce(&b, &w, wf, wl);
+    CHECK(kvl_dec_announce(b.p, b.len, &d) == KVL_ERR_PROTOCOL);
+    kvl_buf_free(&b);
+    wf[1] = 5;
+    wl[1] = 5;
+    wf[2] = 5; /* [0,5], [5,5], [5,5]: layer 5 split over three chunks is fine */
+    kvl_enc_announce(&b, &w, wf, wl);
+    CHECK(kvl_dec_announce(b.p, b.len, &d) == KVL_OK);
+    kvl_buf_free(&b);
     /* the entry table is bounded */
     int refused = 0;
     for (uint64_t x = 100; x < 100 + 20000 && !refused; x++)
         refused = announce(a, x, 1, "") != KVL_OK;
     CHECK(refused && a->n_rx_xfers == 16384);
+    agent_free(a);
+}
+
+/* A sender whose END never comes: at its announced deadline (+2 s) the
+ * handle fails and the push becomes a tombstone, so no late copy lands in
+ * memory the application was just told it may reuse. */
+static void test_deadline_without_end(void)
+{
+    kvl_agent *a = agent_new();
+    uint32_t lf[1] = {0}, ll[1] = {0};
+    kvl_msg_announce m = {.xfer = 5, .bytes = 10, .n_chunks = 1, .n_layers = 1, .timeout_ms = 1};
+    kvl_buf b = {0};
+    kvl_enc_announce(&b, &m, lf, ll);
+    kvl_msg_announce d;
+    CHECK(kvl_dec_announce(b.p, b.len, &d) == KVL_OK);
+    CHECK(kvl_rx_announce(a, 7, "sender", &d) == KVL_OK);
+    kvl_buf_free(&b);
+    kvl_inxfer *h = NULL;
+    CHECK(kvl_inbound_next(a, NULL, 0, 1, 0, &h) == KVL_OK);
+    kvl_rx_xfer *r = NULL;
+    uint32_t st = 0;
+    kvl_rx_expire(a, kvl_now_ns() + 3000000000ull);
+    CHECK(kvl_inxfer_wait(h, 0) == KVL_ERR_DEADLINE);
+    CHECK(!kvl_rx_claim(a, 7, 5, 0, 1, &r, &st) && st == KVL_RX_SUPERSEDED);
+    CHECK(a->rx_chunks_live == 0);
+    kvl_inxfer_release(h);
     agent_free(a);
 }
 
@@ -159,5 +198,6 @@ int main(void)
     test_ownership();
     test_end_before_done_fails_the_handle();
     test_bounds();
+    test_deadline_without_end();
     return test_report("test_inbound", t0);
 }

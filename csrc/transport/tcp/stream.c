@@ -138,7 +138,8 @@ static int tcp_cancel(kvl_ep *ep, uint64_t xid, uint32_t chunk, uint32_t attempt
 /* Advances o over n payload bytes just sent, folding them into the crc. */
 static void out_advance_payload(kvl_out *o, size_t n)
 {
-    if (o->cancelled) {
+    if (o->cancelled) { /* the zeros count too: the trailer is then surely wrong */
+        o->crc = kvl_crc32c(o->crc, zeros, n);
         o->payload_sent += n;
         return;
     }

@@ -29,18 +29,20 @@ static void *prober_main(void *arg)
             free(job);
             return NULL;
         }
-        kvl_cmd *cmd = calloc(1, sizeof *cmd);
+        /* the answer must reach the engine (it counts probes in flight per
+         * peer), so its command is allocated first, waiting out a shortage */
+        kvl_cmd *cmd;
+        while (!(cmd = calloc(1, sizeof *cmd)) && !atomic_load(&a->stopping))
+            nanosleep(&(struct timespec){.tv_nsec = 10000000}, NULL);
+        if (!cmd) {
+            free(job);
+            return NULL;
+        }
         kvl_ep *ep = NULL;
         int kind = job->path < 0 ? KVL_CONN_CONTROL : KVL_CONN_DATA;
         uint16_t idx = job->path < 0 ? 0 : (uint16_t)job->path;
         kvl_err e = kvl_peer_open_conn(a, job->peer, job->local, job->host, job->port, kind,
                                        idx, &ep);
-        if (!cmd) {
-            if (ep)
-                a->tp->discard(ep);
-            free(job);
-            continue;
-        }
         cmd->type = KVL_CMD_PROBED;
         cmd->peer = job->peer;
         cmd->path = job->path;

@@ -318,3 +318,46 @@ def test_per_chunk_overhead(benchmark: Any, bench_report: list[str]) -> None:
             f"  interleaved push in {n:>3} chunks: {wall_ms:6.2f} ms wall "
             f"({PUSH_BYTES / wall_ms / 1e6:4.2f} GB/s), CPU {cpu_ms:5.2f} ms (median)"
         )
+
+
+# ---- the receiver's handle: polling cost --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def inbound_handles() -> Any:
+    """300 finished pushes (4 layers of 64 KiB each) and their receiver-side handles."""
+    with ExitStack() as stack:
+        rx = stack.enter_context(kvlink.Agent("micro-inbound-rx", nics="loopback:1"))
+        tx = stack.enter_context(kvlink.Agent("micro-inbound-tx", nics="loopback:1"))
+        dst = np.zeros(4 * 64 * KiB, np.uint8)
+        src = np.ones_like(dst)
+        rid = rx.register(dst, remote_write=True).id
+        sid = tx.register(src).id
+        tx.add_peer(rx.metadata())
+        segs = [kvlink.Segment(sid, i * 64 * KiB, rid, i * 64 * KiB, 64 * KiB, i) for i in range(4)]
+        handles = []
+        for i in range(300):
+            tx.push(rx.name, segments=segs, notify=b"r%d" % i).wait(timeout_s=10)
+            handles.append(rx.inbound(b"r%d" % i, timeout_s=10))
+        yield handles
+
+
+@pytest.mark.benchmark(group="inbound")
+def test_inbound_poll_300_handles(
+    benchmark: Any, inbound_handles: Any, bench_report: list[str]
+) -> None:
+    """One engine step's worth of polling: ``done`` and ``layers_done()`` of 300
+    inbound pushes, as a serving engine would check them every step."""
+
+    def poll() -> int:
+        return sum(h.layers_done() for h in inbound_handles if h.done)
+
+    assert benchmark(poll) == 4 * len(inbound_handles)
+    stats = _stats(benchmark)
+    if stats is not None:
+        us = stats.median * 1e6
+        benchmark.extra_info["poll_300_handles_us"] = round(us, 1)
+        bench_report.append(
+            f"inbound: done + layers_done() of 300 handles: {us:6.1f} us "
+            f"({us / 300 * 1e3:5.0f} ns per handle, median)"
+        )

@@ -288,7 +288,7 @@ static int close_drained(kvl_agent *a, uint64_t now)
     if (now >= a->linger_end_ns)
         return 1;
     for (kvl_peer *p = a->eng_peers; p; p = p->eng_next)
-        if (kvl_notify_pending(p))
+        if (p->active || kvl_notify_pending(p)) /* a failed push retires with its END */
             return 0;
     for (kvl_conn *c = a->conns; c; c = kvl_conn_next(c))
         if (kvl_conn_has_output(c))

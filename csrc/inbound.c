@@ -443,8 +443,16 @@ kvl_err kvl_inbound_next(kvl_agent *a, const void *tag, size_t tag_len, int any_
         return kvl_fail(KVL_ERR_CLOSED, "the agent is closed");
     if (any_tag)
         return kvl_fail(KVL_ERR_TIMEOUT, "no inbound push announced within %u ms", timeout_ms);
-    return kvl_fail(KVL_ERR_TIMEOUT, "no inbound push with that notify tag (%zu bytes) within %u ms",
-                    tag_len, timeout_ms);
+    char shown[64];
+    size_t k = 0;
+    for (size_t i = 0; i < tag_len && k + 5 < sizeof shown; i++) {
+        uint8_t ch = ((const uint8_t *)tag)[i];
+        k += (size_t)snprintf(shown + k, sizeof shown - k, ch >= 32 && ch < 127 && ch != '\'' ? "%c" : "\\x%02x", ch);
+    }
+    return kvl_fail(KVL_ERR_TIMEOUT,
+                    "no inbound push with notify tag '%s%s' within %u ms (each push is handed out "
+                    "once: was it taken already?)",
+                    shown, k + 5 >= sizeof shown ? "..." : "", timeout_ms);
 }
 
 static int inx_wait(kvl_inxfer *t, int (*pred)(void *, uint32_t), uint32_t arg,

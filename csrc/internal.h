@@ -255,6 +255,7 @@ typedef struct kvl_path {
     uint64_t hedges;
     uint64_t t_down_ns;
     uint32_t probe_fails;      /* reconnects that failed since the path last was up */
+    char down_cause[96];       /* why it left service, kept through failed reconnects */
     uint64_t t_stall_ns;       /* STALLED since */
     uint64_t stall_acked, stall_received; /* TCP counters when it stalled */
     uint32_t stall_limit_ms;   /* silence that counted as a stall at that moment */

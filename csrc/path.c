@@ -41,8 +41,10 @@ void kvl_path_set_state(kvl_peer *p, kvl_path *pa, uint32_t state, const char *w
     if (state == KVL_PATH_DOWN || state == KVL_PATH_STALLED) {
         if (why)
             snprintf(pa->last_error, sizeof pa->last_error, "%s", why);
-        if (old == KVL_PATH_UP || old == KVL_PATH_DEGRADED)
+        if (old == KVL_PATH_UP || old == KVL_PATH_DEGRADED) {
             pa->t_down_ns = kvl_now_ns(); /* when it left service (stalled or down) */
+            snprintf(pa->down_cause, sizeof pa->down_cause, "%s", why ? why : "");
+        }
     }
     /* DEGRADED <-> UP follows the rate every tick and PROBING is routine:
      * those are debug; losing and regaining a path is what operators want */

@@ -217,7 +217,8 @@ kvl_err kvl_peer_remove(kvl_agent *a, const char *name)
     pthread_mutex_unlock(&a->mu);
     if (!p) {
         free(cmd);
-        return kvl_fail(KVL_ERR_UNKNOWN_PEER, "remove_peer: no peer named '%s'", name);
+        return kvl_fail(KVL_ERR_UNKNOWN_PEER,
+                        "remove_peer: no peer named '%s' (never added, or removed already)", name);
     }
     kvl_engine_post(a, cmd);
     return KVL_OK;

@@ -139,7 +139,15 @@ void kvl_prober_done(kvl_agent *a, kvl_cmd *cmd)
         a->tp->discard(cmd->ep);
     cmd->ep = NULL;
     if (!c) {
-        kvl_monitor_probe_failed(p, pa, now, cmd->error[0] ? cmd->error : "reconnect failed");
+        char why[sizeof pa->last_error];
+        const char *err = cmd->error[0] ? cmd->error : "reconnect failed";
+        size_t plen = strlen(p->name);
+        if (!strncmp(err, "peer '", 6) && !strncmp(err + 6, p->name, plen) &&
+            !strncmp(err + 6 + plen, "': ", 3))
+            err += 9 + plen; /* the peer is named where this is shown */
+        snprintf(why, sizeof why, "%s; down since: %s", err,
+                 pa->down_cause[0] ? pa->down_cause : "?");
+        kvl_monitor_probe_failed(p, pa, now, why);
         if (cmd->path >= 0) {
             pa->probe_fails++;
             kvl_peer_update_hint(p);

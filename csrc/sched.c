@@ -431,9 +431,18 @@ void kvl_sched_check_reachable(kvl_peer *p)
     char msg[512];
     size_t off = (size_t)snprintf(msg, sizeof msg, "peer '%s': all %u path(s) are down", p->name,
                                   p->n_paths);
-    for (uint32_t i = 0; i < p->n_paths && off < sizeof msg; i++)
-        off += (size_t)snprintf(msg + off, sizeof msg - off, "; path %u %s->%s: %s", i,
-                                p->paths[i].local, p->paths[i].remote, p->paths[i].last_error);
+    /* every path gets its share of the message, so none is cut off the end */
+    size_t share = off < sizeof msg ? (sizeof msg - off) / p->n_paths : 0;
+    for (uint32_t i = 0; i < p->n_paths && share > 1 && off < sizeof msg; i++) {
+        const char *why = p->paths[i].last_error;
+        size_t plen = strlen(p->name);
+        if (!strncmp(why, "peer '", 6) && !strncmp(why + 6, p->name, plen) &&
+            !strncmp(why + 6 + plen, "': ", 3))
+            why += 9 + plen; /* the peer is named once, above */
+        int n = snprintf(msg + off, share, "; path %u %s->%s: %s", i, p->paths[i].local,
+                         p->paths[i].remote, why);
+        off += n < 0 ? 0 : (size_t)n < share ? (size_t)n : share - 1;
+    }
     for (kvl_xfer *x = p->active, *next; x; x = next) {
         next = x->next_active;
         if (kvl_xfer_running(x))

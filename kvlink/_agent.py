@@ -259,7 +259,7 @@ class Transfer:
 
     def _wait(self, fn: Any, *args: Any, timeout_s: float | None) -> None:
         rc = sliced(lambda step_ms: int(fn(self._x, *args, step_ms)), timeout_s)
-        check(rc, transfer=True, peer=self.peer, transfer_id=self.id)
+        check(rc, transfer=True, peer=self.peer, transfer_id=self.id, waited_s=timeout_s)
 
     def wait(self, timeout_s: float | None = None) -> Transfer:
         """Blocks until every byte is verified at the destination.
@@ -302,7 +302,7 @@ class Transfer:
                         timeout_s)
             if rc == ErrorCode.END:
                 return
-            check(rc, transfer=True, peer=self.peer, transfer_id=self.id)
+            check(rc, transfer=True, peer=self.peer, transfer_id=self.id, waited_s=timeout_s)
             yield ChunkEvent.from_c(ev)
 
 
@@ -567,6 +567,8 @@ class Agent:
             HandshakeError: the peer is not the agent the metadata names, or
                 speaks another protocol version.
         """
+        if self._closed:
+            raise ClosedError(f"agent {self.name!r} is closed; create a new Agent")
         md = _parse_metadata(metadata)
         hosts = [ffi.new("char[]", h.encode()) for h, _ in md["addrs"]]
         harr = ffi.new("const char *[]", hosts)
@@ -914,7 +916,7 @@ class Agent:
             finally:
                 self._exit()
 
-        check(sliced(take, timeout_s), transfer=True)
+        check(sliced(take, timeout_s), transfer=True, waited_s=timeout_s)
         return InboundTransfer(out[0])
 
     def notifications(self, timeout_s: float = 0.0) -> list[Notification]:

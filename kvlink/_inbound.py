@@ -138,7 +138,7 @@ class InboundTransfer:
 
     def _wait(self, fn: Any, *args: Any, timeout_s: float | None) -> None:
         rc = sliced(lambda step_ms: int(fn(self._t, *args, step_ms)), timeout_s)
-        check(rc, transfer=True, peer=self.peer)
+        check(rc, transfer=True, peer=self.peer, waited_s=timeout_s)
 
     def wait(self, timeout_s: float | None = None) -> InboundTransfer:
         """Blocks until every byte of the push is verified here.
@@ -177,5 +177,5 @@ class InboundTransfer:
             )
             if rc == ErrorCode.END:
                 return
-            check(rc, transfer=True, peer=self.peer)
+            check(rc, transfer=True, peer=self.peer, waited_s=timeout_s)
             yield ChunkEvent.from_c(ev)

@@ -25,6 +25,18 @@ from ._native import cstr, ffi, lib
 log = logging.getLogger("kvlink")
 log.addHandler(logging.NullHandler())  # a library: the application decides where logs go
 
+
+def _context_defaults(record: logging.LogRecord) -> bool:
+    """Every "kvlink" record carries kvlink_peer and kvlink_path (None when
+    no peer or path is concerned), so format strings may name them."""
+    for name in ("kvlink_peer", "kvlink_path"):
+        if not hasattr(record, name):
+            setattr(record, name, None)
+    return True
+
+
+log.addFilter(_context_defaults)
+
 _WAIT_MS = 1000  # the thread is woken at close, so this only bounds a lost wake-up
 
 

@@ -8,9 +8,13 @@ other Python threads.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ._errors import ErrorCode, error_for
+
+# "within 199 ms" / "after 199 ms" in the C core's timeout messages
+_SLICE_MS = re.compile(r"\b(within|after) \d+ ms\b")
 
 try:
     from ._kvlink_c import ffi, lib
@@ -34,14 +38,21 @@ def check(
     transfer: bool = False,
     peer: str | None = None,
     transfer_id: int | None = None,
+    waited_s: float | None = None,
 ) -> None:
     """Raises the exception for ``rc`` unless it is KVL_OK.
+
+    ``waited_s``: the caller's whole timeout, for a wait the Python layer ran
+    in slices; a TIMEOUT message then names it instead of the last slice.
 
     Raises:
         KvlinkError: the subclass matching ``rc``, with the C core's message.
     """
     if rc != 0:
-        raise error_for(rc, last_error(), transfer=transfer, peer=peer, transfer_id=transfer_id)
+        msg = last_error()
+        if rc == ErrorCode.TIMEOUT and waited_s is not None:
+            msg = _SLICE_MS.sub(lambda m: f"{m.group(1)} {waited_s:g} s", msg, count=1)
+        raise error_for(rc, msg, transfer=transfer, peer=peer, transfer_id=transfer_id)
 
 
 def cstr(data: Any) -> str:

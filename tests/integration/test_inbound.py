@@ -126,3 +126,31 @@ def test_data_without_announce_is_refused_and_huge_chunk_index_is_harmless(make_
     assert (dst[:64] == 1).all() and not dst[64:].any()
     h = rx.inbound(timeout_s=1)  # the announced one, done
     assert h.ok and h.peer == "raw"
+
+
+def test_sender_closing_with_nothing_queued_fails_the_handle_at_once(make_agent):
+    # close() used to stop before the failed push retired, so its END never
+    # left and the receiver's handle waited for the push's deadline (60 s)
+    cfg = {"chunk_bytes": 4096, "min_chunk_bytes": 4096, "window_chunks": 1, "window_bytes": 0}
+    rx = make_agent("rx", nics="loopback:2", **cfg)
+    tx = make_agent("tx", nics="loopback:2", **cfg)
+    dst = np.zeros(32 * MiB, np.uint8)
+    src = np.full(32 * MiB, 3, np.uint8)
+    rx.register(dst, remote_write=True, name="kv")
+    tx.register(src)
+    tx.add_peer(rx.metadata())
+    h = tx.push("rx", src=src, dst="kv", notify=b"slow")
+    ib = rx.inbound(b"slow", timeout_s=10)
+    tx.close()
+    assert h.state == kvlink.TransferState.FAILED or h.ok
+    if h.ok:
+        pytest.skip("the push finished before close(); nothing was tested")
+    with pytest.raises(kvlink.TransferAbortedError, match="closed"):
+        ib.wait(timeout_s=20)
+
+
+def test_timeout_messages_name_the_whole_wait(make_agent):
+    rx = make_agent("rx")
+    with pytest.raises(kvlink.TransferTimeoutError) as ei:
+        rx.inbound(b"never", timeout_s=0.7)
+    assert "within 0.7 s" in str(ei.value) and "'never'" in str(ei.value)

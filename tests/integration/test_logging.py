@@ -40,3 +40,14 @@ def test_path_down_and_failure_are_logged_with_peer_and_path(make_agent, spawn_p
     assert {r.kvlink_path for r in downs} >= {0, 1}, caplog.text
     assert all(r.kvlink_peer == "rx" and r.levelno >= logging.DEBUG for r in downs)
     assert any(r.levelno == logging.WARNING and "UP -> DOWN" in r.getMessage() for r in downs)
+
+
+def test_every_kvlink_record_carries_the_context_fields(make_agent, caplog):
+    # a format naming %(kvlink_peer)s must work for the library's own records too
+    caplog.set_level(logging.INFO, logger="kvlink")
+    make_agent("ctx")
+    records = [r for r in caplog.records if r.name == "kvlink"]
+    assert records
+    for r in records:
+        assert hasattr(r, "kvlink_peer") and hasattr(r, "kvlink_path")
+        logging.Formatter("%(kvlink_peer)s %(kvlink_path)s %(message)s").format(r)

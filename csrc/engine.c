@@ -194,6 +194,17 @@ uint8_t *kvl_engine_scratch(kvl_agent *a, size_t *len)
     return a->scratch;
 }
 
+/* A submitted transfer joins its peer's FIFO (it retires from there). */
+static void append_active(kvl_peer *p, kvl_xfer *x)
+{
+    x->next_active = NULL;
+    if (p->active_tail)
+        p->active_tail->next_active = x;
+    else
+        p->active = x;
+    p->active_tail = x;
+}
+
 static void run_commands(kvl_agent *a)
 {
     pthread_mutex_lock(&a->mu);
@@ -208,14 +219,8 @@ static void run_commands(kvl_agent *a)
         } else if (p && p->retiring && cmd->type != KVL_CMD_PROBED) {
             /* removed or replaced: new work fails, nothing else is started */
             if (cmd->type == KVL_CMD_SUBMIT) {
-                kvl_xfer *x = cmd->xfer;
-                x->next_active = NULL;
-                if (p->active_tail)
-                    p->active_tail->next_active = x;
-                else
-                    p->active = x;
-                p->active_tail = x;
-                kvl_sched_fail(x, KVL_ERR_CONN_LOST, "peer '%s' was removed", p->name);
+                append_active(p, cmd->xfer);
+                kvl_sched_fail(cmd->xfer, KVL_ERR_CONN_LOST, "peer '%s' was removed", p->name);
             } else if (cmd->type == KVL_CMD_REFRESH) {
                 pthread_mutex_lock(&p->mu);
                 p->refresh_pending = 0; /* the waiter gives up now */
@@ -224,14 +229,7 @@ static void run_commands(kvl_agent *a)
             }
             free(cmd->tag);
         } else if (cmd->type == KVL_CMD_SUBMIT) {
-            kvl_xfer *x = cmd->xfer;
-            p = x->peer;
-            x->next_active = NULL;
-            if (p->active_tail)
-                p->active_tail->next_active = x;
-            else
-                p->active = x;
-            p->active_tail = x;
+            append_active(p, cmd->xfer);
             /* a path being re-probed may come back within the deadline:
              * the transfer waits for it (the same rule as submit's) */
             kvl_sched_check_reachable(p);

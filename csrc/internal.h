@@ -183,6 +183,8 @@ void kvl_dec_piece(const kvl_msg_chunk *m, uint32_t i, kvl_wire_piece *p);
 /* Decodes the region record at p (from a table kvl_dec_hello_ack accepted)
  * and returns where the next one starts. */
 const uint8_t *kvl_dec_region_next(const uint8_t *p, kvl_region_info *r);
+/* The whole table of an accepted HELLO_ACK/REGIONS, in a new array (caller frees). */
+kvl_err kvl_dec_region_table(const kvl_msg_hello_ack *m, kvl_region_info **out);
 
 /* ---- the transport interface (csrc/transport/transport.h) ---- */
 #include "transport/transport.h"

@@ -93,14 +93,11 @@ static kvl_err handshake(kvl_agent *a, kvl_peer *p, kvl_ep *ep, int kind, uint16
     }
     *instance = ack.instance;
     if (kind == KVL_CONN_CONTROL) {
-        kvl_region_info *tab = calloc(ack.n_regions ? ack.n_regions : 1, sizeof *tab);
-        if (!tab) {
+        kvl_region_info *tab;
+        if ((e = kvl_dec_region_table(&ack, &tab))) {
             free(body);
-            return kvl_fail(KVL_ERR_NOMEM, "handshake: out of memory");
+            return e;
         }
-        const uint8_t *rec = ack.regions;
-        for (uint32_t i = 0; i < ack.n_regions; i++)
-            rec = kvl_dec_region_next(rec, &tab[i]);
         pthread_mutex_lock(&p->mu);
         free(p->regions);
         p->regions = tab;

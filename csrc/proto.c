@@ -572,14 +572,11 @@ static void on_regions(kvl_conn *c)
         return;
     }
     kvl_peer *p = c->peer;
-    kvl_region_info *tab = calloc(m.n_regions ? m.n_regions : 1, sizeof *tab);
-    if (!tab) {
-        kvl_conn_fail(c, KVL_ERR_NOMEM, "out of memory");
+    kvl_region_info *tab;
+    if (kvl_dec_region_table(&m, &tab)) {
+        kvl_conn_fail(c, KVL_ERR_NOMEM, kvl_last_error());
         return;
     }
-    const uint8_t *rec = m.regions;
-    for (uint32_t i = 0; i < m.n_regions; i++)
-        rec = kvl_dec_region_next(rec, &tab[i]);
     pthread_mutex_lock(&p->mu);
     free(p->regions);
     p->regions = tab;

@@ -296,6 +296,19 @@ kvl_err kvl_dec_hello_ack(const uint8_t *body, size_t len, kvl_msg_hello_ack *m)
     return finish(&r, "HELLO_ACK/REGIONS");
 }
 
+kvl_err kvl_dec_region_table(const kvl_msg_hello_ack *m, kvl_region_info **out)
+{
+    kvl_region_info *tab = calloc(m->n_regions ? m->n_regions : 1, sizeof *tab);
+    if (!tab)
+        return kvl_fail(KVL_ERR_NOMEM, "out of memory for a region table of %u entries",
+                        m->n_regions);
+    const uint8_t *rec = m->regions;
+    for (uint32_t i = 0; i < m->n_regions; i++)
+        rec = kvl_dec_region_next(rec, &tab[i]);
+    *out = tab;
+    return KVL_OK;
+}
+
 const uint8_t *kvl_dec_region_next(const uint8_t *p, kvl_region_info *r)
 {
     r->id = ld_u64(p);

@@ -189,6 +189,12 @@ void kvl_sched_dispatch(kvl_peer *p)
     kvl_agent *a = p->agent;
     kvl_path_view v[KVL_MAX_PATHS];
     snapshot(p, v, kvl_now_ns());
+    /* bytes not yet in flight, over the peer's running transfers: summed once
+     * here, then kept up to date as chunks go out */
+    uint64_t pending = 0;
+    for (kvl_xfer *y = p->active; y; y = y->next_active)
+        if (kvl_xfer_running(y))
+            pending += y->bytes_pending;
     for (;;) {
         uint32_t ci = 0;
         kvl_xfer *x = next_chunk(p, &ci);
@@ -207,10 +213,6 @@ void kvl_sched_dispatch(kvl_peer *p)
                 return;
             }
         } else {
-            uint64_t pending = 0;
-            for (kvl_xfer *y = p->active; y; y = y->next_active)
-                if (kvl_xfer_running(y))
-                    pending += y->bytes_pending;
             int i = kvl_policy_pick(v, p->n_paths, bytes, pending, a->cfg.window_chunks,
                                     a->cfg.window_bytes);
             best = i < 0 ? NULL : &p->paths[i];
@@ -218,6 +220,7 @@ void kvl_sched_dispatch(kvl_peer *p)
         if (!best)
             return; /* wait: for room on the best path, or for a path to come back */
         take_chunk(x, ci);
+        pending -= pending >= bytes ? bytes : pending;
         account_send(x, ci, best, 0);
         v[best->index].inflight_bytes = best->inflight_bytes;
         v[best->index].inflight_chunks = best->inflight_chunks;

@@ -226,6 +226,40 @@ static int any_path_up(kvl_peer *p)
     return atomic_load(&p->may_work); /* the engine's hint: caller threads read no path state */
 }
 
+/* Whether the agent behind old may still run, asked of the kernel rather
+ * than the engine: a killed agent's sockets close at once, but the engine
+ * marks its paths down only after it read the close and a reconnect failed.
+ * Some listen address of old still accepting a connection (and not now the
+ * new metadata's) counts as alive.  The data path addresses are copied under
+ * a->mu: they are set before the peer is published and never change. */
+typedef struct old_addr {
+    char local[48], rhost[48];
+    uint16_t rport;
+} old_addr;
+
+typedef struct old_addrs {
+    uint32_t n;
+    old_addr at[KVL_MAX_PATHS];
+} old_addrs;
+
+static int old_agent_listens(kvl_agent *a, const old_addrs *old, const char *const *hosts,
+                             const uint16_t *ports, size_t n)
+{
+    for (uint32_t i = 0; i < old->n; i++) {
+        const old_addr *pa = &old->at[i];
+        int taken = 0; /* the new agent listens there now */
+        for (size_t j = 0; j < n; j++)
+            taken |= ports[j] == pa->rport && strcmp(hosts[j], pa->rhost) == 0;
+        kvl_ep *ep = NULL;
+        if (taken || !pa->rhost[0] ||
+            a->tp->connect(a, pa->local, pa->rhost, pa->rport, a->cfg.connect_timeout_ms, &ep))
+            continue;
+        a->tp->discard(ep);
+        return 1;
+    }
+    return 0;
+}
+
 kvl_err kvl_peer_connect(kvl_agent *a, const char *name, uint64_t instance,
                          const char *const *hosts, const uint16_t *ports, size_t n,
                          kvl_peer **out)
@@ -251,18 +285,27 @@ kvl_err kvl_peer_connect(kvl_agent *a, const char *name, uint64_t instance,
     for (kvl_peer *q = a->peers; q; q = q->next)
         if (!q->replaced && strcmp(q->name, name) == 0)
             old = q;
-    if (old && any_path_up(old)) {
+    if (old && any_path_up(old) && (instance == 0 || instance == old->instance)) {
         pthread_mutex_unlock(&a->mu);
-        if (instance == 0 || instance == old->instance) {
-            *out = old;
-            return KVL_OK;
-        }
+        *out = old;
+        return KVL_OK;
+    }
+    int conflict = old && any_path_up(old);
+    old_addrs was = {.n = conflict ? old->n_paths : 0};
+    for (uint32_t i = 0; i < was.n; i++) {
+        snprintf(was.at[i].local, sizeof was.at[i].local, "%s", old->paths[i].local);
+        snprintf(was.at[i].rhost, sizeof was.at[i].rhost, "%s", old->paths[i].rhost);
+        was.at[i].rport = old->paths[i].rport;
+    }
+    uint64_t old_instance = old ? old->instance : 0;
+    pthread_mutex_unlock(&a->mu);
+    if (conflict && old_agent_listens(a, &was, hosts, ports, n))
         return kvl_fail(KVL_ERR_PEER_EXISTS,
                         "peer '%s' is already connected as instance %016llx and this metadata "
-                        "names instance %016llx: two live agents share the name",
-                        name, (unsigned long long)old->instance, (unsigned long long)instance);
-    }
-    pthread_mutex_unlock(&a->mu);
+                        "names instance %016llx: two live agents share the name (if the old "
+                        "one is gone, remove_peer('%s') first)",
+                        name, (unsigned long long)old_instance, (unsigned long long)instance,
+                        name);
 
     kvl_peer *p = calloc(1, sizeof *p);
     if (!p)

@@ -49,3 +49,32 @@ def test_restarted_peer_replaces_the_old_one(make_agent, spawn_peer):
         rx.kill()
     # only the live peer's paths are listed: replaced ones are gone
     assert len(tx.paths()) == 2
+
+
+def test_restart_is_recognised_before_the_engine_sees_the_old_one_die(make_agent, spawn_peer):
+    """add_peer right after the old agent died: its paths still look up to
+    the engine (no reconnect has failed yet), but nothing listens at its
+    addresses any more, so the new instance replaces it."""
+    tx = make_agent("tx", nics="loopback:2")
+    src = np.full(MiB, 5, np.uint8)
+    tx.register(src)
+    old = spawn_peer("rx", nics="loopback:2")
+    old.call("alloc", key="kv", nbytes=MiB, remote_write=True, name="kv")
+    tx.add_peer(old.metadata)
+    tx.push("rx", src=src, dst="kv").wait(timeout_s=30)
+    new = spawn_peer("rx", nics="loopback:2")  # ready before the old one dies
+    new.call("alloc", key="kv", nbytes=MiB, remote_write=True, name="kv")
+    old.kill()
+    tx.add_peer(new.metadata)
+    tx.push("rx", src=src, dst="kv").wait(timeout_s=30)
+    assert new.call("digest", key="kv")["digest"] == digest(src)
+
+
+def test_two_live_agents_of_one_name_are_refused(make_agent, spawn_peer):
+    tx = make_agent("tx", nics="loopback:2")
+    first = spawn_peer("rx", nics="loopback:2")
+    second = spawn_peer("rx", nics="loopback:2")
+    tx.add_peer(first.metadata)
+    with pytest.raises(kvlink.DuplicateNameError, match=r"two live agents.*remove_peer\('rx'\)"):
+        tx.add_peer(second.metadata)
+    assert len(tx.paths()) == 2  # the first one is untouched

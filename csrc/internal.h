@@ -322,7 +322,6 @@ struct kvl_xfer {
     uint32_t *hattempt;        /* per chunk: attempt number of the hedge copy */
     uint8_t *fails;            /* per chunk: copies lost to errors (limit: max_attempts) */
     uint32_t *powner;          /* pull, per chunk: the attempt placing bytes (newest wins) */
-    uint64_t *t_sent_ns;
     uint32_t next_chunk;       /* next never-sent chunk */
     uint64_t bytes_pending;    /* bytes of chunks not in flight and not done */
     uint32_t *retry;           /* chunks to resend first */
@@ -334,7 +333,6 @@ struct kvl_xfer {
     int fin;                   /* engine's view of the outcome (kvl_xfer_state); callers see
                                   it in info.state only once the transfer has let go of its
                                   regions, so "done" means deregister() will succeed */
-    int retired;
     struct kvl_xfer *next_active;
     struct kvl_xfer *next_all;
     /* shared with callers: under mu */
@@ -432,7 +430,7 @@ struct kvl_agent {
     /* local NICs behind our addresses, for competing-traffic counters */
     struct kvl_nic {
         char ifname[32];
-        uint64_t tx, rx;       /* counters at the previous tick */
+        uint64_t tx;           /* tx_bytes at the previous tick */
         uint64_t ours_tx;      /* our payload bytes through it at the previous tick */
         double other_Bps;
     } *nics;

@@ -100,9 +100,8 @@ static void sample_nics(kvl_agent *a, uint64_t now)
     double dt = a->t_nic_ns ? (double)(now - a->t_nic_ns) / 1e9 : 0;
     for (size_t k = 0; k < a->n_nics; k++) {
         struct kvl_nic *n = &a->nics[k];
-        uint64_t tx, rx;
-        if (!n->ifname[0] || read_counter(n->ifname, "tx_bytes", &tx) ||
-            read_counter(n->ifname, "rx_bytes", &rx))
+        uint64_t tx;
+        if (!n->ifname[0] || read_counter(n->ifname, "tx_bytes", &tx))
             continue;
         if (dt > 0 && tx >= n->tx) {
             double mine = (double)(ours[k] - n->ours_tx) * OVERHEAD;
@@ -112,7 +111,6 @@ static void sample_nics(kvl_agent *a, uint64_t now)
             n->other_Bps = (1 - NIC_EWMA) * n->other_Bps + NIC_EWMA * other;
         }
         n->tx = tx;
-        n->rx = rx;
         n->ours_tx = ours[k];
     }
     a->t_nic_ns = now;

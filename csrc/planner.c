@@ -14,22 +14,15 @@
 
 #define ALIGN 4096u         /* chunk sizes stay page multiples */
 
-static const kvl_segment *sort_base;
-
-static int by_layer(const void *a, const void *b)
+/* Sort keys: layer in the high half, the segment's index in the low half,
+ * so plain qsort (no context argument, no shared state) is stable. */
+static int by_key(const void *a, const void *b)
 {
-    uint32_t ia = *(const uint32_t *)a, ib = *(const uint32_t *)b;
-    uint32_t la = sort_base[ia].layer, lb = sort_base[ib].layer;
-    if (la != lb)
-        return la < lb ? -1 : 1;
-    return ia < ib ? -1 : ia > ib; /* stable: keep the caller's order in a layer */
+    uint64_t ka = *(const uint64_t *)a, kb = *(const uint64_t *)b;
+    return ka < kb ? -1 : ka > kb;
 }
 
 static uint64_t ceil_div(uint64_t a, uint64_t b) { return a / b + (a % b != 0); }
-
-/* qsort has no context argument in C99; the planner is called from many
- * threads, so sorting is serialised.  Plans are made once per transfer. */
-static pthread_mutex_t sort_mu = PTHREAD_MUTEX_INITIALIZER;
 
 static kvl_err sort_segments(const kvl_segment *segs, size_t n, uint32_t *order)
 {
@@ -39,12 +32,17 @@ static kvl_err sort_segments(const kvl_segment *segs, size_t n, uint32_t *order)
         if (i && segs[i].layer < segs[i - 1].layer)
             sorted = 0;
     }
-    if (!sorted) {
-        pthread_mutex_lock(&sort_mu);
-        sort_base = segs;
-        qsort(order, n, sizeof *order, by_layer);
-        pthread_mutex_unlock(&sort_mu);
-    }
+    if (sorted)
+        return KVL_OK;
+    uint64_t *keys = malloc(n * sizeof *keys);
+    if (!keys)
+        return kvl_fail(KVL_ERR_NOMEM, "plan: out of memory sorting %zu segments", n);
+    for (size_t i = 0; i < n; i++)
+        keys[i] = (uint64_t)segs[i].layer << 32 | i;
+    qsort(keys, n, sizeof *keys, by_key);
+    for (size_t i = 0; i < n; i++)
+        order[i] = (uint32_t)keys[i];
+    free(keys);
     return KVL_OK;
 }
 
@@ -124,7 +122,11 @@ kvl_err kvl_plan_make(const kvl_segment *segs, size_t n_segs, uint32_t n_paths,
     uint32_t *order = malloc(n_segs * sizeof *order);
     if (!order)
         return kvl_fail(KVL_ERR_NOMEM, "plan: out of memory for %zu segments", n_segs);
-    sort_segments(segs, n_segs, order);
+    kvl_err e = sort_segments(segs, n_segs, order);
+    if (e) {
+        free(order);
+        return e;
+    }
     uint64_t target = pick_target(segs, order, n_segs, total, n_paths, chunk_bytes,
                                   min_chunk_bytes);
 

@@ -93,7 +93,6 @@ static void account_send(kvl_xfer *x, uint32_t ci, kvl_path *pa, int hedge)
         x->cpath[ci] = (uint8_t)pa->index;
         x->pattempt[ci] = x->attempt[ci];
         x->hpath[ci] = KVL_NO_PATH;
-        x->t_sent_ns[ci] = now;
     }
     x->cstate[ci] = KVL_CHUNK_INFLIGHT;
     pa->inflight_bytes += x->plan.chunks[ci].bytes;
@@ -506,7 +505,6 @@ static void retire(kvl_peer *p, kvl_xfer *x, kvl_xfer *prev)
     for (size_t i = 0; i < x->n_held; i++)
         kvl_regions_release(&p->agent->regions, x->held[i]);
     x->n_held = 0;
-    x->retired = 1;
     kvl_xfer_publish(x);
     kvl_xfer_release(x); /* the engine's reference */
 }

@@ -43,7 +43,6 @@ static void xfer_free(kvl_xfer *x)
     free(x->hattempt);
     free(x->fails);
     free(x->powner);
-    free(x->t_sent_ns);
     free(x->retry);
     free(x->layer_left);
     free(x->layer_done);
@@ -159,12 +158,11 @@ static kvl_err alloc_state(kvl_xfer *x)
     x->hattempt = calloc(nc, sizeof *x->hattempt);
     x->fails = calloc(nc, 1);
     x->powner = calloc(nc, sizeof *x->powner);
-    x->t_sent_ns = calloc(nc, sizeof *x->t_sent_ns);
     x->retry = calloc(nc, sizeof *x->retry);
     x->events = calloc(nc, sizeof *x->events);
     x->layer_left = calloc(nl, sizeof *x->layer_left);
     x->layer_done = malloc(nl);
-    if (!x->cstate || !x->attempt || !x->cpath || !x->t_sent_ns || !x->retry || !x->events ||
+    if (!x->cstate || !x->attempt || !x->cpath || !x->retry || !x->events ||
         !x->layer_left || !x->layer_done || !x->hpath || !x->pattempt || !x->hattempt ||
         !x->fails || !x->powner)
         return kvl_fail(KVL_ERR_NOMEM, "submit: out of memory for %zu chunks", nc);

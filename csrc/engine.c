@@ -436,6 +436,8 @@ kvl_err kvl_agent_create(const kvl_config *cfg, kvl_agent **out)
     }
     if (getrandom(&a->instance, sizeof a->instance, 0) != sizeof a->instance)
         a->instance = kvl_now_ns() ^ ((uint64_t)getpid() << 32);
+    if (getrandom(&a->rx_seed, sizeof a->rx_seed, 0) != sizeof a->rx_seed)
+        a->rx_seed = kvl_now_ns() * 0x9e3779b97f4a7c15ull;
     a->epfd = epoll_create1(EPOLL_CLOEXEC);
     a->wakefd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (a->epfd < 0 || a->wakefd < 0) {

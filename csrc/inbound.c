@@ -216,12 +216,31 @@ static void queue_expire(kvl_agent *a, uint64_t now)
 
 /* ---- entries (engine thread) ---- */
 
+/* Every DATA frame looks its transfer up: a hash over a secret seed keeps
+ * that O(1) however many entries senders create (and whatever ids they pick). */
+static kvl_rx_xfer **bucket(kvl_agent *a, uint64_t instance, uint64_t xfer)
+{
+    uint64_t h = (instance ^ a->rx_seed) + xfer * 0x9e3779b97f4a7c15ull; /* splitmix64 */
+    h = (h ^ (h >> 30)) * 0xbf58476d1ce4e5b9ull;
+    h = (h ^ (h >> 27)) * 0x94d049bb133111ebull;
+    h ^= h >> 31;
+    return &a->rx_buckets[h % KVL_RX_BUCKETS];
+}
+
 static kvl_rx_xfer *find(kvl_agent *a, uint64_t instance, uint64_t xfer)
 {
-    for (kvl_rx_xfer *r = a->rx_xfers; r; r = r->next)
+    for (kvl_rx_xfer *r = *bucket(a, instance, xfer); r; r = r->hnext)
         if (r->instance == instance && r->xfer == xfer)
             return r;
     return NULL;
+}
+
+static void unhash(kvl_agent *a, kvl_rx_xfer *r)
+{
+    kvl_rx_xfer **pp = bucket(a, r->instance, r->xfer);
+    while (*pp != r)
+        pp = &(*pp)->hnext;
+    *pp = r->hnext;
 }
 
 static kvl_rx_xfer *entry_new(kvl_agent *a, uint64_t instance, uint64_t xfer)
@@ -235,6 +254,9 @@ static kvl_rx_xfer *entry_new(kvl_agent *a, uint64_t instance, uint64_t xfer)
     r->xfer = xfer;
     r->next = a->rx_xfers;
     a->rx_xfers = r;
+    kvl_rx_xfer **b = bucket(a, instance, xfer);
+    r->hnext = *b;
+    *b = r;
     a->n_rx_xfers++;
     return r;
 }
@@ -368,6 +390,7 @@ void kvl_rx_expire(kvl_agent *a, uint64_t now)
         uint64_t keep = r->ended ? ENDED_KEEP_NS : IDLE_KEEP_NS;
         if (!r->refs && now - r->t_last_ns > keep) {
             *pp = r->next;
+            unhash(a, r);
             if (r->h) {
                 inx_fail(r->h, KVL_ERR_CONN_LOST, "the sender went silent for %llu s",
                          (unsigned long long)(keep / 1000000000ull));
@@ -397,6 +420,7 @@ void kvl_rx_free_all(kvl_agent *a)
         free(r->chunks);
         free(r);
     }
+    memset(a->rx_buckets, 0, sizeof a->rx_buckets);
     a->n_rx_xfers = 0;
     a->rx_chunks_live = 0;
     while (a->inq_head) {

@@ -23,6 +23,7 @@
 #define KVL_MAX_CHUNK (1ull << 30)
 #define KVL_MAX_XFER_CHUNKS 65536 /* chunks per transfer: bounds ANNOUNCE to 512 KiB */
 #define KVL_MAX_LAYERS 65536      /* far above any model; bounds per-layer arrays */
+#define KVL_RX_BUCKETS 4096       /* inbound transfer lookup (at most 16384 entries) */
 /* Chunks per path a transfer is split into at least (above min_chunk_bytes):
  * enough that a path slowing down mid-transfer holds little of the work and
  * the tail evens out; measured on the testbed (docs/BENCHMARKS.md). */
@@ -407,6 +408,8 @@ struct kvl_agent {
     kvl_xfer *all_xfers;
     kvl_inbound *inbound;
     struct kvl_rx_xfer *rx_xfers; /* chunk ownership of inbound pushes (inbound.c) */
+    struct kvl_rx_xfer *rx_buckets[KVL_RX_BUCKETS]; /* the same entries by (instance, xfer) */
+    uint64_t rx_seed;          /* secret hash seed: senders cannot aim at one bucket */
     uint32_t n_rx_xfers;
     uint32_t rx_chunks_live;   /* chunks of announced pushes not yet ended (bounded) */
     pthread_mutex_t inq_mu;    /* handles of inbound pushes nobody took yet */
@@ -613,7 +616,8 @@ typedef struct kvl_rx_xfer {
     uint64_t t_last_ns;
     uint64_t deadline_ns;     /* the sender's deadline, as announced (0: none) */
     kvl_inxfer *h;            /* the application's handle, until the push ends */
-    struct kvl_rx_xfer *next;
+    struct kvl_rx_xfer *next;  /* a->rx_xfers: every entry */
+    struct kvl_rx_xfer *hnext; /* a->rx_buckets: entries of one hash bucket */
 } kvl_rx_xfer;
 /* ANNOUNCE from sender `instance` (agent `peer`): creates the entry and
  * queues its handle for kvl_inbound_next.  A repeat is ignored. */

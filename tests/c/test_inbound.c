@@ -192,6 +192,47 @@ static void test_deadline_without_end(void)
     agent_free(a);
 }
 
+/* A full table: every entry is found (by its hash bucket), through
+ * announce, claim, END and expiry; the expired ones are gone for good. */
+static void test_full_table_lookup(void)
+{
+    kvl_agent *a = agent_new();
+    a->rx_seed = 0x1234;
+    enum { N = 16384 };
+    for (uint64_t x = 1; x <= N; x++)
+        CHECK(announce(a, x * 977, 1, "") == KVL_OK);
+    int owned = 0, found_ended = 0, gone = 0;
+    for (uint64_t x = 1; x <= N; x++) {
+        kvl_rx_xfer *r = NULL;
+        uint32_t st = 0;
+        if (kvl_rx_claim(a, 7, x * 977, 0, 1, &r, &st) && r->xfer == x * 977) {
+            kvl_rx_done(r, 0, 1, 1, 0, 1000);
+            owned++;
+        }
+        kvl_msg_status end = {.xfer = x * 977};
+        kvl_rx_end(a, 7, &end);
+    }
+    CHECK(owned == N);
+    for (uint64_t x = 1; x <= N; x++) {
+        kvl_rx_xfer *r = NULL;
+        uint32_t st = 0;
+        found_ended += !kvl_rx_claim(a, 7, x * 977, 0, 2, &r, &st) && st == KVL_RX_SUPERSEDED;
+    }
+    CHECK(found_ended == N);
+    kvl_rx_expire(a, kvl_now_ns() + 400ull * 1000000000ull);
+    CHECK(a->n_rx_xfers == 0);
+    for (uint64_t x = 1; x <= N; x++) {
+        kvl_rx_xfer *r = NULL;
+        uint32_t st = 0;
+        gone += !kvl_rx_claim(a, 7, x * 977, 0, 3, &r, &st) && st == KVL_ERR_PROTOCOL;
+    }
+    CHECK(gone == N);
+    kvl_inxfer *h;
+    while (kvl_inbound_next(a, NULL, 0, 0, 0, &h) == KVL_OK)
+        kvl_inxfer_release(h);
+    agent_free(a);
+}
+
 int main(void)
 {
     double t0 = test_now_s();
@@ -199,5 +240,6 @@ int main(void)
     test_end_before_done_fails_the_handle();
     test_bounds();
     test_deadline_without_end();
+    test_full_table_lookup();
     return test_report("test_inbound", t0);
 }

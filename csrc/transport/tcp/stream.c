@@ -16,6 +16,7 @@
  * (tcp.c).
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -464,6 +465,7 @@ kvl_ep *kvl_tcp_ep_new(kvl_agent *a, int fd, int listener)
     ep->a = a;
     ep->fd = fd;
     ep->listener = listener;
+    ep->spare = listener ? open("/dev/null", O_RDONLY | O_CLOEXEC) : -1;
     return ep;
 }
 
@@ -478,13 +480,45 @@ static kvl_err tcp_attach(kvl_ep *ep, kvl_conn *c)
     return KVL_OK;
 }
 
+/* Out of descriptors, accept() fails and the connection stays queued, so
+ * the (level-triggered) listener would fire again at once, for ever.  The
+ * listener holds one spare descriptor: it gives it up to take that
+ * connection and close it (the client sees it end instead of hanging),
+ * then takes it back.  Returns 0 when nothing could be shed. */
+static int shed_one(kvl_ep *l, int err)
+{
+    if (l->spare < 0)
+        return 0;
+    close(l->spare);
+    int fd = accept4(l->fd, NULL, NULL, SOCK_CLOEXEC);
+    if (fd >= 0)
+        close(fd);
+    l->spare = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return 0;
+    l->shed++;
+    uint64_t now = kvl_now_ns();
+    if (now - l->t_shed_log_ns > 1000000000ull) { /* at most one record a second */
+        l->t_shed_log_ns = now;
+        kvl_log(l->a, KVL_LOG_ERROR, NULL, -1,
+                "out of file descriptors (%s): incoming connections are closed unserved "
+                "(%llu so far); raise the limit (ulimit -n) or find what holds them",
+                strerror(err), (unsigned long long)l->shed);
+    }
+    return 1;
+}
+
 static void accept_all(kvl_ep *l)
 {
     kvl_agent *a = l->a;
     for (;;) {
         int fd = accept4(l->fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0 && (errno == EINTR || errno == ECONNABORTED))
+            continue;
+        if (fd < 0 && (errno == EMFILE || errno == ENFILE) && shed_one(l, errno))
+            continue;
         if (fd < 0)
-            return; /* EAGAIN, or a transient error such as EMFILE: retried on next event */
+            return; /* EAGAIN: all taken (anything else: retried on the next event) */
         kvl_ep *ep = kvl_tcp_tune(fd, a->cfg.sock_buf_bytes) == KVL_OK
                          ? kvl_tcp_ep_new(a, fd, 0)
                          : NULL;
@@ -537,6 +571,9 @@ static void tcp_close(kvl_ep *ep, int abortive)
         kvl_engine_unwatch(ep->a, ep->fd);
     close(ep->fd);
     ep->fd = -1;
+    if (ep->spare >= 0)
+        close(ep->spare);
+    ep->spare = -1;
     while (ep->sq) {
         kvl_out *o = ep->sq;
         ep->sq = o->next;
@@ -551,6 +588,8 @@ static void tcp_free(kvl_ep *ep)
         return;
     if (ep->fd >= 0)
         close(ep->fd);
+    if (ep->spare >= 0)
+        close(ep->spare);
     while (ep->sq) { /* teardown: the agent releases what frames held */
         kvl_out *o = ep->sq;
         ep->sq = o->next;

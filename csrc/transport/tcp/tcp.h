@@ -13,6 +13,8 @@ struct kvl_ep {
     kvl_conn *c;           /* the core's side; NULL while detached */
     int fd;
     int listener;
+    int spare;             /* listener: a descriptor held back for EMFILE (accept_all) */
+    uint64_t shed, t_shed_log_ns; /* listener: connections shed at the fd limit */
     int dead;              /* closed: no I/O, waiting to be freed */
     int refused;           /* read no more; close once the queue is out */
     int watched;           /* in the engine's event loop */

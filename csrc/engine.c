@@ -361,6 +361,24 @@ static kvl_err check_config(const kvl_config *cfg)
         return kvl_fail(KVL_ERR_INVALID_ARG, "config.chunk_bytes must be 4 KiB..1 GiB");
     if (cfg->min_chunk_bytes == 0 || cfg->min_chunk_bytes > cfg->chunk_bytes)
         return kvl_fail(KVL_ERR_INVALID_ARG, "config.min_chunk_bytes must be 1..chunk_bytes");
+    if (cfg->secret_len && (!cfg->secret || cfg->secret_len < KVL_SECRET_MIN ||
+                            cfg->secret_len > KVL_SECRET_MAX))
+        return kvl_fail(KVL_ERR_INVALID_ARG,
+                        "config.secret must be %d..%d bytes (got %zu): use a random one, e.g. "
+                        "`openssl rand -hex 32`",
+                        KVL_SECRET_MIN, KVL_SECRET_MAX, cfg->secret_len);
+    for (size_t i = 0; !cfg->secret_len && !cfg->allow_unauthenticated && i < cfg->n_addrs; i++) {
+        struct in_addr ia;
+        inet_pton(AF_INET, cfg->addrs[i], &ia);
+        if ((ntohl(ia.s_addr) >> 24) != 127)
+            return kvl_fail(KVL_ERR_INVALID_ARG,
+                            "agent '%s' would listen on %s without a secret: any process that "
+                            "reaches it could write its remote_write regions.  Give every agent "
+                            "the same cluster secret (Config(secret=...), KVLINK_SECRET or "
+                            "KVLINK_SECRET_FILE), or pass allow_unauthenticated=True on a "
+                            "trusted network",
+                            cfg->name, cfg->addrs[i]);
+    }
     if (!cfg->connect_timeout_ms || !cfg->monitor_interval_ms || !cfg->max_attempts ||
         !cfg->window_chunks || !cfg->stall_factor || !cfg->probe_backoff_max_ms)
         return kvl_fail(KVL_ERR_INVALID_ARG,
@@ -395,6 +413,7 @@ static void agent_free(kvl_agent *a)
     pthread_cond_destroy(&a->inq_cv);
     pthread_mutex_destroy(&a->log_mu);
     pthread_cond_destroy(&a->log_cv);
+    explicit_bzero(a->secret, sizeof a->secret);
     free(a);
 }
 
@@ -422,6 +441,10 @@ kvl_err kvl_agent_create(const kvl_config *cfg, kvl_agent **out)
     a->cfg = *cfg;
     a->cfg.name = a->name;
     a->cfg.addrs = NULL;
+    a->cfg.secret = NULL;
+    a->secret_len = cfg->secret_len;
+    if (cfg->secret_len)
+        memcpy(a->secret, cfg->secret, cfg->secret_len);
     snprintf(a->name, sizeof a->name, "%s", cfg->name);
     a->tp = &kvl_tcp_ops;
     a->n_addrs = cfg->n_addrs;
@@ -471,6 +494,14 @@ kvl_err kvl_agent_create(const kvl_config *cfg, kvl_agent **out)
         return e;
     }
     a->thread_started = 1;
+    for (size_t i = 0; !a->secret_len && i < a->n_addrs; i++)
+        if (strncmp(a->addrs[i], "127.", 4) != 0) {
+            kvl_log(a, KVL_LOG_WARNING, NULL, -1,
+                    "agent '%s' listens on %s without authentication (allow_unauthenticated): "
+                    "any process that reaches it may write its remote_write regions",
+                    a->name, a->addrs[i]);
+            break;
+        }
     *out = a;
     return KVL_OK;
 }

@@ -360,7 +360,7 @@ void kvl_rx_end(kvl_agent *a, uint64_t instance, const kvl_msg_status *m)
         return; /* at the limit: a late copy then finds no entry and is refused */
     if (r->h) {
         if (m->status != KVL_OK)
-            inx_fail(r->h, m->status > 0 && m->status <= KVL_ERR_DEADLINE ? m->status
+            inx_fail(r->h, m->status > 0 && m->status <= KVL_ERR_MAX ? m->status
                                                                            : KVL_ERR_PROTOCOL,
                      "the sender failed the push: %s", m->msg);
         else

@@ -19,6 +19,10 @@
 #define KVL_MAX_PIECES 8192      /* pieces per chunk: bounds a frame body to 192 KiB */
 #define KVL_MAX_REGIONS 8192     /* regions per agent: bounds the region table frame */
 #define KVL_MAX_TAG 4096
+#define KVL_ERR_MAX KVL_ERR_AUTH  /* the highest error code: a peer's status above is garbage */
+#define KVL_SECRET_MAX 256        /* bytes of the cluster secret */
+#define KVL_SECRET_MIN 16
+#define KVL_HANDSHAKE_BODY_MAX (4u << 20) /* HELLO_ACK's region table: 8192 x ~350 bytes */
 #define KVL_LOG_MAX 1024         /* log records kept for the application (log.c) */
 #define KVL_MAX_CHUNK (1ull << 30)
 #define KVL_MAX_XFER_CHUNKS 65536 /* chunks per transfer: bounds ANNOUNCE to 512 KiB */
@@ -50,7 +54,7 @@ int kvl_cond_wait_until(pthread_cond_t *cv, pthread_mutex_t *mu, int (*pred)(voi
  * bytes of payload followed by a 4-byte crc32c trailer when payload_len > 0.
  * All integers little-endian. */
 #define KVL_MAGIC 0x4b4c564bu /* "KVLK" */
-#define KVL_PROTO_VERSION 2 /* 2: ANNOUNCE, NOTIFY_ACK, END with status */
+#define KVL_PROTO_VERSION 3 /* 2: ANNOUNCE, NOTIFY_ACK, END with status; 3: CHALLENGE, AUTH */
 #define KVL_HDR_BYTES 24
 #define KVL_MAX_BODY (1u << 20)
 
@@ -69,7 +73,9 @@ enum kvl_frame_type {
     KVL_F_END = 12,        /* push finished (either way): drain any late copy */
     KVL_F_NOTIFY_ACK = 13, /* the NOTIFY of this transfer arrived (token: its id) */
     KVL_F_ANNOUNCE = 14,   /* push: tag, size and chunk-to-layer map, before its first DATA */
-    KVL_F_TYPE_MAX = 14
+    KVL_F_CHALLENGE = 15,  /* listener -> initiator: its nonce and proof of the secret */
+    KVL_F_AUTH = 16,       /* initiator -> listener: its proof of the secret */
+    KVL_F_TYPE_MAX = 16
 };
 
 enum kvl_conn_kind { KVL_CONN_CONTROL = 0, KVL_CONN_DATA = 1 };
@@ -96,12 +102,32 @@ typedef struct kvl_wire_piece {
 #define KVL_WIRE_REGION_BYTES 90 /* a region record without its remote key */
 #define KVL_MAX_RKEY 256          /* bytes of a transport's remote key */
 
+#define KVL_NONCE_BYTES 16
+#define KVL_MAC_BYTES 32        /* HMAC-SHA256 */
+enum { KVL_HELLO_AUTH = 1 };     /* hello flags: the initiator holds a secret */
+
 typedef struct kvl_msg_hello {
     uint64_t instance;
     uint8_t kind;   /* kvl_conn_kind */
     uint16_t path;  /* path index for data connections */
     char name[KVL_NAME_MAX];
+    uint8_t flags;  /* KVL_HELLO_AUTH */
+    uint8_t nonce[KVL_NONCE_BYTES]; /* the initiator's challenge (with KVL_HELLO_AUTH) */
 } kvl_msg_hello;
+
+/* CHALLENGE: the listener's nonce and its proof (kvl_auth_mac, server side). */
+typedef struct kvl_msg_challenge {
+    uint64_t instance;
+    char name[KVL_NAME_MAX];
+    uint8_t nonce[KVL_NONCE_BYTES];
+    uint8_t mac[KVL_MAC_BYTES];
+} kvl_msg_challenge;
+
+/* AUTH: the initiator's proof, or status != OK: the listener's proof failed. */
+typedef struct kvl_msg_auth {
+    uint32_t status;
+    uint8_t mac[KVL_MAC_BYTES];
+} kvl_msg_auth;
 
 /* HELLO_ACK and REGIONS share the region table encoding. */
 typedef struct kvl_msg_hello_ack {
@@ -165,6 +191,8 @@ void kvl_enc_piece(kvl_buf *b, const kvl_wire_piece *p);
 void kvl_enc_status(kvl_buf *b, const kvl_msg_status *m);
 void kvl_enc_notify(kvl_buf *b, uint64_t xfer, uint32_t op, const void *tag, uint32_t len);
 void kvl_enc_token(kvl_buf *b, uint64_t token); /* PING and PONG */
+void kvl_enc_challenge(kvl_buf *b, const kvl_msg_challenge *m);
+void kvl_enc_auth(kvl_buf *b, const kvl_msg_auth *m);
 
 /* Body decoders: every length is checked against the body; any mismatch
  * is KVL_ERR_PROTOCOL with a message.  Outputs may point into body. */
@@ -174,6 +202,8 @@ kvl_err kvl_dec_chunk(const uint8_t *body, size_t len, kvl_msg_chunk *m);
 kvl_err kvl_dec_status(const uint8_t *body, size_t len, kvl_msg_status *m);
 kvl_err kvl_dec_notify(const uint8_t *body, size_t len, kvl_msg_notify *m);
 kvl_err kvl_dec_token(const uint8_t *body, size_t len, uint64_t *token);
+kvl_err kvl_dec_challenge(const uint8_t *body, size_t len, kvl_msg_challenge *m);
+kvl_err kvl_dec_auth(const uint8_t *body, size_t len, kvl_msg_auth *m);
 void kvl_enc_announce(kvl_buf *b, const kvl_msg_announce *m, const uint32_t *layer_first,
                       const uint32_t *layer_last);
 /* Also checks the map: layers inside [0, n_layers), chunks in layer order. */
@@ -380,8 +410,10 @@ enum {
 };
 
 struct kvl_agent {
-    kvl_config cfg;            /* addrs copied below */
+    kvl_config cfg;            /* addrs copied below; secret copied to secret[] */
     char name[KVL_NAME_MAX];
+    uint8_t secret[KVL_SECRET_MAX]; /* the cluster secret; secret_len 0: none */
+    size_t secret_len;
     char (*addrs)[48];
     uint16_t *ports;
     size_t n_addrs;
@@ -639,6 +671,44 @@ void kvl_rx_done(kvl_rx_xfer *r, uint32_t chunk, uint32_t attempt, int verified,
 void kvl_rx_end(kvl_agent *a, uint64_t instance, const kvl_msg_status *m);
 void kvl_rx_expire(kvl_agent *a, uint64_t now);
 void kvl_rx_free_all(kvl_agent *a);
+
+/* ---- sha256.c ---- */
+#define KVL_SHA256_BYTES 32
+typedef struct kvl_sha256 {
+    uint32_t h[8];
+    uint64_t len;
+    uint8_t buf[64];
+    size_t fill;
+} kvl_sha256;
+typedef struct kvl_hmac {
+    kvl_sha256 inner, outer;
+} kvl_hmac;
+void kvl_sha256_init(kvl_sha256 *s);
+void kvl_sha256_update(kvl_sha256 *s, const void *data, size_t n);
+void kvl_sha256_final(kvl_sha256 *s, uint8_t out[KVL_SHA256_BYTES]);
+void kvl_hmac_init(kvl_hmac *m, const void *key, size_t key_len);
+void kvl_hmac_update(kvl_hmac *m, const void *data, size_t n);
+void kvl_hmac_final(kvl_hmac *m, uint8_t out[KVL_SHA256_BYTES]);
+/* 1 if a and b hold the same n bytes; the time taken does not depend on where they differ. */
+int kvl_ct_equal(const void *a, const void *b, size_t n);
+
+/* ---- auth.c: the handshake's mutual challenge-response ---- */
+/* What both proofs of one connection cover: who connects to whom, as which
+ * connection, and both fresh nonces. */
+typedef struct kvl_auth_ctx {
+    const char *server_name, *client_name;
+    uint64_t server_instance, client_instance;
+    uint8_t kind;
+    uint16_t path;
+    const uint8_t *nonce_c, *nonce_s; /* KVL_NONCE_BYTES each */
+} kvl_auth_ctx;
+/* The listener's (server 1) or the initiator's (server 0) proof that it
+ * holds a's secret: HMAC-SHA256 over a direction label and x, so one side's
+ * proof is never valid as the other's. */
+void kvl_auth_mac(const kvl_agent *a, int server, const kvl_auth_ctx *x,
+                  uint8_t out[KVL_MAC_BYTES]);
+/* A fresh random nonce.  Returns KVL_OK, or KVL_ERR_SYSTEM without entropy. */
+kvl_err kvl_auth_nonce(uint8_t out[KVL_NONCE_BYTES]);
 
 /* ---- log.c ---- */
 /* Queues a record for the application's logger (any thread).  path -1: none. */

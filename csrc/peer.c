@@ -28,44 +28,123 @@ static size_t pair_remote(const char *local, const char *const *hosts, size_t n,
     return i % n;
 }
 
-/* HELLO on ep, then the HELLO_ACK.  Fills *ack; on a control connection the
- * region table is copied into p. */
+/* Reads one whole frame from a detached endpoint: *body is malloc'ed (the
+ * caller frees it) and its crc32c checked. */
+static kvl_err recv_frame(kvl_agent *a, kvl_ep *ep, uint64_t deadline, kvl_frame_hdr *h,
+                          uint8_t **body)
+{
+    uint8_t hdr[KVL_HDR_BYTES];
+    *body = NULL;
+    kvl_err e = a->tp->recv_all(ep, hdr, sizeof hdr, deadline);
+    if (e)
+        return e;
+    if ((e = kvl_hdr_decode(hdr, h)))
+        return e;
+    if (h->body_len > KVL_HANDSHAKE_BODY_MAX)
+        return kvl_fail(KVL_ERR_PROTOCOL, "a %u-byte handshake frame body", h->body_len);
+    *body = malloc(h->body_len ? h->body_len : 1);
+    if (!*body)
+        return kvl_fail(KVL_ERR_NOMEM, "handshake: out of memory");
+    if ((e = a->tp->recv_all(ep, *body, h->body_len, deadline)))
+        return e;
+    if (kvl_crc32c(0, *body, h->body_len) != h->body_crc)
+        return kvl_fail(KVL_ERR_PROTOCOL, "a handshake frame body failed its crc32c check");
+    return KVL_OK;
+}
+
+static kvl_err send_frame(kvl_agent *a, kvl_ep *ep, kvl_buf *b, uint8_t type, uint64_t deadline)
+{
+    kvl_frame_finish(b, type, 0);
+    kvl_err e = b->oom ? kvl_fail(KVL_ERR_NOMEM, "handshake: out of memory")
+                       : a->tp->send_all(ep, b->p, b->len, deadline);
+    kvl_buf_free(b);
+    return e;
+}
+
+/* With a secret: the listener's CHALLENGE (in body) must prove it holds
+ * it; then our AUTH proves we do.  A listener that fails is told so. */
+static kvl_err answer_challenge(kvl_agent *a, kvl_peer *p, kvl_ep *ep, const kvl_msg_hello *m,
+                                const uint8_t *body, uint32_t len, const char *where,
+                                uint64_t deadline)
+{
+    kvl_msg_challenge ch;
+    if (kvl_dec_challenge(body, len, &ch))
+        return kvl_fail(KVL_ERR_HANDSHAKE, "handshake with '%s' at %s: %s", p->name, where,
+                        kvl_last_error());
+    kvl_auth_ctx x = {.server_name = ch.name, .server_instance = ch.instance,
+                      .client_name = a->name, .client_instance = a->instance,
+                      .kind = m->kind, .path = m->path, .nonce_c = m->nonce,
+                      .nonce_s = ch.nonce};
+    uint8_t want[KVL_MAC_BYTES];
+    kvl_auth_mac(a, 1, &x, want);
+    int proven = kvl_ct_equal(want, ch.mac, sizeof want) && strcmp(ch.name, p->name) == 0;
+    kvl_msg_auth au = {.status = proven ? KVL_OK : KVL_ERR_AUTH};
+    if (proven)
+        kvl_auth_mac(a, 0, &x, au.mac);
+    explicit_bzero(want, sizeof want);
+    kvl_buf b = {0};
+    kvl_frame_start(&b);
+    kvl_enc_auth(&b, &au);
+    kvl_err e = send_frame(a, ep, &b, KVL_F_AUTH, deadline);
+    explicit_bzero(&au, sizeof au);
+    if (!proven)
+        return kvl_fail(KVL_ERR_AUTH,
+                        "the agent at %s (answering as '%s') could not prove it holds the "
+                        "cluster secret of '%s': the two hold different secrets, or something "
+                        "else answers there",
+                        where, ch.name, p->name);
+    if (e)
+        return kvl_fail(KVL_ERR_UNREACHABLE, "handshake with peer '%s' at %s: %s", p->name,
+                        where, kvl_last_error());
+    return KVL_OK;
+}
+
+/* HELLO on ep, with a secret the challenge-response (auth.c), then the
+ * HELLO_ACK.  Fills *instance; on a control connection the region table
+ * is copied into p. */
 static kvl_err handshake(kvl_agent *a, kvl_peer *p, kvl_ep *ep, int kind, uint16_t path,
                          const char *where, uint64_t deadline, uint64_t *instance)
 {
-    kvl_msg_hello m = {.instance = a->instance, .kind = (uint8_t)kind, .path = path};
+    kvl_msg_hello m = {.instance = a->instance, .kind = (uint8_t)kind, .path = path,
+                       .flags = a->secret_len ? KVL_HELLO_AUTH : 0};
     strcpy(m.name, a->name);
+    if (a->secret_len && kvl_auth_nonce(m.nonce))
+        return KVL_ERR_SYSTEM;
     kvl_buf b = {0};
     kvl_frame_start(&b);
     kvl_enc_hello(&b, &m);
-    kvl_frame_finish(&b, KVL_F_HELLO, 0);
-    if (b.oom)
-        return kvl_fail(KVL_ERR_NOMEM, "handshake: out of memory");
-    kvl_err e = a->tp->send_all(ep, b.p, b.len, deadline);
-    kvl_buf_free(&b);
-    uint8_t hdr[KVL_HDR_BYTES];
+    kvl_err e = send_frame(a, ep, &b, KVL_F_HELLO, deadline);
     kvl_frame_hdr h;
+    uint8_t *body = NULL;
     if (!e)
-        e = a->tp->recv_all(ep, hdr, sizeof hdr, deadline);
-    if (e)
+        e = recv_frame(a, ep, deadline, &h, &body);
+    int proven = 0; /* the listener proved it holds our secret */
+    if (!e && h.type == KVL_F_CHALLENGE && a->secret_len) {
+        e = answer_challenge(a, p, ep, &m, body, h.body_len, where, deadline);
+        proven = e == KVL_OK;
+        free(body);
+        body = NULL;
+        if (e == KVL_ERR_AUTH || e == KVL_ERR_HANDSHAKE || e == KVL_ERR_UNREACHABLE)
+            return e;
+        if (!e)
+            e = recv_frame(a, ep, deadline, &h, &body);
+    }
+    if (e) {
+        free(body);
+        if (e == KVL_ERR_HANDSHAKE || e == KVL_ERR_PROTOCOL)
+            return kvl_fail(KVL_ERR_HANDSHAKE,
+                            "handshake with '%s' at %s: %s (is a kvlink agent listening there?)",
+                            p->name, where, kvl_last_error());
         return kvl_fail(e == KVL_ERR_TIMEOUT ? KVL_ERR_UNREACHABLE : e,
                         "handshake with peer '%s' at %s: %s", p->name, where, kvl_last_error());
-    if ((e = kvl_hdr_decode(hdr, &h)))
-        return kvl_fail(e == KVL_ERR_HANDSHAKE ? e : KVL_ERR_HANDSHAKE,
-                        "handshake with '%s' at %s: %s (is a kvlink agent listening there?)",
-                        p->name, where, kvl_last_error());
-    if (h.type != KVL_F_HELLO_ACK)
+    }
+    if (h.type != KVL_F_HELLO_ACK) {
+        free(body);
         return kvl_fail(KVL_ERR_HANDSHAKE, "handshake with '%s' at %s: answer is frame type %u",
                         p->name, where, h.type);
-    uint8_t *body = malloc(h.body_len ? h.body_len : 1);
-    if (!body)
-        return kvl_fail(KVL_ERR_NOMEM, "handshake: out of memory");
-    e = a->tp->recv_all(ep, body, h.body_len, deadline);
+    }
     kvl_msg_hello_ack ack;
-    if (!e && kvl_crc32c(0, body, h.body_len) != h.body_crc)
-        e = kvl_fail(KVL_ERR_HANDSHAKE, "HELLO_ACK body failed its crc32c check");
-    if (!e)
-        e = kvl_dec_hello_ack(body, h.body_len, &ack);
+    e = kvl_dec_hello_ack(body, h.body_len, &ack);
     if (e) {
         free(body);
         return kvl_fail(KVL_ERR_HANDSHAKE, "handshake with '%s' at %s: %s", p->name, where,
@@ -73,8 +152,15 @@ static kvl_err handshake(kvl_agent *a, kvl_peer *p, kvl_ep *ep, int kind, uint16
     }
     if (ack.status != KVL_OK) {
         free(body);
-        kvl_err st = ack.status <= KVL_ERR_DEADLINE ? ack.status : KVL_ERR_HANDSHAKE;
+        kvl_err st = ack.status <= KVL_ERR_MAX ? ack.status : KVL_ERR_HANDSHAKE;
         return kvl_fail(st, "peer at %s refused the connection: %s", where, ack.msg);
+    }
+    if (a->secret_len && !proven) { /* accepted without proving anything: not one of ours */
+        free(body);
+        return kvl_fail(KVL_ERR_AUTH,
+                        "the agent at %s accepted us without authentication: it holds no "
+                        "cluster secret.  Give every agent the same secret (KVLINK_SECRET)",
+                        where);
     }
     if (strcmp(ack.name, p->name) != 0) {
         free(body);
@@ -335,7 +421,8 @@ kvl_err kvl_peer_connect(kvl_agent *a, const char *name, uint64_t instance,
     int up = 0;
     for (uint32_t i = 0; i <= p->n_paths; i++) {
         conn_job *jb = &jobs[i];
-        if (jb->err == KVL_ERR_DUPLICATE_NAME || jb->err == KVL_ERR_HANDSHAKE) {
+        if (jb->err == KVL_ERR_DUPLICATE_NAME || jb->err == KVL_ERR_HANDSHAKE ||
+            jb->err == KVL_ERR_AUTH) {
             e = kvl_fail(jb->err, "%s", jb->msg); /* the peer refuses us */
             break;
         }

@@ -21,6 +21,9 @@ struct kvl_conn {
     kvl_ep *ep;            /* the transport's side */
     int kind;              /* kvl_conn_kind, once known */
     int handshaken;
+    int auth_wait;         /* inbound: CHALLENGE sent, the AUTH is due */
+    kvl_msg_hello hello;   /* inbound, while auth_wait: the HELLO to admit once proven */
+    uint8_t nonce_s[KVL_NONCE_BYTES]; /* inbound, while auth_wait: our challenge */
     int outbound;
     kvl_peer *peer;        /* outbound: the peer and path this serves */
     int path;
@@ -328,6 +331,26 @@ static void send_region_table(kvl_conn *c, uint8_t type, uint32_t status, const 
 
 /* ---- frame handlers ---- */
 
+/* Answers a HELLO with HELLO_ACK(status, why) and reads nothing more. */
+static void refuse_hello(kvl_conn *c, const kvl_msg_hello *m, uint32_t status, const char *why)
+{
+    c->kind = m->kind;
+    c->handshaken = 1; /* answered: the handshake timeout no longer applies */
+    send_region_table(c, KVL_F_HELLO_ACK, status, why);
+    tp(c)->refuse(c->ep);
+}
+
+/* The proofs of this connection cover who m says it is and who we are. */
+static kvl_auth_ctx auth_ctx(const kvl_conn *c, const kvl_msg_hello *m)
+{
+    return (kvl_auth_ctx){.server_name = c->a->name, .server_instance = c->a->instance,
+                          .client_name = m->name, .client_instance = m->instance,
+                          .kind = m->kind, .path = m->path, .nonce_c = m->nonce,
+                          .nonce_s = c->nonce_s};
+}
+
+static void admit(kvl_conn *c, const kvl_msg_hello *hello);
+
 static void on_hello(kvl_conn *c)
 {
     kvl_msg_hello m;
@@ -335,6 +358,81 @@ static void on_hello(kvl_conn *c)
         kvl_conn_fail(c, KVL_ERR_PROTOCOL, kvl_last_error());
         return;
     }
+    kvl_agent *a = c->a;
+    int has_auth = (m.flags & KVL_HELLO_AUTH) != 0;
+    if (!a->secret_len != !has_auth) {
+        char why[256];
+        snprintf(why, sizeof why,
+                 a->secret_len ? "agent '%s' requires authentication and '%s' has no secret: "
+                                 "give every agent the same cluster secret (KVLINK_SECRET)"
+                               : "agent '%s' has no secret to check the one '%s' holds: give "
+                                 "every agent the same cluster secret (KVLINK_SECRET)",
+                 a->name, m.name);
+        kvl_log(a, KVL_LOG_WARNING, NULL, -1, "refused a connection claiming to be '%s': %s",
+                m.name, why);
+        refuse_hello(c, &m, KVL_ERR_AUTH, why);
+        return;
+    }
+    if (!has_auth) {
+        admit(c, &m);
+        return;
+    }
+    /* prove we hold the secret over the initiator's nonce and ours; it
+     * proves itself in AUTH before anything it sends is trusted */
+    kvl_msg_challenge ch = {.instance = a->instance};
+    strcpy(ch.name, a->name);
+    c->hello = m;
+    if (kvl_auth_nonce(c->nonce_s)) {
+        kvl_conn_fail(c, KVL_ERR_SYSTEM, kvl_last_error());
+        return;
+    }
+    kvl_auth_ctx x = auth_ctx(c, &c->hello);
+    memcpy(ch.nonce, c->nonce_s, sizeof ch.nonce);
+    kvl_auth_mac(a, 1, &x, ch.mac);
+    kvl_buf b = {0};
+    kvl_frame_start(&b);
+    kvl_enc_challenge(&b, &ch);
+    kvl_frame_finish(&b, KVL_F_CHALLENGE, 0);
+    c->auth_wait = 1;
+    kvl_conn_send_frame(c, &b);
+}
+
+static void on_auth(kvl_conn *c)
+{
+    c->auth_wait = 0;
+    kvl_msg_auth m;
+    if (kvl_dec_auth(c->body, c->h->body_len, &m)) {
+        kvl_conn_fail(c, KVL_ERR_PROTOCOL, kvl_last_error());
+        return;
+    }
+    kvl_agent *a = c->a;
+    kvl_auth_ctx x = auth_ctx(c, &c->hello);
+    uint8_t want[KVL_MAC_BYTES];
+    kvl_auth_mac(a, 0, &x, want);
+    char why[256] = "";
+    if (m.status != KVL_OK)
+        snprintf(why, sizeof why,
+                 "'%s' could not verify agent '%s': the two hold different cluster secrets",
+                 c->hello.name, a->name);
+    else if (!kvl_ct_equal(m.mac, want, sizeof want))
+        snprintf(why, sizeof why,
+                 "agent '%s' could not verify '%s': the two hold different cluster secrets",
+                 a->name, c->hello.name);
+    explicit_bzero(want, sizeof want);
+    if (why[0]) {
+        kvl_log(a, KVL_LOG_WARNING, NULL, -1, "refused a connection claiming to be '%s': %s",
+                c->hello.name, why);
+        refuse_hello(c, &c->hello, KVL_ERR_AUTH, why);
+        return;
+    }
+    admit(c, &c->hello);
+}
+
+/* Who the HELLO says it is is settled (proven, with a secret): take it in
+ * or refuse it, and answer with HELLO_ACK. */
+static void admit(kvl_conn *c, const kvl_msg_hello *hello)
+{
+    kvl_msg_hello m = *hello;
     c->kind = m.kind;
     c->rx_path = m.path;
     c->handshaken = 1;
@@ -477,7 +575,7 @@ static void on_status_error(kvl_conn *c, kvl_xfer *x, const kvl_msg_status *st)
         kvl_sched_requeue(c->peer, x, st->chunk, KVL_ERR_CHECKSUM, st->msg);
         return;
     }
-    kvl_err e = st->status > 0 && st->status <= KVL_ERR_DEADLINE ? st->status : KVL_ERR_PROTOCOL;
+    kvl_err e = st->status > 0 && st->status <= KVL_ERR_MAX ? st->status : KVL_ERR_PROTOCOL;
     kvl_sched_fail(x, e, "peer '%s' refused chunk %u: %s", c->peer->name, st->chunk, st->msg);
 }
 
@@ -648,7 +746,12 @@ void kvl_proto_on_frame(kvl_conn *c, const kvl_frame_hdr *h, const uint8_t *body
     int in_ctrl = !c->outbound && c->kind == KVL_CONN_CONTROL;
     int out_data = c->outbound && c->kind == KVL_CONN_DATA;
     int out_ctrl = c->outbound && c->kind == KVL_CONN_CONTROL;
-    if (!c->handshaken) {
+    if (!c->handshaken && c->auth_wait) {
+        if (t != KVL_F_AUTH)
+            kvl_conn_fail(c, KVL_ERR_PROTOCOL, "the frame after CHALLENGE is not an AUTH");
+        else
+            on_auth(c);
+    } else if (!c->handshaken) {
         if (t != KVL_F_HELLO)
             kvl_conn_fail(c, KVL_ERR_PROTOCOL, "first frame is not a HELLO");
         else

@@ -227,6 +227,8 @@ void kvl_enc_hello(kvl_buf *b, const kvl_msg_hello *m)
     put_bytes(b, &k, 1);
     put_u16(b, m->path);
     put_str(b, m->name, KVL_NAME_MAX - 1);
+    put_bytes(b, &m->flags, 1);
+    put_bytes(b, m->nonce, KVL_NONCE_BYTES);
 }
 
 kvl_err kvl_dec_hello(const uint8_t *body, size_t len, kvl_msg_hello *m)
@@ -236,6 +238,10 @@ kvl_err kvl_dec_hello(const uint8_t *body, size_t len, kvl_msg_hello *m)
     m->kind = get_u8(&r);
     m->path = get_u16(&r);
     get_str(&r, m->name, sizeof m->name);
+    m->flags = get_u8(&r);
+    const uint8_t *nonce = take(&r, KVL_NONCE_BYTES);
+    if (nonce)
+        memcpy(m->nonce, nonce, KVL_NONCE_BYTES);
     kvl_err e = finish(&r, "HELLO");
     if (e)
         return e;
@@ -245,7 +251,46 @@ kvl_err kvl_dec_hello(const uint8_t *body, size_t len, kvl_msg_hello *m)
         return kvl_fail(KVL_ERR_PROTOCOL, "HELLO: empty agent name");
     if (m->kind == KVL_CONN_DATA && m->path >= KVL_MAX_PATHS)
         return kvl_fail(KVL_ERR_PROTOCOL, "HELLO: path index %u out of range", m->path);
+    if (m->flags & ~KVL_HELLO_AUTH)
+        return kvl_fail(KVL_ERR_PROTOCOL, "HELLO: unknown flags %#x", m->flags);
     return KVL_OK;
+}
+
+void kvl_enc_challenge(kvl_buf *b, const kvl_msg_challenge *m)
+{
+    put_u64(b, m->instance);
+    put_str(b, m->name, KVL_NAME_MAX - 1);
+    put_bytes(b, m->nonce, KVL_NONCE_BYTES);
+    put_bytes(b, m->mac, KVL_MAC_BYTES);
+}
+
+kvl_err kvl_dec_challenge(const uint8_t *body, size_t len, kvl_msg_challenge *m)
+{
+    rd r = {body, len, 0, 0};
+    m->instance = get_u64(&r);
+    get_str(&r, m->name, sizeof m->name);
+    const uint8_t *nonce = take(&r, KVL_NONCE_BYTES), *mac = take(&r, KVL_MAC_BYTES);
+    if (nonce && mac) {
+        memcpy(m->nonce, nonce, KVL_NONCE_BYTES);
+        memcpy(m->mac, mac, KVL_MAC_BYTES);
+    }
+    return finish(&r, "CHALLENGE");
+}
+
+void kvl_enc_auth(kvl_buf *b, const kvl_msg_auth *m)
+{
+    put_u32(b, m->status);
+    put_bytes(b, m->mac, KVL_MAC_BYTES);
+}
+
+kvl_err kvl_dec_auth(const uint8_t *body, size_t len, kvl_msg_auth *m)
+{
+    rd r = {body, len, 0, 0};
+    m->status = get_u32(&r);
+    const uint8_t *mac = take(&r, KVL_MAC_BYTES);
+    if (mac)
+        memcpy(m->mac, mac, KVL_MAC_BYTES);
+    return finish(&r, "AUTH");
 }
 
 static void put_region(kvl_buf *b, const kvl_region_info *r)

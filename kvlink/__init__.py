@@ -23,6 +23,7 @@ from ._agent import (
 )
 from ._config import Config, GiB, KiB, MiB
 from ._errors import (
+    AuthenticationError,
     ChecksumError,
     ClosedError,
     ConfigError,
@@ -57,6 +58,7 @@ __version__ = "0.1.0"
 __all__ = [
     "SEGMENT_DTYPE",
     "Agent",
+    "AuthenticationError",
     "ChecksumError",
     "ChunkEvent",
     "ClosedError",

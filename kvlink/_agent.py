@@ -366,6 +366,12 @@ class Agent:
             c.window_bytes = cfg.window_bytes
             c.sock_buf_bytes = cfg.sock_buf_bytes
             c.close_linger_ms = int(cfg.close_linger_s * 1000)
+            secret = cfg.resolved_secret()
+            if secret is not None:
+                keep.append(ffi.new("uint8_t[]", secret))
+                c.secret = keep[-1]
+                c.secret_len = len(secret)
+            c.allow_unauthenticated = int(cfg.allow_unauthenticated)
             out = ffi.new("kvl_agent **")
             check(lib.kvl_agent_create(c, out))
             self._a = out[0]

@@ -10,7 +10,7 @@ import dataclasses
 import json
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,14 @@ class Config:
     # to be acknowledged: long enough for a loaded host, short enough that a
     # dead peer does not hold close() up noticeably.
     close_linger_s: float = 2.0
+    # The cluster secret every agent of a deployment shares (16..256 bytes):
+    # each connection then proves that both ends hold it (docs/security.md).
+    # None takes KVLINK_SECRET, or the file named by KVLINK_SECRET_FILE, from
+    # the environment when the agent starts.  Never printed.
+    secret: str | bytes | None = field(default=None, repr=False)
+    # Without a secret an agent listens on loopback addresses only; True
+    # allows other addresses (a trusted, isolated network), with a warning.
+    allow_unauthenticated: bool = False
 
     def __post_init__(self) -> None:
         nics = self.nics
@@ -103,6 +111,34 @@ class Config:
         _float_range("connect_timeout_s", self.connect_timeout_s, 0.001, 3600.0)
         _float_range("transfer_timeout_s", self.transfer_timeout_s, 0.0, 7 * 86400.0)
         _float_range("close_linger_s", self.close_linger_s, 0.0, 60.0)
+        if self.secret is not None:
+            _check_secret("secret", self.secret)
+        if not isinstance(self.allow_unauthenticated, bool):
+            raise ConfigError(
+                f"allow_unauthenticated: expected True or False, got {self.allow_unauthenticated!r}"
+            )
+
+    def resolved_secret(self) -> bytes | None:
+        """The secret in force: this config's, else KVLINK_SECRET, else the
+        contents of the file KVLINK_SECRET_FILE names (one trailing newline
+        dropped), else None.
+
+        Raises:
+            ConfigError: an unreadable file, or a secret of the wrong size.
+        """
+        if self.secret is not None:
+            return _check_secret("secret", self.secret)
+        env = os.environ.get("KVLINK_SECRET")
+        if env:
+            return _check_secret("KVLINK_SECRET", env)
+        path = os.environ.get("KVLINK_SECRET_FILE")
+        if path:
+            try:
+                raw = Path(path).read_bytes()
+            except OSError as exc:
+                raise ConfigError(f"KVLINK_SECRET_FILE {path}: {exc.strerror}") from exc
+            return _check_secret(f"KVLINK_SECRET_FILE {path}", raw.removesuffix(b"\n"))
+        return None
 
     def replace(self, **changes: Any) -> Config:
         """A copy with ``changes`` applied (validated again)."""
@@ -125,6 +161,22 @@ class Config:
         if unknown:
             raise ConfigError(f"unknown config keys {unknown}; known keys: {sorted(known)}")
         return cls(**values)
+
+
+SECRET_MIN, SECRET_MAX = 16, 256  # bytes (csrc/internal.h)
+
+
+def _check_secret(where: str, value: Any) -> bytes:
+    if isinstance(value, str):
+        value = value.encode()
+    if not isinstance(value, bytes):
+        raise ConfigError(f"{where}: expected str or bytes, got {type(value).__name__}")
+    if not SECRET_MIN <= len(value) <= SECRET_MAX:
+        raise ConfigError(
+            f"{where}: the secret is {len(value)} bytes; it must be {SECRET_MIN}..{SECRET_MAX}"
+            " (use a random one, e.g. `openssl rand -hex 32`)"
+        )
+    return value
 
 
 def _int_range(name: str, value: Any, lo: int, hi: int) -> None:

@@ -34,6 +34,7 @@ class ErrorCode(IntEnum):
     PROTOCOL = 17
     END = 18
     DEADLINE = 19
+    AUTH = 20
 
 
 class KvlinkError(Exception):
@@ -153,6 +154,13 @@ class HandshakeError(PeerError, ConnectionError):
     default_code = ErrorCode.HANDSHAKE
 
 
+class AuthenticationError(HandshakeError, PermissionError):
+    """The peer does not hold this agent's cluster secret, holds none, or
+    this agent has none and the peer requires one (docs/security.md)."""
+
+    default_code = ErrorCode.AUTH
+
+
 class ProtocolError(KvlinkError):
     """A malformed frame arrived."""
 
@@ -213,6 +221,7 @@ _GENERAL: dict[ErrorCode, type[KvlinkError]] = {
     ErrorCode.CHECKSUM: ChecksumError,
     ErrorCode.PROTOCOL: ProtocolError,
     ErrorCode.DEADLINE: TransferTimeoutError,
+    ErrorCode.AUTH: AuthenticationError,
 }
 
 # A transfer that fails reports a TransferError whatever the cause.

@@ -3,15 +3,20 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
 import socket
 import struct
 
 from kvlink._native import ffi, lib
 
 MAGIC = 0x4B4C564B
-VERSION = 2
+VERSION = 3
 HELLO, HELLO_ACK, DATA, ACK, READ_REQ, READ_RESP, NOTIFY = 1, 2, 3, 4, 5, 6, 7
 REGIONS_REQ, REGIONS, PING, PONG, END, NOTIFY_ACK, ANNOUNCE = 8, 9, 10, 11, 12, 13, 14
+CHALLENGE, AUTH = 15, 16
+HELLO_AUTH = 1  # HELLO flag: the initiator holds a secret
 CONTROL, DATA_CONN = 0, 1
 SUPERSEDED = 100  # wire-only ACK status: a newer copy owns the chunk
 
@@ -25,9 +30,50 @@ def frame(ftype: int, body: bytes, payload_len: int = 0) -> bytes:
     return hdr + body
 
 
-def hello(name: str, instance: int, kind: int = CONTROL, path: int = 0) -> bytes:
+def hello(
+    name: str, instance: int, kind: int = CONTROL, path: int = 0, nonce: bytes | None = None
+) -> bytes:
+    """HELLO; with ``nonce`` (16 bytes) it asks for the challenge-response."""
     raw = name.encode()
-    return frame(HELLO, struct.pack("<QBHH", instance, kind, path, len(raw)) + raw)
+    flags = HELLO_AUTH if nonce is not None else 0
+    body = struct.pack("<QBHH", instance, kind, path, len(raw)) + raw
+    return frame(HELLO, body + bytes([flags]) + (nonce or bytes(16)))
+
+
+def _u8str(s: str) -> bytes:
+    return bytes([len(s)]) + s.encode()
+
+
+def auth_mac(
+    secret: bytes, server: bool, server_name: str, server_instance: int, client_name: str,
+    client_instance: int, kind: int, path: int, nonce_c: bytes, nonce_s: bytes,
+) -> bytes:
+    """A proof of the handshake (csrc/auth.c, docs/wire-protocol.md)."""
+    label = b"kvlink/3 server\0" if server else b"kvlink/3 client\0"
+    msg = (
+        label + _u8str(server_name) + struct.pack("<Q", server_instance) + _u8str(client_name)
+        + struct.pack("<Q", client_instance) + struct.pack("<BH", kind, path) + nonce_c + nonce_s
+    )
+    return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+def authenticate(
+    s: socket.socket, name: str, instance: int, secret: bytes, kind: int = CONTROL,
+    path: int = 0,
+) -> bytes:
+    """The initiator's side of an authenticated handshake; returns HELLO_ACK's body."""
+    nonce_c = os.urandom(16)
+    s.sendall(hello(name, instance, kind, path, nonce=nonce_c))
+    t, body = recv_frame(s)
+    if t != CHALLENGE:
+        return body
+    server_instance, nlen = struct.unpack_from("<QH", body)
+    server_name = body[10 : 10 + nlen].decode()
+    nonce_s = body[10 + nlen : 26 + nlen]
+    mac = auth_mac(secret, False, server_name, server_instance, name, instance, kind, path,
+                   nonce_c, nonce_s)
+    s.sendall(frame(AUTH, struct.pack("<I", 0) + mac))
+    return recv_until(s, HELLO_ACK)
 
 
 def notify(xfer: int, tag: bytes, op: int = 1) -> bytes:

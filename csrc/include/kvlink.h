@@ -47,7 +47,8 @@ typedef enum kvl_err {
     KVL_ERR_CHECKSUM = 16,       /* payload failed crc32c more times than allowed */
     KVL_ERR_PROTOCOL = 17,       /* malformed frame */
     KVL_ERR_END = 18,            /* no more events: the transfer has finished */
-    KVL_ERR_DEADLINE = 19        /* the transfer's own deadline passed */
+    KVL_ERR_DEADLINE = 19,       /* the transfer's own deadline passed */
+    KVL_ERR_AUTH = 20            /* the peer failed, refused or skipped authentication */
 } kvl_err;
 
 typedef enum kvl_op {
@@ -104,6 +105,10 @@ typedef struct kvl_config {
     int32_t sock_buf_bytes;      /* SO_SNDBUF/SO_RCVBUF; 0 keeps kernel autotuning */
     uint32_t close_linger_ms;    /* close() waits up to this for queued frames to leave and
                                     notifications to be acknowledged (0: stop at once) */
+    const uint8_t *secret;       /* the cluster secret (copied), 16..256 bytes, or NULL: every
+                                    connection then proves both ends hold it (docs/security.md) */
+    size_t secret_len;
+    int32_t allow_unauthenticated; /* 1: listen on non-loopback addresses without a secret */
 } kvl_config;
 
 /* One contiguous byte range.  Region ids are those of the side that owns the

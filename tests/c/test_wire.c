@@ -51,9 +51,11 @@ static void frame_done(frame *f, uint8_t type, uint64_t payload_len)
     free(hdr);
 }
 
-typedef enum dec_kind { D_HELLO, D_HELLO_ACK, D_CHUNK, D_STATUS, D_NOTIFY, D_ANNOUNCE, D_N } dec_kind;
-static const char *const dec_names[D_N] = {"hello", "hello_ack", "chunk", "status", "notify",
-                                           "announce"};
+typedef enum dec_kind {
+    D_HELLO, D_HELLO_ACK, D_CHUNK, D_STATUS, D_NOTIFY, D_ANNOUNCE, D_CHALLENGE, D_AUTH, D_N
+} dec_kind;
+static const char *const dec_names[D_N] = {"hello",  "hello_ack", "chunk",     "status",
+                                           "notify", "announce",  "challenge", "auth"};
 
 /* Runs decoder k on [body, body+len) (copied to an exact-size buffer) and
  * checks that what it accepted is safe to use: every pointer it returns lies
@@ -153,6 +155,19 @@ static kvl_err run_decoder(dec_kind k, const uint8_t *src, size_t len)
                 }
             }
         }
+        break;
+    }
+    case D_CHALLENGE: {
+        kvl_msg_challenge m;
+        memset(&m, 0xa5, sizeof m);
+        e = kvl_dec_challenge(body, len, &m);
+        if (e == KVL_OK)
+            CHECK(strnlen(m.name, sizeof m.name) < sizeof m.name);
+        break;
+    }
+    case D_AUTH: {
+        kvl_msg_auth m;
+        e = kvl_dec_auth(body, len, &m);
         break;
     }
     default:
@@ -260,7 +275,8 @@ static void test_header(void)
         {"magic byte 3", 3, 0, {KVL_F_HELLO, 0, 10, 0, 0}, KVL_ERR_PROTOCOL},
         {"version 0", 4, 0, {KVL_F_HELLO, 0, 10, 0, 0}, KVL_ERR_HANDSHAKE},
         {"version 1", 4, 1, {KVL_F_HELLO, 0, 10, 0, 0}, KVL_ERR_HANDSHAKE},
-        {"version 3", 4, 3, {KVL_F_HELLO, 0, 10, 0, 0}, KVL_ERR_HANDSHAKE},
+        {"version 2", 4, 2, {KVL_F_HELLO, 0, 10, 0, 0}, KVL_ERR_HANDSHAKE},
+        {"version 4", 4, 4, {KVL_F_HELLO, 0, 10, 0, 0}, KVL_ERR_HANDSHAKE},
         {"version 255", 4, 255, {KVL_F_HELLO, 0, 10, 0, 0}, KVL_ERR_HANDSHAKE},
         {"type 0", -1, 0, {0, 0, 10, 0, 0}, KVL_ERR_PROTOCOL},
         {"type TYPE_MAX+1", -1, 0, {KVL_F_TYPE_MAX + 1, 0, 10, 0, 0}, KVL_ERR_PROTOCOL},
@@ -365,19 +381,22 @@ static void test_hello(void)
         {42, KVL_CONN_CONTROL, 0xffff, 17}, /* path is not checked on control */
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-        kvl_msg_hello in = {cases[i].instance, cases[i].kind, cases[i].path, {0}};
+        kvl_msg_hello in = {.instance = cases[i].instance, .kind = cases[i].kind,
+                            .path = cases[i].path, .flags = (uint8_t)(i & KVL_HELLO_AUTH)};
+        memset(in.nonce, (int)i + 1, sizeof in.nonce);
         fill_str(in.name, cases[i].name_len, (char)('a' + i));
         frame f = {0};
         kvl_frame_start(&f.b);
         kvl_enc_hello(&f.b, &in);
         frame_done(&f, KVL_F_HELLO, 0);
-        CHECK(f.len == 8 + 1 + 2 + 2 + cases[i].name_len);
+        CHECK(f.len == 8 + 1 + 2 + 2 + cases[i].name_len + 1 + KVL_NONCE_BYTES);
         kvl_msg_hello out;
         uint8_t *body = dup_exact(f.body, f.len);
         if (CHECKF(kvl_dec_hello(body, f.len, &out) == KVL_OK, "case %zu: %s", i,
                    kvl_last_error()))
             CHECK(out.instance == in.instance && out.kind == in.kind &&
-                  out.path == in.path && strcmp(out.name, in.name) == 0);
+                  out.path == in.path && strcmp(out.name, in.name) == 0 &&
+                  out.flags == in.flags && memcmp(out.nonce, in.nonce, sizeof in.nonce) == 0);
         free(body);
         check_truncations(D_HELLO, f.body, f.len, "HELLO");
         keep(D_HELLO, &f);
@@ -387,7 +406,7 @@ static void test_hello(void)
     /* A name longer than the wire allows is cut to KVL_NAME_MAX-1 bytes by
      * the encoder, so it still decodes. */
     {
-        kvl_msg_hello in = {1, KVL_CONN_CONTROL, 0, {0}};
+        kvl_msg_hello in = {.instance = 1, .kind = KVL_CONN_CONTROL};
         memset(in.name, 'z', sizeof in.name); /* no terminator within the array */
         frame f = {0};
         kvl_frame_start(&f.b);
@@ -403,38 +422,49 @@ static void test_hello(void)
         kvl_buf_free(&f.b);
     }
 
-    /* Hand-built bodies: u64 instance, u8 kind, u16 path, u16 name_len, name. */
-    uint8_t b[8 + 1 + 2 + 2 + 80];
+    /* Hand-built bodies: u64 instance, u8 kind, u16 path, u16 name_len,
+     * name, u8 flags, 16-byte nonce (T bytes after the name). */
+    enum { T = 1 + KVL_NONCE_BYTES };
+    uint8_t b[8 + 1 + 2 + 2 + 80 + T];
     memset(b, 0, sizeof b);
     b[8] = KVL_CONN_CONTROL;
     /* empty name */
-    EXPECT_PROTOCOL(D_HELLO, b, 13, "HELLO with an empty name");
+    EXPECT_PROTOCOL(D_HELLO, b, 13 + T, "HELLO with an empty name");
     /* unknown kind */
     b[8] = 7;
     b[11] = 1;
     b[13] = 'n';
-    EXPECT_PROTOCOL(D_HELLO, b, 14, "HELLO with kind 7");
+    EXPECT_PROTOCOL(D_HELLO, b, 14 + T, "HELLO with kind 7");
     b[8] = KVL_CONN_CONTROL;
-    CHECK(run_decoder(D_HELLO, b, 14) == KVL_OK);
+    CHECK(run_decoder(D_HELLO, b, 14 + T) == KVL_OK);
+    /* unknown flags */
+    b[14] = 2;
+    EXPECT_PROTOCOL(D_HELLO, b, 14 + T, "HELLO with flag 2");
+    b[14] = KVL_HELLO_AUTH;
+    CHECK(run_decoder(D_HELLO, b, 14 + T) == KVL_OK);
+    b[14] = 0;
+    /* no flags and nonce (a version 2 HELLO) */
+    EXPECT_PROTOCOL(D_HELLO, b, 14, "HELLO without flags and nonce");
     /* name length field larger than the body */
-    b[11] = 2;
-    EXPECT_PROTOCOL(D_HELLO, b, 14, "HELLO name_len one past the body");
+    b[11] = 2 + T;
+    EXPECT_PROTOCOL(D_HELLO, b, 14 + T, "HELLO name_len one past the body");
     b[11] = 0xff;
     b[12] = 0xff;
-    EXPECT_PROTOCOL(D_HELLO, b, 14, "HELLO name_len 65535");
+    EXPECT_PROTOCOL(D_HELLO, b, 14 + T, "HELLO name_len 65535");
     /* a name of KVL_NAME_MAX bytes does not fit with its terminator */
     b[11] = KVL_NAME_MAX;
     b[12] = 0;
     memset(b + 13, 'n', KVL_NAME_MAX);
-    EXPECT_PROTOCOL(D_HELLO, b, 13 + KVL_NAME_MAX, "HELLO name of KVL_NAME_MAX bytes");
+    EXPECT_PROTOCOL(D_HELLO, b, 13 + KVL_NAME_MAX + T, "HELLO name of KVL_NAME_MAX bytes");
     b[11] = KVL_NAME_MAX - 1;
-    CHECK(run_decoder(D_HELLO, b, 13 + KVL_NAME_MAX - 1) == KVL_OK);
+    b[13 + KVL_NAME_MAX - 1] = 0; /* flags */
+    CHECK(run_decoder(D_HELLO, b, 13 + KVL_NAME_MAX - 1 + T) == KVL_OK);
     /* data connection with a path index out of range */
     b[8] = KVL_CONN_DATA;
     b[9] = KVL_MAX_PATHS;
-    EXPECT_PROTOCOL(D_HELLO, b, 13 + KVL_NAME_MAX - 1, "HELLO data path 64");
+    EXPECT_PROTOCOL(D_HELLO, b, 13 + KVL_NAME_MAX - 1 + T, "HELLO data path 64");
     b[9] = KVL_MAX_PATHS - 1;
-    CHECK(run_decoder(D_HELLO, b, 13 + KVL_NAME_MAX - 1) == KVL_OK);
+    CHECK(run_decoder(D_HELLO, b, 13 + KVL_NAME_MAX - 1 + T) == KVL_OK);
 }
 
 /* ---- HELLO_ACK / REGIONS ---- */
@@ -800,6 +830,43 @@ static void test_fuzz(void)
     free(scratch);
 }
 
+/* ---- CHALLENGE / AUTH ---- */
+
+static void test_challenge_auth(void)
+{
+    kvl_msg_challenge ch = {.instance = 0x1122334455667788ull};
+    strcpy(ch.name, "listener");
+    for (size_t i = 0; i < sizeof ch.nonce; i++)
+        ch.nonce[i] = (uint8_t)i;
+    for (size_t i = 0; i < sizeof ch.mac; i++)
+        ch.mac[i] = (uint8_t)(0xff - i);
+    frame f = {0};
+    kvl_frame_start(&f.b);
+    kvl_enc_challenge(&f.b, &ch);
+    frame_done(&f, KVL_F_CHALLENGE, 0);
+    kvl_msg_challenge out;
+    if (CHECK(kvl_dec_challenge(f.body, f.len, &out) == KVL_OK))
+        CHECK(out.instance == ch.instance && strcmp(out.name, ch.name) == 0 &&
+              memcmp(out.nonce, ch.nonce, sizeof ch.nonce) == 0 &&
+              memcmp(out.mac, ch.mac, sizeof ch.mac) == 0);
+    check_truncations(D_CHALLENGE, f.body, f.len, "CHALLENGE");
+    keep(D_CHALLENGE, &f);
+    kvl_buf_free(&f.b);
+
+    kvl_msg_auth au = {.status = KVL_ERR_AUTH};
+    memset(au.mac, 0x5a, sizeof au.mac);
+    f = (frame){0};
+    kvl_frame_start(&f.b);
+    kvl_enc_auth(&f.b, &au);
+    frame_done(&f, KVL_F_AUTH, 0);
+    kvl_msg_auth aout;
+    if (CHECK(kvl_dec_auth(f.body, f.len, &aout) == KVL_OK))
+        CHECK(aout.status == au.status && memcmp(aout.mac, au.mac, sizeof au.mac) == 0);
+    check_truncations(D_AUTH, f.body, f.len, "AUTH");
+    keep(D_AUTH, &f);
+    kvl_buf_free(&f.b);
+}
+
 int main(void)
 {
     double t0 = test_now_s();
@@ -811,6 +878,7 @@ int main(void)
     test_status();
     test_notify();
     test_announce();
+    test_challenge_auth();
     test_fuzz();
     for (size_t i = 0; i < n_pool; i++)
         free(pool[i].body);

@@ -37,6 +37,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(autouse=True)
+def _cluster_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Testbed agents listen on 198.18.x addresses, which takes a secret: every
+    agent of a test, in this process or a child, shares one."""
+    monkeypatch.setenv("KVLINK_SECRET", secrets.token_hex(16))
+
+
+@pytest.fixture(autouse=True)
 def _require_root(request: pytest.FixtureRequest) -> None:
     """Skip (or, with KVLINK_REQUIRE_ALL=1, fail) root-marked tests that cannot run here."""
     if request.node.get_closest_marker("root") is None:

@@ -1,0 +1,140 @@
+"""Authenticated peers: with a cluster secret every connection proves that
+both ends hold it before anything it carries is trusted (docs/security.md)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+
+import numpy as np
+import pytest
+
+import kvlink
+from tests import wire_client as wc
+
+MiB = 1 << 20
+SECRET = "kvlink-test-secret-0123456789"
+OTHER = "another-secret-abcdefghijklmn"
+
+
+def test_agents_with_one_secret_push_and_pull(make_agent):
+    rx = make_agent("rx", nics="loopback:2", secret=SECRET)
+    tx = make_agent("tx", nics="loopback:2", secret=SECRET)
+    dst = np.zeros(4 * MiB, np.uint8)
+    rx.register(dst, name="kv", remote_write=True, remote_read=True)
+    src = np.arange(4 * MiB, dtype=np.uint32).astype(np.uint8)
+    tx.register(src)
+    tx.add_peer(rx.metadata())
+    tx.push("rx", src=src, dst="kv").wait(timeout_s=30)
+    assert np.array_equal(dst, src)
+    back = np.zeros_like(src)
+    tx.register(back)
+    tx.pull("rx", src="kv", dst=back).wait(timeout_s=30)
+    assert np.array_equal(back, src)
+    assert len(tx.paths()) == 2
+
+
+@pytest.mark.parametrize(
+    ("rx_secret", "tx_secret", "says"),
+    [
+        (SECRET, OTHER, "different"),  # both prove something; neither is believed
+        (SECRET, None, "requires authentication"),
+        (None, SECRET, "no secret"),
+    ],
+)
+def test_a_wrong_or_missing_secret_is_refused_on_both_sides(
+    make_agent, caplog, rx_secret, tx_secret, says
+):
+    caplog.set_level(logging.WARNING, logger="kvlink")
+    rx = make_agent("rx", secret=rx_secret)
+    tx = make_agent("tx", secret=tx_secret)
+    rx.register(np.zeros(MiB, np.uint8), name="kv", remote_write=True)
+    with pytest.raises(kvlink.AuthenticationError, match=says):
+        tx.add_peer(rx.metadata())
+    assert tx.paths() == []
+    with pytest.raises(kvlink.UnknownPeerError):
+        tx.push("rx", src=np.zeros(MiB, np.uint8), dst="kv")
+
+
+def test_listener_logs_who_it_refused(make_agent, caplog):
+    caplog.set_level(logging.WARNING, logger="kvlink")
+    rx = make_agent("rx", secret=SECRET)
+    tx = make_agent("tx", secret=OTHER)
+    with pytest.raises(kvlink.AuthenticationError):
+        tx.add_peer(rx.metadata())
+    rx.close()  # the log drain hands over what is queued
+    assert any(
+        "claiming to be 'tx'" in r.getMessage() and "different cluster secrets" in r.getMessage()
+        for r in caplog.records
+    ), caplog.text
+
+
+def _listener(agent: kvlink.Agent) -> socket.socket:
+    host, port = agent.addresses[0]
+    s = socket.create_connection((host, port), timeout=5)
+    return s
+
+
+def test_nothing_behind_an_unauthenticated_hello_is_processed(make_agent):
+    """A HELLO without the challenge-response is answered AUTH and the NOTIFY
+    queued right behind it is never delivered."""
+    rx = make_agent("rx", secret=SECRET)
+    with _listener(rx) as s:
+        s.sendall(wc.hello("mallory", 1) + wc.notify(1, b"forged"))
+        t, body = wc.recv_frame(s)
+        assert t == wc.HELLO_ACK
+        assert struct.unpack_from("<I", body)[0] == kvlink.ErrorCode.AUTH
+    assert rx.notifications(timeout_s=0.5) == []
+
+
+def test_a_forged_proof_is_refused(make_agent):
+    rx = make_agent("rx", secret=SECRET)
+    with _listener(rx) as s:
+        s.sendall(wc.hello("mallory", 1, nonce=bytes(16)))
+        t, _ = wc.recv_frame(s)
+        assert t == wc.CHALLENGE
+        s.sendall(wc.frame(wc.AUTH, struct.pack("<I", 0) + bytes(32)) + wc.notify(1, b"forged"))
+        t, body = wc.recv_frame(s)
+        assert t == wc.HELLO_ACK
+        assert struct.unpack_from("<I", body)[0] == kvlink.ErrorCode.AUTH
+    assert rx.notifications(timeout_s=0.5) == []
+
+
+def test_the_documented_proof_is_accepted(make_agent):
+    """docs/wire-protocol.md's recipe, computed independently in Python."""
+    rx = make_agent("rx", secret=SECRET)
+    with _listener(rx) as s:
+        ack = wc.authenticate(s, "client", 77, SECRET.encode())
+        assert struct.unpack_from("<I", ack)[0] == 0
+        s.sendall(wc.notify(5, b"hello"))
+        got = rx.notifications(timeout_s=5)
+    assert [(n.peer, n.tag) for n in got] == [("client", b"hello")]
+
+
+def test_without_a_secret_only_loopback_is_served():
+    with pytest.raises(kvlink.InvalidArgumentError, match="allow_unauthenticated"):
+        kvlink.Agent("open", kvlink.Config(nics=["198.18.0.1"]))
+
+
+@pytest.mark.parametrize("secret", ["short", b"x" * 257, 12345])
+def test_secret_size_and_type_are_checked(secret):
+    with pytest.raises(kvlink.ConfigError, match="secret"):
+        kvlink.Config(secret=secret)
+
+
+def test_secret_from_the_environment(make_agent, monkeypatch, tmp_path):
+    path = tmp_path / "secret"
+    path.write_text(SECRET + "\n")
+    monkeypatch.setenv("KVLINK_SECRET_FILE", str(path))
+    rx = make_agent("rx")
+    monkeypatch.delenv("KVLINK_SECRET_FILE")
+    monkeypatch.setenv("KVLINK_SECRET", SECRET)
+    tx = make_agent("tx")
+    tx.add_peer(rx.metadata())  # both hold the secret: the handshake passes
+    monkeypatch.delenv("KVLINK_SECRET")
+    plain = make_agent("plain")
+    with pytest.raises(kvlink.AuthenticationError):
+        plain.add_peer(rx.metadata())
+    assert "secret" not in repr(kvlink.Config(secret=SECRET)).replace("secret=", "")
+    assert SECRET not in repr(kvlink.Config(secret=SECRET))

@@ -32,7 +32,7 @@ class Factory(Protocol):
 
 
 # The checkout's root, so child processes (in namespaces, as another user) import this kvlink.
-REPO_ROOT = Path(kt.__file__).resolve().parents[1]
+REPO_ROOT = Path(kt.__file__).resolve().parents[2]
 PROBE_PORT = 7100
 IPERF_PORT = 5201
 IPERF_SECONDS = 2

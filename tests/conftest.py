@@ -94,3 +94,20 @@ def spawn_peer() -> Iterator[Callable[..., Any]]:
     for p in procs:
         p.stop()
 
+
+@pytest.fixture
+def scripted_receiver() -> Iterator[Callable[..., Any]]:
+    """Factory for tests/wire_client.ScriptedReceiver (a receiver that withholds its ACKs
+    until released), every one closed at teardown."""
+    from tests.wire_client import ScriptedReceiver
+
+    made: list[ScriptedReceiver] = []
+
+    def make(name: str = "rx", paths: int = 1, region: str = "kv", nbytes: int = 1 << 20) -> Any:
+        r = ScriptedReceiver(name, paths, region, nbytes)
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.close()

@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.kvlink-deps
 
-.PHONY: all build demo test test-c test-py lint bench clean
+.PHONY: all build demo sysdeps test test-c test-py lint bench clean
 
 all: build
 
@@ -33,7 +33,13 @@ test-c:
 	$(MAKE) -C tests/c test
 	$(MAKE) -C tests/c tsan
 
-test-py: build
+# System tools the tests run (ip, tc, iperf3, ...; tests/sysdeps.py lists them): installed with
+# apt-get when one is missing and we are root; elsewhere the tests that need one skip saying so
+# (and fail in CI, KVLINK_REQUIRE_ALL=1).
+sysdeps:
+	@$(PYTHON) tests/sysdeps.py
+
+test-py: sysdeps build
 	$(PY) -m pytest
 
 lint: build

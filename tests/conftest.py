@@ -1,16 +1,27 @@
 """Shared fixtures: agents that always close, a peer agent in another process,
-and the rule that a missing dependency fails in CI (KVLINK_REQUIRE_ALL=1)."""
+and the rule that a missing dependency skips with the reason, but fails in CI
+(KVLINK_REQUIRE_ALL=1): Python modules through ``require``, system tools through
+``require_tool`` or the ``tools`` marker, root and iproute2 through the ``root`` marker."""
 
 from __future__ import annotations
 
 import importlib
 import os
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
+from tests import sysdeps
+
 REQUIRE_ALL = os.environ.get("KVLINK_REQUIRE_ALL") == "1"
+
+
+def unavailable(reason: str) -> NoReturn:
+    """Skips the test with ``reason``; fails it instead under KVLINK_REQUIRE_ALL=1 (CI)."""
+    if REQUIRE_ALL:
+        pytest.fail(f"{reason} (KVLINK_REQUIRE_ALL=1: nothing may skip)")
+    pytest.skip(reason)
 
 
 def require(module: str) -> Any:
@@ -18,9 +29,36 @@ def require(module: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        if REQUIRE_ALL:
-            pytest.fail(f"{module} is required in CI (KVLINK_REQUIRE_ALL=1): {exc}")
-        pytest.skip(f"{module} is not installed")
+        unavailable(f"{module} is not installed: {exc}")
+
+
+def require_tool(name: str) -> str:
+    """Path of system tool ``name``; skips the test without it, fails under KVLINK_REQUIRE_ALL=1.
+
+    ``name`` must be listed in tests/sysdeps.py, which is what `make sysdeps` installs.
+    """
+    assert name in sysdeps.TOOLS, f"add {name!r} to tests/sysdeps.py TOOLS so it is installed"
+    path = sysdeps.find_tool(name)
+    if path is None:
+        unavailable(f"`{name}` is not installed: {sysdeps.install_hint([name])}")
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _system_requirements(request: pytest.FixtureRequest) -> None:
+    """Skip (fail, under KVLINK_REQUIRE_ALL=1) a test whose ``tools`` or ``root`` needs are
+    not met, before any of its other fixtures build anything."""
+    for mark in request.node.iter_markers("tools"):
+        for name in mark.args:
+            require_tool(name)
+    if request.node.get_closest_marker("root") is not None:
+        require_tool("ip")
+        require_tool("tc")
+        import kvlink.testbed as kt
+
+        ok, reason = kt.is_available()
+        if not ok:
+            unavailable(reason)
 
 
 @pytest.fixture
@@ -55,3 +93,21 @@ def spawn_peer() -> Iterator[Callable[..., Any]]:
     yield spawn
     for p in procs:
         p.stop()
+
+
+@pytest.fixture
+def scripted_receiver() -> Iterator[Callable[..., Any]]:
+    """Factory for tests/wire_client.ScriptedReceiver (a receiver that withholds its ACKs
+    until released), every one closed at teardown."""
+    from tests.wire_client import ScriptedReceiver
+
+    made: list[ScriptedReceiver] = []
+
+    def make(name: str = "rx", paths: int = 1, region: str = "kv", nbytes: int = 1 << 20) -> Any:
+        r = ScriptedReceiver(name, paths, region, nbytes)
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.close()

@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
+import json
 import os
 import socket
 import struct
+import threading
 
 from kvlink._native import ffi, lib
 
@@ -107,6 +110,16 @@ def recv_exact(s: socket.socket, n: int) -> bytes:
     return out
 
 
+def sstr(text: str) -> bytes:
+    """A wire short string: u16 length, then the bytes."""
+    raw = text.encode()
+    return struct.pack("<H", len(raw)) + raw
+
+
+def ack(xfer: int, chunk: int, attempt: int, status: int = 0) -> bytes:
+    return frame(ACK, struct.pack("<QIII", xfer, chunk, attempt, status) + sstr(""))
+
+
 def recv_frame(s: socket.socket) -> tuple[int, bytes]:
     """The next frame as (type, body); a payload, if any, is read and dropped."""
     _, _, t, _, blen, _, plen = struct.unpack("<IBBHIIQ", recv_exact(s, 24))
@@ -133,3 +146,134 @@ def connect(
     t, body = recv_frame(s)
     assert t == HELLO_ACK and struct.unpack_from("<I", body)[0] == 0, body
     return s
+
+
+def skip_exact(s: socket.socket, n: int) -> None:
+    """Reads and drops n bytes (a payload) without holding them."""
+    while n:
+        got = s.recv(min(n, 1 << 20))
+        if not got:
+            raise ConnectionError("connection closed by the agent")
+        n -= len(got)
+
+
+class ScriptedReceiver:
+    """A receiving agent played by the test, for pushes whose outcome must not depend on timing.
+
+    It listens on 127.0.0.1..N (as ``nics="loopback:N"``), completes every handshake as agent
+    ``name`` exposing one writable region ``region`` of ``nbytes``, reads every frame (payloads
+    dropped), answers PING and NOTIFY, but withholds the ACK of every DATA until
+    :meth:`release`: a push to it cannot finish before the test says so. :meth:`kill` drops
+    every socket at once, as the death of a receiving process does.
+    """
+
+    def __init__(self, name: str, paths: int, region: str, nbytes: int) -> None:
+        self.name = name
+        self.instance = 0x5C817ED0000001
+        self.region = (1, nbytes, 2, region)  # id, size, rights (bit 1: remote_write), name
+        self.data_seen = threading.Event()  # set by the first DATA frame
+        self._lock = threading.Lock()  # guards everything below and every send
+        self._released = False
+        self._held: list[tuple[socket.socket, int, int, int]] = []  # (conn, xfer, chunk, attempt)
+        self._socks: list[socket.socket] = []
+        self._threads: list[threading.Thread] = []
+        self.addresses: list[tuple[str, int]] = []
+        for i in range(paths):
+            srv = socket.create_server((f"127.0.0.{i + 1}", 0))
+            self._socks.append(srv)
+            self.addresses.append(srv.getsockname()[:2])
+            self._start(self._accept, srv)
+
+    @property
+    def metadata(self) -> bytes:
+        """What ``add_peer`` takes (docs/api.md)."""
+        return json.dumps(
+            {
+                "kvlink": 1,
+                "name": self.name,
+                "instance": f"{self.instance:016x}",
+                "addrs": [list(a) for a in self.addresses],
+            }
+        ).encode()
+
+    def _start(self, target: object, sock: socket.socket) -> None:
+        t = threading.Thread(target=target, args=(sock,), daemon=True)  # type: ignore[arg-type]
+        self._threads.append(t)
+        t.start()
+
+    def _accept(self, srv: socket.socket) -> None:
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:  # kill() or close()
+                return
+            with self._lock:
+                self._socks.append(conn)
+            self._start(self._serve, conn)
+
+    def _send(self, conn: socket.socket, data: bytes) -> None:
+        with self._lock:
+            conn.sendall(data)
+
+    def _table(self, control: bool) -> bytes:
+        body = struct.pack("<IQ", 0, self.instance) + sstr(self.name) + sstr("")
+        if not control:
+            return body + struct.pack("<I", 0)
+        rid, size, rights, name = self.region
+        entry = struct.pack("<QQII", rid, size, rights, 0) + name.encode().ljust(64, b"\0")
+        return body + struct.pack("<I", 1) + entry + struct.pack("<H", 0)
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            t, body = recv_frame(conn)
+            assert t == HELLO, t
+            self._send(conn, frame(HELLO_ACK, self._table(control=body[8] == CONTROL)))
+            while True:
+                _, _, t, _, blen, _, plen = struct.unpack("<IBBHIIQ", recv_exact(conn, 24))
+                body = recv_exact(conn, blen)
+                if plen:
+                    skip_exact(conn, plen + 4)
+                if t == DATA:
+                    xfer, chunk, attempt = struct.unpack_from("<QII", body)
+                    self.data_seen.set()
+                    with self._lock:
+                        if not self._released:
+                            self._held.append((conn, xfer, chunk, attempt))
+                            continue
+                    self._send(conn, ack(xfer, chunk, attempt))
+                elif t == PING:
+                    self._send(conn, frame(PONG, body))
+                elif t == NOTIFY and struct.unpack_from("<Q", body)[0]:
+                    self._send(conn, frame(NOTIFY_ACK, body[:8]))
+                elif t == REGIONS_REQ:
+                    self._send(conn, frame(REGIONS, self._table(control=True)))
+        except (OSError, ConnectionError):
+            return  # kill(), close(), or the agent hung up
+
+    def release(self) -> None:
+        """ACK every DATA held so far (the newest copy of a chunk as placed, older ones as
+        SUPERSEDED, as a real receiver does) and every DATA from now on."""
+        with self._lock:
+            self._released = True
+            held, self._held = self._held, []
+            newest: dict[tuple[int, int], int] = {}
+            for _, xfer, chunk, attempt in held:
+                newest[xfer, chunk] = max(attempt, newest.get((xfer, chunk), 0))
+            for conn, xfer, chunk, attempt in held:
+                status = 0 if attempt == newest[xfer, chunk] else SUPERSEDED
+                with contextlib.suppress(OSError):
+                    conn.sendall(ack(xfer, chunk, attempt, status))
+
+    def kill(self) -> None:
+        """Drop every listener and connection at once (RST, as a killed process's are)."""
+        with self._lock:
+            socks, self._socks = self._socks, []
+            for s in socks:
+                with contextlib.suppress(OSError):
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    s.shutdown(socket.SHUT_RDWR)
+                s.close()
+        for t in self._threads:
+            t.join(5)
+
+    close = kill

@@ -180,20 +180,23 @@ def test_non_contiguous_array(make_agent):
         a.register(b"immutable bytes", remote_write=True)
 
 
-def test_deregister_while_in_use_is_refused(pair):
-    tx, rx = pair
+def test_deregister_while_in_use_is_refused(make_agent, scripted_receiver):
+    # The receiver withholds its ACKs until released, so the push is in use for certain
+    # when deregister() is called, and over for certain when it is called again.
+    rx = scripted_receiver("rx", paths=2, region="big", nbytes=64 * MiB)
+    tx = make_agent("tx", nics="loopback:2")
     src = np.ones(64 * MiB, np.uint8)
     r = tx.register(src)
-    rx.call("alloc", key="big", nbytes=64 * MiB, remote_write=True, name="big")
+    tx.add_peer(rx.metadata)
     h = tx.push("rx", src=src, dst="big")
-    try:
+    with pytest.raises(kvlink.RegionBusyError, match="wait for them"):
         tx.deregister(r)
-    except kvlink.RegionBusyError as exc:
-        assert "wait for them" in str(exc)
-        h.wait(30)
-        tx.deregister(r)
-    else:  # the transfer may already have finished
-        assert h.wait(30).ok
+    assert not h.done
+    assert [x.id for x in tx.regions()] == [r.id], "a refused deregister keeps the region"
+    rx.release()
+    assert h.wait(30).ok
+    tx.deregister(r)
+    assert tx.regions() == []
 
 
 def _send_raw(port: int, data: bytes, linger_s: float = 0.5) -> bytes:

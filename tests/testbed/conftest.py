@@ -1,7 +1,8 @@
 """Fixtures for tests that build real network namespaces (marker ``root``).
 
 Tests marked ``root`` are skipped when we are not root or iproute2 is missing, unless
-KVLINK_REQUIRE_ALL=1 (as in CI), where that is a failure instead. Every namespace a test
+KVLINK_REQUIRE_ALL=1 (as in CI), where that is a failure instead (tests/conftest.py decides
+that, for every marker naming a system need). Every namespace a test
 creates is removed in a finalizer even when the test fails, and each test gets a timeout
 (pytest-timeout) so a hung transfer fails instead of stalling the run.
 """
@@ -21,12 +22,6 @@ import kvlink.testbed as kt
 TESTBED_TIMEOUT_S = 60
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers", "root: needs root (CAP_NET_ADMIN) to build network namespaces"
-    )
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not config.pluginmanager.hasplugin("timeout"):
         return
@@ -41,19 +36,6 @@ def _cluster_secret(monkeypatch: pytest.MonkeyPatch) -> None:
     """Testbed agents listen on 198.18.x addresses, which takes a secret: every
     agent of a test, in this process or a child, shares one."""
     monkeypatch.setenv("KVLINK_SECRET", secrets.token_hex(16))
-
-
-@pytest.fixture(autouse=True)
-def _require_root(request: pytest.FixtureRequest) -> None:
-    """Skip (or, with KVLINK_REQUIRE_ALL=1, fail) root-marked tests that cannot run here."""
-    if request.node.get_closest_marker("root") is None:
-        return
-    ok, reason = kt.is_available()
-    if ok:
-        return
-    if os.environ.get("KVLINK_REQUIRE_ALL") == "1":
-        pytest.fail(f"KVLINK_REQUIRE_ALL=1 but this test cannot run: {reason}")
-    pytest.skip(reason)
 
 
 def unique_tag() -> str:

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 import kvlink.testbed as kt
+from tests.conftest import require_tool
 from tests.peer_client import PeerError, PeerProcess
 
 pytestmark = [pytest.mark.root, pytest.mark.timeout(120)]
@@ -173,13 +174,15 @@ def test_prepare_then_push(pair):
     assert p.verified()
 
 
+@pytest.mark.tools("iperf3")
 def test_competing_traffic_is_seen_and_avoided(pair):
     p = pair(256 * MiB, links=2, rate="1gbit")
     a0, b0 = p.tb.address("a", 0), p.tb.address("b", 0)
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-    server = p.tb.run("b", ["iperf3", "-s", "-1", "-B", b0, "-p", "5399"], **quiet)
+    iperf3 = require_tool("iperf3")
+    server = p.tb.run("b", [iperf3, "-s", "-1", "-B", b0, "-p", "5399"], **quiet)
     time.sleep(0.3)
-    client = p.tb.run("a", ["iperf3", "-c", b0, "-B", a0, "-p", "5399", "-t", "8"], **quiet)
+    client = p.tb.run("a", [iperf3, "-c", b0, "-B", a0, "-p", "5399", "-t", "8"], **quiet)
     try:
         time.sleep(1.5)  # the monitor sees the NIC busy with traffic that is not ours
         other = p.paths()[0]["nic_other_gbps"]

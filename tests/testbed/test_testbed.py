@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,7 @@ import pytest
 
 import kvlink.testbed as kt
 from kvlink.cli.testbed import main as cli_main
+from tests.conftest import require_tool
 
 
 class Factory(Protocol):
@@ -32,7 +32,7 @@ class Factory(Protocol):
 
 
 # The checkout's root, so child processes (in namespaces, as another user) import this kvlink.
-REPO_ROOT = Path(kt.__file__).resolve().parents[1]
+REPO_ROOT = Path(kt.__file__).resolve().parents[2]
 PROBE_PORT = 7100
 IPERF_PORT = 5201
 IPERF_SECONDS = 2
@@ -66,17 +66,6 @@ print(json.dumps(results))
 """
 
 
-def need_tool(name: str) -> str:
-    """Path of ``name``; skip without it (fail under KVLINK_REQUIRE_ALL=1)."""
-    path = shutil.which(name)
-    if path is None:
-        reason = f"`{name}` is not installed (apt-get install -y {name})"
-        if os.environ.get("KVLINK_REQUIRE_ALL") == "1":
-            pytest.fail(reason)
-        pytest.skip(reason)
-    return path
-
-
 @contextlib.contextmanager
 def probe_server(tb: kt.Testbed) -> Iterator[subprocess.Popen[str]]:
     """Run PROBE_SERVER in side b while the block runs; stopped and reaped on exit."""
@@ -107,7 +96,7 @@ def probe(tb: kt.Testbed, addresses: list[str]) -> list[dict[str, Any]]:
 
 def iperf_bps(tb: kt.Testbed, link: int, seconds: int = IPERF_SECONDS) -> float:
     """Receiver-side throughput in bit/s of one iperf3 TCP stream from a to b over ``link``."""
-    iperf3 = need_tool("iperf3")
+    iperf3 = require_tool("iperf3")
     server_addr = tb.address("b", link)
     server = tb.run(
         "b", [iperf3, "-s", "-1", "--forceflush", "-B", server_addr, "-p", str(IPERF_PORT)],
@@ -323,6 +312,7 @@ def test_every_link_carries_tcp_over_its_own_subnet(testbed: Factory) -> None:
 
 
 @pytest.mark.root
+@pytest.mark.tools("iperf3")
 def test_tbf_limits_rate_and_set_rate_changes_it(testbed: Factory) -> None:
     tb = testbed(links=1, rate="500mbit")
     measured = iperf_bps(tb, 0)
@@ -464,8 +454,9 @@ def test_cli_module_entry_point(testbed: Factory) -> None:
 
 
 @pytest.mark.root
+@pytest.mark.tools("setpriv")
 def test_not_root_gets_a_message_saying_what_to_do() -> None:
-    setpriv = need_tool("setpriv")
+    setpriv = require_tool("setpriv")
     drop = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all"]
     # Python and this checkout must be readable by "nobody"; pyenv's often is not.
     python = next(

@@ -231,8 +231,8 @@ def _coerce(name: str, var: str, raw: str) -> Any:
         if raw.strip().lower() in _FALSE:
             return False
         raise ConfigError(
-            f"{var}: {raw!r} is not a boolean; use one of {', '.join(_TRUE)} (on) or "
-            f"{', '.join(_FALSE)} (off)"
+            f"{var}: {raw!r} is not a boolean; use {', '.join(_TRUE)} to turn it on, "
+            f"{', '.join(_FALSE)} to turn it off"
         )
     if name.endswith("_bytes"):
         return _size(var, raw)

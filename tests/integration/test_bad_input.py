@@ -7,6 +7,8 @@ import contextlib
 import os
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 
@@ -443,3 +445,14 @@ def test_region_table_under_concurrent_register_push_deregister(pair):
     assert not any(t.is_alive() for t in threads)
     assert errors == []
     assert tx.regions() == []
+
+
+def test_bench_cli_refuses_a_non_boolean_setting():
+    """kvlink-bench reads the library's config, so it refuses KVLINK_HEDGE=maybe too."""
+    env = {**os.environ, "KVLINK_HEDGE": "maybe"}
+    out = subprocess.run(
+        [sys.executable, "-m", "kvlink.cli.bench", "loopback", "--quick", "--json"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert "KVLINK_HEDGE: 'maybe' is not a boolean" in out.stderr

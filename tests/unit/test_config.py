@@ -92,7 +92,8 @@ def test_env_booleans(monkeypatch, raw, expected):
 @pytest.mark.parametrize("raw", ["maybe", "", "2", "yess"])
 def test_env_boolean_that_is_not_one_is_refused(monkeypatch, raw):
     monkeypatch.setenv("KVLINK_HEDGE", raw)
-    with pytest.raises(kvlink.ConfigError, match=r"KVLINK_HEDGE: .* is not a boolean.*true.*false"):
+    accepted = r"use 1, true, yes, on to turn it on, 0, false, no, off to turn it off"
+    with pytest.raises(kvlink.ConfigError, match=rf"KVLINK_HEDGE: .* is not a boolean; {accepted}"):
         kvlink.Config.load()
 
 

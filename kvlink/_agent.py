@@ -432,6 +432,9 @@ class Agent:
         delivered to the peer once every byte is verified there.
 
         Raises:
+            InvalidArgumentError: a bad argument (named), a negative
+                ``timeout_s``, or segments whose destinations overlap.
+            ArgumentTypeError: ``timeout_s`` or ``notify`` of the wrong type.
             NotRegisteredError: ``src`` is not registered memory.
             SizeMismatchError: ``src`` and ``dst`` differ in size and no
                 ``nbytes`` says how much to move.
@@ -515,9 +518,11 @@ class Agent:
         if src is None or dst is None:
             raise InvalidArgumentError("src and dst are required unless segments= is given")
         for arg, v in (("src_offset", src_offset), ("dst_offset", dst_offset)):
-            if not isinstance(v, int) or v < 0:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise InvalidArgumentError(f"{arg}: expected a non-negative int, got {v!r}")
-        if nbytes is not None and (not isinstance(nbytes, int) or nbytes <= 0):
+        if nbytes is not None and (
+            isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0
+        ):
             raise InvalidArgumentError(f"nbytes: expected a positive int, got {nbytes!r}")
         local_arg, remote_arg = ("src", "dst") if op == Op.PUSH else ("dst", "src")
         local_obj, remote_obj = (src, dst) if op == Op.PUSH else (dst, src)

@@ -44,7 +44,7 @@ except ImportError as exc:  # pragma: no cover - only without a build
         "kvlink checkout"
     ) from exc
 
-__all__ = ["ErrorCode", "check", "ffi", "lib", "make_plan"]
+__all__ = ["ErrorCode", "check", "crc32c", "ffi", "lib", "make_plan"]
 
 SLICE_S = 0.2  # blocking waits run in slices so Ctrl-C and close() get through
 MAX_WAIT_MS = 2**31
@@ -609,6 +609,14 @@ def paths(a: Handle) -> list[PathInfo]:
         )
         for p in arr[0 : min(n[0], cap)]
     ]
+
+
+# ---- integrity -----------------------------------------------------------------
+
+
+def crc32c(data: bytes, crc: int = 0) -> int:
+    """kvl_crc32c: crc32c (Castagnoli) of ``data``, continuing from ``crc``."""
+    return int(lib.kvl_crc32c(crc, ffi.from_buffer(data), len(data)))
 
 
 # ---- planner -------------------------------------------------------------------

@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 import struct
 
-from kvlink._native import ffi, lib
+from kvlink._native import crc32c
 
 MAGIC = 0x4B4C564B
 VERSION = 2
@@ -17,7 +17,7 @@ SUPERSEDED = 100  # wire-only ACK status: a newer copy owns the chunk
 
 
 def crc(b: bytes) -> int:
-    return int(lib.kvl_crc32c(0, ffi.from_buffer(b), len(b)))
+    return crc32c(b)
 
 
 def frame(ftype: int, body: bytes, payload_len: int = 0) -> bytes:

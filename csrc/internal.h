@@ -221,8 +221,6 @@ kvl_err kvl_dec_region_table(const kvl_msg_hello_ack *m, kvl_region_info **out);
 #include "transport/transport.h"
 
 /* ---- region.c ---- */
-#define KVL_LOCAL_READONLY 0x100u /* rights bit: our own memory may not be written */
-
 typedef struct kvl_region {
     uint64_t id;
     uint8_t *base;

@@ -8,21 +8,10 @@ See docs/api.md for a guided tour.
 
 from __future__ import annotations
 
-from ._agent import (
-    Agent,
-    ChunkEvent,
-    Notification,
-    Op,
-    PathInfo,
-    PathState,
-    Region,
-    RemoteRegion,
-    Transfer,
-    TransferInfo,
-    TransferState,
-)
-from ._config import Config, GiB, KiB, MiB
+from ._agent import Agent
+from ._config import Config, GiB, KiB, MiB, Scheduler
 from ._errors import (
+    ArgumentTypeError,
     AuthenticationError,
     ChecksumError,
     ClosedError,
@@ -49,15 +38,29 @@ from ._errors import (
     UnknownPeerError,
     UnknownRegionError,
 )
-from ._inbound import InboundInfo, InboundTransfer
-from ._memory import MemoryType
+from ._inbound import InboundTransfer
 from ._segments import SEGMENT_DTYPE, Segment
+from ._transfer import Transfer
+from ._types import (
+    ChunkEvent,
+    InboundInfo,
+    MemoryType,
+    Notification,
+    Op,
+    PathInfo,
+    PathState,
+    Region,
+    RemoteRegion,
+    TransferInfo,
+    TransferState,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "SEGMENT_DTYPE",
     "Agent",
+    "ArgumentTypeError",
     "AuthenticationError",
     "ChecksumError",
     "ChunkEvent",
@@ -91,6 +94,7 @@ __all__ = [
     "RemoteAccessError",
     "RemoteRefusedError",
     "RemoteRegion",
+    "Scheduler",
     "Segment",
     "SizeMismatchError",
     "Transfer",

@@ -1,310 +1,45 @@
-"""The object API: Agent, Region, Transfer and what they report."""
+"""The object API's endpoint: :class:`Agent` (registrations, peers, transfers)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import logging
-import math
 import threading
 import time
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
-from enum import IntEnum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from . import _nics
+from . import _native, _nics
+from ._args import bool_arg, timeout_arg
 from ._config import Config
 from ._errors import (
+    ArgumentTypeError,
     ClosedError,
     DuplicateNameError,
-    ErrorCode,
     InvalidArgumentError,
-    KvlinkError,
     NotRegisteredError,
     OutOfBoundsError,
     PeerUnreachableError,
     RegistrationError,
     SizeMismatchError,
     UnknownRegionError,
-    error_for,
 )
+from ._inbound import InboundTransfer
 from ._logdrain import LogDrain
-from ._memory import MemoryType, as_span
-from ._native import check, cstr, ffi, lib
+from ._memory import as_span
+from ._regions import RegionTable
 from ._segments import SEGMENT_DTYPE, as_segment_array
-from ._wait import SLICE_S, ms, sliced
-
-if TYPE_CHECKING:
-    from ._inbound import InboundTransfer
+from ._transfer import Transfer
+from ._types import Notification, Op, PathInfo, PathState, Region, RemoteRegion
+from .kv import PagedLayout
 
 log = logging.getLogger("kvlink")
 
 METADATA_VERSION = 1
-
-
-class Op(IntEnum):
-    """Direction of a transfer, from the initiator's point of view; PREPARE
-    marks a pre-warm request (see :meth:`Agent.prepare`)."""
-
-    PUSH = 1
-    PULL = 2
-    PREPARE = 3
-
-
-class TransferState(IntEnum):
-    RUNNING = 0
-    DONE = 1
-    FAILED = 2
-
-
-class PathState(IntEnum):
-    UP = 0
-    DEGRADED = 1
-    DOWN = 2
-    PROBING = 3
-    STALLED = 4
-
-
-@dataclass(frozen=True)
-class Region:
-    """Memory registered with an agent.
-
-    ``id`` is what peers use to address it (with ``name``, if given).
-    """
-
-    id: int
-    address: int
-    nbytes: int
-    remote_read: bool
-    remote_write: bool
-    readonly: bool
-    mem: MemoryType
-    name: str
-    _keepalive: Any = None
-
-    def __repr__(self) -> str:
-        rights = "r" if self.remote_read else "-"
-        rights += "w" if self.remote_write else "-"
-        return f"Region(id={self.id}, name={self.name!r}, nbytes={self.nbytes}, rights={rights})"
-
-
-@dataclass(frozen=True)
-class RemoteRegion:
-    """A region a peer exposes (from its handshake)."""
-
-    peer: str
-    id: int
-    nbytes: int
-    remote_read: bool
-    remote_write: bool
-    mem: MemoryType
-    name: str
-
-
-@dataclass(frozen=True)
-class ChunkEvent:
-    """A verified chunk, in completion order.
-
-    ``layers`` is the range of layers this chunk completed (possibly empty).
-    """
-
-    index: int
-    path: int
-    nbytes: int
-    layers: range
-    t_ns: int
-
-    @staticmethod
-    def from_c(ev: Any) -> ChunkEvent:
-        return ChunkEvent(
-            index=int(ev.chunk),
-            path=int(ev.path),
-            nbytes=int(ev.bytes),
-            layers=range(int(ev.layer_first), int(ev.layer_first + ev.layer_count)),
-            t_ns=int(ev.t_ns),
-        )
-
-
-@dataclass(frozen=True)
-class TransferInfo:
-    id: int
-    state: TransferState
-    bytes_total: int
-    bytes_done: int
-    chunks_total: int
-    chunks_done: int
-    layers: int
-    retries: int
-    t_submit_ns: int
-    t_first_byte_ns: int
-    t_done_ns: int
-    error_code: ErrorCode
-    message: str
-
-
-@dataclass(frozen=True)
-class Notification:
-    """A peer finished a transfer with us and attached ``tag`` (op PUSH or
-    PULL), or announced one with :meth:`Agent.prepare` (op PREPARE)."""
-
-    peer: str
-    tag: bytes
-    transfer_id: int
-    op: Op
-
-    def prepare_request(self) -> dict[str, Any]:
-        """For op PREPARE: what the peer announced ({"nbytes": ..., "layout": ...}).
-
-        Raises:
-            InvalidArgumentError: this is not a PREPARE notification.
-        """
-        if self.op != Op.PREPARE:
-            raise InvalidArgumentError(f"notification: op is {self.op.name}, not PREPARE")
-        data = json.loads(self.tag)
-        return data if isinstance(data, dict) else {}
-
-
-@dataclass(frozen=True)
-class PathInfo:
-    """Live statistics of one path (refreshed every monitor interval)."""
-
-    peer: str
-    index: int
-    state: PathState
-    local: str
-    remote: str
-    bytes_sent: int
-    bytes_recv: int
-    chunks_done: int
-    inflight_bytes: int
-    est_gbps: float  # GB/s (1e9 bytes/s): EWMA of the busy-period delivery rate
-    rtt_us: float  # TCP_INFO while busy, PING probes while idle
-    delivery_gbps: float  # the kernel's latest delivery-rate sample, GB/s
-    nic_other_gbps: float  # traffic on the local NIC that is not ours, GB/s
-    stall_ms: int  # time without progress while busy
-    reconnects: int  # times re-established after going down
-    hedges: int  # straggler copies sent on this path
-    t_down_ns: int  # CLOCK_MONOTONIC time it last left service, STALLED or DOWN (0: never)
-    last_error: str
-
-
-class Transfer:
-    """Handle of a push or pull.  Thread-safe; waits release the GIL."""
-
-    def __init__(self, cdata: Any, op: Op, peer: str, nbytes: int) -> None:
-        self._x = ffi.gc(cdata, lib.kvl_xfer_release)
-        self.op = op
-        self.peer = peer
-        self.nbytes = nbytes
-        self.id = self.info().id
-
-    def __repr__(self) -> str:
-        i = self.info()
-        return (
-            f"Transfer(id={self.id}, op={self.op.name}, peer={self.peer!r}, "
-            f"state={i.state.name}, {i.bytes_done}/{i.bytes_total} bytes)"
-        )
-
-    def info(self) -> TransferInfo:
-        """A snapshot of progress, timestamps and error."""
-        out = ffi.new("kvl_xfer_info *")
-        check(lib.kvl_xfer_info_get(self._x, out))
-        return TransferInfo(
-            id=int(out.id),
-            state=TransferState(out.state),
-            bytes_total=int(out.bytes_total),
-            bytes_done=int(out.bytes_done),
-            chunks_total=int(out.chunks_total),
-            chunks_done=int(out.chunks_done),
-            layers=int(out.layers),
-            retries=int(out.retries),
-            t_submit_ns=int(out.t_submit_ns),
-            t_first_byte_ns=int(out.t_first_byte_ns),
-            t_done_ns=int(out.t_done_ns),
-            error_code=ErrorCode(out.err) if out.state == TransferState.FAILED else ErrorCode.OK,
-            message=cstr(out.message),
-        )
-
-    @property
-    def state(self) -> TransferState:
-        return self.info().state
-
-    @property
-    def done(self) -> bool:
-        """True once the transfer has finished, successfully or not."""
-        return self.state != TransferState.RUNNING
-
-    @property
-    def ok(self) -> bool:
-        """True once every byte has been verified at the destination."""
-        return self.state == TransferState.DONE
-
-    @property
-    def bytes_done(self) -> int:
-        return self.info().bytes_done
-
-    @property
-    def error(self) -> KvlinkError | None:
-        """The transfer's error once it failed, else None."""
-        i = self.info()
-        if i.state != TransferState.FAILED:
-            return None
-        return error_for(
-            i.error_code, i.message, transfer=True, peer=self.peer, transfer_id=self.id
-        )
-
-    def _wait(self, fn: Any, *args: Any, timeout_s: float | None) -> None:
-        rc = sliced(lambda step_ms: int(fn(self._x, *args, step_ms)), timeout_s)
-        check(rc, transfer=True, peer=self.peer, transfer_id=self.id, waited_s=timeout_s)
-
-    def wait(self, timeout_s: float | None = None) -> Transfer:
-        """Blocks until every byte is verified at the destination.
-
-        Raises:
-            TransferTimeoutError: still running after ``timeout_s`` (it goes
-                on), or the transfer's own deadline passed (it failed).
-            TransferError: the transfer failed; the subclass says why.
-        """
-        self._wait(lib.kvl_xfer_wait, timeout_s=timeout_s)
-        return self
-
-    def wait_layer(self, layer: int, timeout_s: float | None = None) -> None:
-        """Blocks until every chunk carrying bytes of ``layer`` is verified.
-
-        Raises:
-            InvalidArgumentError: the transfer carries no bytes of ``layer``.
-            TransferTimeoutError, TransferError: as :meth:`wait`.
-        """
-        if not isinstance(layer, int) or layer < 0:
-            raise InvalidArgumentError(f"layer: expected a non-negative int, got {layer!r}")
-        try:
-            self._wait(lib.kvl_xfer_wait_layer, layer, timeout_s=timeout_s)
-        except KvlinkError as exc:
-            if exc.code == ErrorCode.INVALID_ARG:
-                raise InvalidArgumentError(str(exc), transfer_id=self.id) from None
-            raise
-
-    def chunks(self, timeout_s: float | None = None) -> Iterator[ChunkEvent]:
-        """Yields chunks as they are verified, in completion order, until the
-        transfer is done.
-
-        Raises:
-            TransferTimeoutError: no chunk finished within ``timeout_s``.
-            TransferError: the transfer failed.
-        """
-        ev = ffi.new("kvl_chunk_event *")
-        while True:
-            rc = sliced(lambda step_ms: int(lib.kvl_xfer_next_event(self._x, step_ms, ev)),
-                        timeout_s)
-            if rc == ErrorCode.END:
-                return
-            check(rc, transfer=True, peer=self.peer, transfer_id=self.id, waited_s=timeout_s)
-            yield ChunkEvent.from_c(ev)
-
 
 _live_names: weakref.WeakValueDictionary[str, Agent] = weakref.WeakValueDictionary()
 _live_lock = threading.Lock()
@@ -328,6 +63,10 @@ class Agent:
     def __init__(self, name: str, config: Config | None = None, **overrides: Any) -> None:
         if not isinstance(name, str) or not 0 < len(name.encode()) < 64:
             raise InvalidArgumentError(f"name: expected 1..63 bytes of text, got {name!r}")
+        if config is not None and not isinstance(config, Config):
+            raise ArgumentTypeError(
+                f"config: expected a kvlink.Config or None, got {type(config).__name__}"
+            )
         cfg = config if config is not None else Config.load()
         if overrides:
             cfg = cfg.replace(**overrides)
@@ -337,7 +76,7 @@ class Agent:
         self._closed = False
         self._users = 0
         self._idle = threading.Condition(self._lock)
-        self._regions: dict[int, Region] = {}
+        self._regions = RegionTable()
         addrs = _nics.resolve(cfg.nics)
         with _live_lock:
             if name in _live_names:
@@ -345,58 +84,43 @@ class Agent:
                     f"name: an agent named {name!r} is already open in this process; "
                     "close it first or choose another name"
                 )
-            keep = [ffi.new("char[]", a.encode()) for a in addrs]
-            arr = ffi.new("const char *[]", keep)
-            c = ffi.new("kvl_config *")
-            cname = ffi.new("char[]", name.encode())
-            c.name = cname
-            c.addrs = arr
-            c.n_addrs = len(addrs)
-            c.port = cfg.port
-            c.chunk_bytes = cfg.chunk_bytes
-            c.min_chunk_bytes = cfg.min_chunk_bytes
-            c.connect_timeout_ms = max(1, int(cfg.connect_timeout_s * 1000))
-            c.monitor_interval_ms = cfg.monitor_interval_ms
-            c.max_attempts = cfg.max_attempts
-            c.stall_factor = cfg.stall_factor
-            c.probe_backoff_max_ms = cfg.probe_backoff_max_ms
-            c.hedge = int(cfg.hedge)
-            c.round_robin = int(cfg.scheduler == "round_robin")
-            c.window_chunks = cfg.window_chunks
-            c.window_bytes = cfg.window_bytes
-            c.sock_buf_bytes = cfg.sock_buf_bytes
-            c.close_linger_ms = int(cfg.close_linger_s * 1000)
-            secret = cfg.resolved_secret()
-            if secret is not None:
-                keep.append(ffi.new("uint8_t[]", secret))
-                c.secret = keep[-1]
-                c.secret_len = len(secret)
-            c.allow_unauthenticated = int(cfg.allow_unauthenticated)
-            out = ffi.new("kvl_agent **")
-            check(lib.kvl_agent_create(c, out))
-            self._a = out[0]
+            self._a = _native.agent_create(name, addrs, cfg)
             self._drain = LogDrain(self._a, name)
             _live_names[name] = self
-        inst = ffi.new("uint64_t *")
-        check(lib.kvl_agent_instance(self._a, inst))
-        self.instance_id = int(inst[0])
-        self.addresses = self._addresses()
+        self.instance_id = _native.agent_instance(self._a)
+        self.addresses = _native.agent_addresses(self._a)
         log.info("agent %s listening on %s", name, self.addresses)
 
     # ---- lifecycle -------------------------------------------------------
 
-    def _enter(self) -> Any:
+    def _closed_error(self) -> ClosedError:
+        return ClosedError(f"agent {self.name!r} is closed; create a new Agent")
+
+    @contextlib.contextmanager
+    def _using(self) -> Iterator[_native.Handle]:
+        """Lends the native agent for one call; close() waits until it is back."""
         with self._lock:
             if self._closed:
-                raise ClosedError(f"agent {self.name!r} is closed; create a new Agent")
+                raise self._closed_error()
             self._users += 1
-        return self._a
+        try:
+            yield self._a
+        finally:
+            with self._lock:
+                self._users -= 1
+                if self._users == 0:
+                    self._idle.notify_all()
 
-    def _exit(self) -> None:
+    @contextlib.contextmanager
+    def _alone(self) -> Iterator[_native.Handle]:
+        """The native agent with no other call in progress: for what frees a
+        peer, whose native pointer no other call may hold meanwhile."""
         with self._lock:
-            self._users -= 1
-            if self._users == 0:
-                self._idle.notify_all()
+            if self._closed:
+                raise self._closed_error()
+            while self._users:
+                self._idle.wait()
+            yield self._a
 
     def close(self) -> None:
         """Stops the engine and frees everything.  Running transfers fail with
@@ -408,7 +132,7 @@ class Agent:
             while self._users:
                 self._idle.wait()
         self._drain.close_agent()  # stops the log thread, then closes the native agent
-        self._a = ffi.NULL
+        self._a = None
         self._regions.clear()
         with _live_lock:
             if _live_names.get(self.name) is self:
@@ -419,6 +143,8 @@ class Agent:
         return self._closed
 
     def __enter__(self) -> Agent:
+        if self._closed:
+            raise self._closed_error()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -431,17 +157,6 @@ class Agent:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self.addresses)} NICs"
         return f"Agent({self.name!r}, {state})"
-
-    def _addresses(self) -> list[tuple[str, int]]:
-        n = ffi.new("size_t *")
-        check(lib.kvl_agent_n_addrs(self._a, n))
-        host = ffi.new("char[48]")
-        port = ffi.new("uint16_t *")
-        out = []
-        for i in range(n[0]):
-            check(lib.kvl_agent_addr(self._a, i, host, port))
-            out.append((cstr(host), int(port[0])))
-        return out
 
     # ---- memory ----------------------------------------------------------
 
@@ -462,71 +177,82 @@ class Agent:
 
         Raises:
             RegistrationError: non-contiguous, empty, read-only with
-                ``remote_write``, GPU memory, or not memory at all.
+                ``remote_write``, GPU memory, a meta tensor, or not memory at all.
+            ArgumentTypeError: ``remote_read`` or ``remote_write`` is not a
+                bool, or ``name`` is not a str.
             InvalidArgumentError: duplicate or over-long ``name``.
             ClosedError: the agent is closed.
         """
+        bool_arg("remote_read", remote_read)
+        bool_arg("remote_write", remote_write)
+        if name is not None and not isinstance(name, str):
+            raise ArgumentTypeError(f"name: expected str, got {type(name).__name__}")
         span = as_span(memory, "memory")
         if span.readonly and remote_write:
             raise RegistrationError(
                 "memory: the buffer is read-only, so remote_write=True cannot be honoured; "
                 "register a writable buffer"
             )
-        if name is not None and not isinstance(name, str):
-            raise InvalidArgumentError(f"name: expected str, got {type(name).__name__}")
-        rights = (lib.KVL_REMOTE_READ if remote_read else 0) | (
-            lib.KVL_REMOTE_WRITE if remote_write else 0
-        )
-        if span.readonly:
-            rights |= 0x100  # KVL_LOCAL_READONLY: never pull into it
-        a = self._enter()
-        try:
-            rid = ffi.new("uint64_t *")
-            check(
-                lib.kvl_region_register(
-                    a,
-                    ffi.cast("void *", span.address),
-                    span.nbytes,
-                    rights,
-                    int(span.mem),
-                    (name or "").encode(),
-                    rid,
-                )
+        with self._using() as a:
+            rid = _native.region_register(
+                a,
+                span.address,
+                span.nbytes,
+                remote_read=remote_read,
+                remote_write=remote_write,
+                readonly=span.readonly,
+                mem=span.mem,
+                name=name or "",
             )
-        finally:
-            self._exit()
-        region = Region(
-            id=int(rid[0]),
-            address=span.address,
-            nbytes=span.nbytes,
-            remote_read=remote_read,
-            remote_write=remote_write,
-            readonly=span.readonly,
-            mem=span.mem,
-            name=name or "",
-            _keepalive=span.keepalive,
-        )
-        self._regions[region.id] = region
+            region = Region(
+                id=rid,
+                address=span.address,
+                nbytes=span.nbytes,
+                remote_read=remote_read,
+                remote_write=remote_write,
+                readonly=span.readonly,
+                mem=span.mem,
+                name=name or "",
+                _keepalive=span.keepalive,
+            )
+            self._regions.add(region)
         return region
 
     def deregister(self, region: Region | int) -> None:
         """Removes a registration.
 
         Raises:
+            ArgumentTypeError: ``region`` is neither a Region nor a region id.
             RegionBusyError: a transfer still uses it (nothing changed).
             UnknownRegionError: it is not registered here.
+            ClosedError: the agent is closed.
         """
-        rid = region.id if isinstance(region, Region) else int(region)
-        a = self._enter()
-        try:
-            check(lib.kvl_region_deregister(a, rid))
-        finally:
-            self._exit()
-        self._regions.pop(rid, None)
+        if isinstance(region, Region):
+            rid = region.id
+            if self._regions.get(rid) is not region:
+                raise UnknownRegionError(
+                    f"region: {region!r} is not registered with agent {self.name!r} (deregistered "
+                    "already, or registered with another agent)"
+                )
+        elif isinstance(region, int) and not isinstance(region, bool):
+            rid = region
+        else:
+            raise ArgumentTypeError(
+                f"region: expected the Region that register() returned or its id (int), got "
+                f"{type(region).__name__}; agent.regions() lists what is registered"
+            )
+        with self._using() as a:
+            _native.region_deregister(a, rid)
+            self._regions.remove(rid)
 
     def regions(self) -> list[Region]:
-        """This agent's registered regions."""
-        return list(self._regions.values())
+        """This agent's registered regions.
+
+        Raises:
+            ClosedError: the agent is closed.
+        """
+        with self._using():
+            return self._regions.snapshot()
 
     def _locate(self, obj: Any, arg: str) -> tuple[int, int, int]:
         """(region id, offset, nbytes) of a local buffer or Region."""
@@ -537,20 +263,25 @@ class Agent:
                 )
             return obj.id, 0, obj.nbytes
         span = as_span(obj, arg)
-        for r in self._regions.values():
-            if r.address <= span.address and span.address + span.nbytes <= r.address + r.nbytes:
-                return r.id, span.address - r.address, span.nbytes
-        raise NotRegisteredError(
-            f"{arg}: this buffer ({span.nbytes} bytes at {span.address:#x}) is not inside any "
-            f"region registered with agent {self.name!r}; call agent.register() on it first"
-        )
+        r = self._regions.containing(span.address, span.nbytes)
+        if r is None:
+            raise NotRegisteredError(
+                f"{arg}: this buffer ({span.nbytes} bytes at {span.address:#x}) is not inside "
+                f"any region registered with agent {self.name!r}; call agent.register() on it "
+                "first"
+            )
+        return r.id, span.address - r.address, span.nbytes
 
     # ---- peers -----------------------------------------------------------
 
     def metadata(self) -> bytes:
-        """What a peer needs to connect to this agent (pass to its ``add_peer``)."""
-        self._enter()
-        self._exit()
+        """What a peer needs to connect to this agent (pass to its ``add_peer``).
+
+        Raises:
+            ClosedError: the agent is closed.
+        """
+        with self._using():
+            pass
         return json.dumps(
             {
                 "kvlink": METADATA_VERSION,
@@ -572,37 +303,20 @@ class Agent:
             PeerUnreachableError: no path could connect.
             HandshakeError: the peer is not the agent the metadata names, or
                 speaks another protocol version.
+            ClosedError: the agent is closed.
         """
         if self._closed:
-            raise ClosedError(f"agent {self.name!r} is closed; create a new Agent")
+            raise self._closed_error()
         md = _parse_metadata(metadata)
-        hosts = [ffi.new("char[]", h.encode()) for h, _ in md["addrs"]]
-        harr = ffi.new("const char *[]", hosts)
-        parr = ffi.new("uint16_t[]", [p for _, p in md["addrs"]])
-        out = ffi.new("kvl_peer **")
-
-        def connect(a: Any) -> None:
-            rc = lib.kvl_peer_connect(
-                a, md["name"].encode(), md["instance"], harr, parr, len(md["addrs"]), out
-            )
-            check(rc, peer=md["name"])
-
-        a = self._enter()
-        try:
-            known = lib.kvl_peer_find(a, md["name"].encode(), out) == ErrorCode.OK
+        with self._using() as a:
+            known = _native.peer_find(a, md["name"], missing_ok=True) is not None
             if not known:
-                connect(a)
-        finally:
-            self._exit()
+                _native.peer_connect(a, md["name"], md["instance"], md["addrs"])
         if known:
             # a restarted agent of that name replaces the old peer, which is
             # then freed: no other call may hold the old one meanwhile
-            with self._lock:
-                if self._closed:
-                    raise ClosedError(f"agent {self.name!r} is closed; create a new Agent")
-                while self._users:
-                    self._idle.wait()
-                connect(self._a)
+            with self._alone() as a:
+                _native.peer_connect(a, md["name"], md["instance"], md["addrs"])
         return str(md["name"])
 
     def remove_peer(self, peer: str) -> None:
@@ -618,34 +332,25 @@ class Agent:
             InvalidArgumentError: ``peer`` is not a name.
             ClosedError: the agent is closed.
         """
-        if not isinstance(peer, str):
-            raise InvalidArgumentError(f"peer: expected the peer's name, got {peer!r}")
-        with self._lock:
-            if self._closed:
-                raise ClosedError(f"agent {self.name!r} is closed; create a new Agent")
-            while self._users:  # nobody may hold the peer's native pointer meanwhile
-                self._idle.wait()
-            check(lib.kvl_peer_remove(self._a, peer.encode()), peer=peer)
-
-    def _peer(self, a: Any, peer: str) -> Any:
-        if not isinstance(peer, str):
-            raise InvalidArgumentError(f"peer: expected the peer's name, got {peer!r}")
-        return _find(a, peer)
+        _peer_name(peer)
+        with self._alone() as a:
+            _native.peer_remove(a, peer)
 
     def remote_regions(self, peer: str, *, refresh: bool = False) -> list[RemoteRegion]:
         """Regions ``peer`` exposes, as of the handshake (``refresh`` asks again).
 
         Raises:
             UnknownPeerError: ``peer`` was not added.
+            ArgumentTypeError: ``refresh`` is not a bool.
+            PeerUnreachableError: the refresh got no answer.
+            ClosedError: the agent is closed.
         """
-        a = self._enter()
-        try:
-            p = self._peer(a, peer)
+        bool_arg("refresh", refresh)
+        with self._using() as a:
+            p = _native.peer_find(a, _peer_name(peer))
             if refresh:
-                check(lib.kvl_peer_refresh(p, max(1, int(self.config.connect_timeout_s * 1000))))
-            return _remote_regions(p, peer)
-        finally:
-            self._exit()
+                _native.peer_refresh(p, self.config.connect_timeout_s)
+            return _native.peer_regions(p, peer)
 
     def prepare(
         self,
@@ -664,22 +369,27 @@ class Agent:
         the peer's paths.
 
         Raises:
+            InvalidArgumentError: negative ``nbytes`` or ``timeout_s``, or an
+                announcement over 4096 bytes of JSON.
+            ArgumentTypeError: ``layout`` is not a PagedLayout, a JSON-able
+                dict or None, or ``timeout_s`` is not a number.
             UnknownPeerError: ``peer`` was not added.
             PeerUnreachableError: no path came up within ``timeout_s``.
+            ClosedError: the agent is closed.
         """
-        if nbytes is not None and (not isinstance(nbytes, int) or nbytes < 0):
+        _peer_name(peer)
+        if nbytes is not None and (
+            isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0
+        ):
             raise InvalidArgumentError(f"nbytes: expected a non-negative int, got {nbytes!r}")
-        lay = layout.to_dict() if hasattr(layout, "to_dict") else layout
-        tag = json.dumps({"nbytes": nbytes, "layout": lay}).encode()
-        deadline = time.monotonic() + timeout_s
+        timeout = timeout_arg(timeout_s, none_ok=False)
+        tag = _prepare_tag(nbytes, layout)
+        deadline = time.monotonic() + (timeout or 0.0)
         while True:
             mine = [p for p in self.paths() if p.peer == peer]
             if not mine:
-                a = self._enter()
-                try:
-                    _find(a, peer)  # raises UnknownPeerError
-                finally:
-                    self._exit()
+                with self._using() as a:
+                    _native.peer_find(a, peer)  # raises UnknownPeerError
             if mine and all(p.state in (PathState.UP, PathState.DEGRADED) for p in mine):
                 break
             if time.monotonic() >= deadline:
@@ -693,13 +403,10 @@ class Agent:
                     peer=peer,
                 )
             time.sleep(0.02)
-        a = self._enter()
-        try:
-            p = _find(a, peer)
-            check(lib.kvl_peer_refresh(p, max(1, int(self.config.connect_timeout_s * 1000))))
-            check(lib.kvl_peer_send_prepare(p, tag, len(tag)), peer=peer)
-        finally:
-            self._exit()
+        with self._using() as a:
+            p = _native.peer_find(a, peer)
+            _native.peer_refresh(p, self.config.connect_timeout_s)
+            _native.peer_send_prepare(p, peer, tag)
         return [p for p in self.paths() if p.peer == peer]
 
     # ---- transfers -------------------------------------------------------
@@ -725,6 +432,9 @@ class Agent:
         delivered to the peer once every byte is verified there.
 
         Raises:
+            InvalidArgumentError: a bad argument (named), a negative
+                ``timeout_s``, or segments whose destinations overlap.
+            ArgumentTypeError: ``timeout_s`` or ``notify`` of the wrong type.
             NotRegisteredError: ``src`` is not registered memory.
             SizeMismatchError: ``src`` and ``dst`` differ in size and no
                 ``nbytes`` says how much to move.
@@ -774,39 +484,25 @@ class Agent:
         notify: bytes | None,
         timeout_s: float | None,
     ) -> Transfer:
+        _peer_name(peer)
         if notify is not None and not isinstance(notify, (bytes, bytearray)):
-            raise InvalidArgumentError(f"notify: expected bytes, got {type(notify).__name__}")
+            raise ArgumentTypeError(f"notify: expected bytes, got {type(notify).__name__}")
         tag = bytes(notify or b"")
-        timeout = self.config.transfer_timeout_s if timeout_s is None else timeout_s
-        a = self._enter()
-        try:
-            p = self._peer(a, peer)
+        timeout = timeout_arg(timeout_s)
+        deadline_s = self.config.transfer_timeout_s if timeout is None else timeout
+        with self._using() as a:
+            p = _native.peer_find(a, peer)
             if segments is not None:
                 if src is not None or dst is not None or nbytes is not None:
                     raise InvalidArgumentError(
                         "segments: pass either segments or src/dst/nbytes, not both"
                     )
                 segs = as_segment_array(segments)
+                _refuse_overlapping_destinations(segs)
             else:
                 segs = self._simple_segment(op, p, peer, src, dst, nbytes, src_offset, dst_offset)
-            out = ffi.new("kvl_xfer **")
-            check(
-                lib.kvl_xfer_submit(
-                    a,
-                    p,
-                    int(op),
-                    ffi.cast("const kvl_segment *", segs.ctypes.data),
-                    len(segs),
-                    tag,
-                    len(tag),
-                    max(1, math.ceil(timeout * 1000)) if timeout else 0,
-                    out,
-                ),
-                peer=peer,
-            )
-            return Transfer(out[0], op, peer, int(segs["len"].sum()))
-        finally:
-            self._exit()
+            x = _native.xfer_submit(a, p, peer, op, segs, tag, deadline_s)
+            return Transfer(x, op, peer, int(segs["len"].sum()))
 
     def _simple_segment(
         self,
@@ -822,9 +518,11 @@ class Agent:
         if src is None or dst is None:
             raise InvalidArgumentError("src and dst are required unless segments= is given")
         for arg, v in (("src_offset", src_offset), ("dst_offset", dst_offset)):
-            if not isinstance(v, int) or v < 0:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise InvalidArgumentError(f"{arg}: expected a non-negative int, got {v!r}")
-        if nbytes is not None and (not isinstance(nbytes, int) or nbytes <= 0):
+        if nbytes is not None and (
+            isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0
+        ):
             raise InvalidArgumentError(f"nbytes: expected a positive int, got {nbytes!r}")
         local_arg, remote_arg = ("src", "dst") if op == Op.PUSH else ("dst", "src")
         local_obj, remote_obj = (src, dst) if op == Op.PUSH else (dst, src)
@@ -864,7 +562,7 @@ class Agent:
             seg[0] = (remote.id, remote_off, lid, lbase + local_off, nbytes, 0, 0)
         return seg
 
-    def _resolve_remote(self, p: Any, peer: str, ref: Any, arg: str) -> RemoteRegion:
+    def _resolve_remote(self, p: _native.Handle, peer: str, ref: Any, arg: str) -> RemoteRegion:
         if isinstance(ref, RemoteRegion):
             if ref.peer != peer:
                 raise InvalidArgumentError(
@@ -874,14 +572,14 @@ class Agent:
         elif isinstance(ref, (int, str)) and not isinstance(ref, bool):
             key = ref
         else:
-            raise InvalidArgumentError(
+            raise ArgumentTypeError(
                 f"{arg}: expected the peer's RemoteRegion, region id or region name, got "
                 f"{type(ref).__name__} (local buffers go on the other side)"
             )
         for refresh in (False, True):
             if refresh:
-                check(lib.kvl_peer_refresh(p, max(1, int(self.config.connect_timeout_s * 1000))))
-            for r in _remote_regions(p, peer):
+                _native.peer_refresh(p, self.config.connect_timeout_s)
+            for r in _native.peer_regions(p, peer):
                 if r.id == key or (r.name and r.name == key):
                     return r
         raise UnknownRegionError(f"{arg}: peer {peer!r} has no region {key!r}", peer=peer)
@@ -906,113 +604,103 @@ class Agent:
             TransferTimeoutError: no such push was announced within ``timeout_s``.
             ClosedError: the agent is (or was, meanwhile) closed.
         """
-        from ._inbound import InboundTransfer  # _inbound builds on this module
-
         if tag is not None and not isinstance(tag, (bytes, bytearray, memoryview)):
-            raise InvalidArgumentError(f"tag: expected bytes or None, got {type(tag).__name__}")
-        raw = bytes(tag) if tag is not None else b""
-        if len(raw) > 4096:
-            raise InvalidArgumentError(f"tag: {len(raw)} bytes; notify tags are at most 4096")
-        out = ffi.new("kvl_inxfer **")
-
-        def take(step_ms: int) -> int:
-            a = self._enter()
-            try:
-                return int(lib.kvl_inbound_next(a, raw, len(raw), tag is None, step_ms, out))
-            finally:
-                self._exit()
-
-        check(sliced(take, timeout_s), transfer=True, waited_s=timeout_s)
-        return InboundTransfer(out[0])
+            raise ArgumentTypeError(f"tag: expected bytes or None, got {type(tag).__name__}")
+        raw = bytes(tag) if tag is not None else None
+        if raw is not None and len(raw) > _native.MAX_TAG_BYTES:
+            raise InvalidArgumentError(
+                f"tag: {len(raw)} bytes; notify tags are at most {_native.MAX_TAG_BYTES}"
+            )
+        timeout_arg(timeout_s)
+        return InboundTransfer(_native.inbound_next(self._using, raw, timeout_s))
 
     def notifications(self, timeout_s: float = 0.0) -> list[Notification]:
         """Inbound notifications; waits up to ``timeout_s`` for the first one,
-        then returns it with every other one already queued."""
+        then returns it with every other one already queued.
+
+        Raises:
+            ArgumentTypeError, InvalidArgumentError: ``timeout_s`` is not a
+                non-negative number.
+            ClosedError: the agent is closed.
+        """
+        deadline = time.monotonic() + (timeout_arg(timeout_s, none_ok=False) or 0.0)
         out: list[Notification] = []
-        n = ffi.new("kvl_notification *")
-        deadline = time.monotonic() + timeout_s
         while True:
-            a = self._enter()
-            try:
-                left = max(0.0, deadline - time.monotonic()) if not out else 0.0
-                rc = lib.kvl_next_notification(a, ms(min(left, SLICE_S)), n)
-            finally:
-                self._exit()
-            if rc == ErrorCode.OK:
-                out.append(
-                    Notification(
-                        peer=cstr(n.peer),
-                        tag=bytes(ffi.buffer(n.tag, n.tag_len)),
-                        transfer_id=int(n.xfer_id),
-                        op=Op(n.op),
-                    )
-                )
+            left = max(0.0, deadline - time.monotonic()) if not out else 0.0
+            with self._using() as a:
+                n = _native.next_notification(a, left)
+            if n is not None:
+                out.append(n)
                 continue
-            if rc != ErrorCode.TIMEOUT:
-                check(rc)
             if out or time.monotonic() >= deadline:
                 return out
 
     def paths(self) -> list[PathInfo]:
-        """Every path to every peer, with its live statistics."""
-        a = self._enter()
-        try:
-            n = ffi.new("size_t *")
-            check(lib.kvl_paths(a, ffi.NULL, 0, n))
-            cap = int(n[0]) + 16  # room for peers added meanwhile
-            arr = ffi.new("kvl_path_info[]", cap)
-            check(lib.kvl_paths(a, arr, cap, n))
-            return [
-                PathInfo(
-                    peer=cstr(p.peer),
-                    index=int(p.index),
-                    state=PathState(p.state),
-                    local=cstr(p.local_addr),
-                    remote=cstr(p.remote_addr),
-                    bytes_sent=int(p.bytes_sent),
-                    bytes_recv=int(p.bytes_recv),
-                    chunks_done=int(p.chunks_done),
-                    inflight_bytes=int(p.inflight_bytes),
-                    est_gbps=float(p.est_gbps),
-                    rtt_us=float(p.rtt_us),
-                    delivery_gbps=float(p.delivery_gbps),
-                    nic_other_gbps=float(p.nic_other_gbps),
-                    stall_ms=int(p.stall_ms),
-                    reconnects=int(p.reconnects),
-                    hedges=int(p.hedges),
-                    t_down_ns=int(p.t_down_ns),
-                    last_error=cstr(p.last_error),
-                )
-                for p in arr[0 : min(n[0], cap)]
-            ]
-        finally:
-            self._exit()
+        """Every path to every peer, with its live statistics.
+
+        Raises:
+            ClosedError: the agent is closed.
+        """
+        with self._using() as a:
+            return _native.paths(a)
 
 
-def _find(a: Any, peer: str) -> Any:
-    out = ffi.new("kvl_peer **")
-    check(lib.kvl_peer_find(a, peer.encode(), out), peer=peer)
-    return out[0]
+def _peer_name(peer: Any) -> str:
+    if not isinstance(peer, str):
+        raise InvalidArgumentError(f"peer: expected the peer's name, got {peer!r}")
+    return peer
 
 
-def _remote_regions(p: Any, peer: str) -> list[RemoteRegion]:
-    n = ffi.new("size_t *")
-    check(lib.kvl_peer_regions(p, ffi.NULL, 0, n))
-    cap = int(n[0])
-    arr = ffi.new("kvl_region_info[]", max(cap, 1))
-    check(lib.kvl_peer_regions(p, arr, cap, n))
-    return [
-        RemoteRegion(
-            peer=peer,
-            id=int(r.id),
-            nbytes=int(r.size),
-            remote_read=bool(r.rights & lib.KVL_REMOTE_READ),
-            remote_write=bool(r.rights & lib.KVL_REMOTE_WRITE),
-            mem=MemoryType(r.mem),
-            name=cstr(r.name),
+def _prepare_tag(nbytes: int | None, layout: Any) -> bytes:
+    """The JSON a PREPARE notification carries.
+
+    Raises:
+        ArgumentTypeError: ``layout`` is not a PagedLayout, a JSON-able dict or None.
+        InvalidArgumentError: the JSON is over 4096 bytes.
+    """
+    if isinstance(layout, PagedLayout):
+        layout = layout.to_dict()
+    elif layout is not None and not isinstance(layout, dict):
+        raise ArgumentTypeError(
+            f"layout: expected a kvlink.kv.PagedLayout, a dict or None, got {type(layout).__name__}"
         )
-        for r in arr[0 : min(cap, int(n[0]))]
-    ]
+    try:
+        tag = json.dumps({"nbytes": nbytes, "layout": layout}).encode()
+    except (TypeError, ValueError) as exc:
+        raise ArgumentTypeError(f"layout: the dict is not JSON-able ({exc})") from None
+    if len(tag) > _native.MAX_TAG_BYTES:
+        raise InvalidArgumentError(
+            f"layout: the announcement is {len(tag)} bytes of JSON; at most "
+            f"{_native.MAX_TAG_BYTES} fit in a notification"
+        )
+    return tag
+
+
+def _refuse_overlapping_destinations(segs: np.ndarray[Any, Any]) -> None:
+    """Two segments writing the same destination bytes would leave whichever
+    chunk landed last: refuse them, naming both.
+
+    Raises:
+        InvalidArgumentError: two segments overlap in their destination region.
+    """
+    if len(segs) < 2:
+        return
+    order = np.lexsort((segs["dst_offset"], segs["dst_region"]))
+    s = segs[order]
+    # sorted by (region, start): if any two overlap, some neighbours do
+    same = s["dst_region"][1:] == s["dst_region"][:-1]
+    clash = np.flatnonzero(same & (s["dst_offset"][1:] < s["dst_offset"][:-1] + s["len"][:-1]))
+    if clash.size:
+        i, j = sorted((int(order[clash[0]]), int(order[clash[0] + 1])))
+
+        def where(k: int) -> str:
+            off, n, rid = (int(segs[f][k]) for f in ("dst_offset", "len", "dst_region"))
+            return f"segments[{k}] (dst region {rid}, bytes [{off}, {off + n}))"
+
+        raise InvalidArgumentError(
+            f"segments: {where(i)} and {where(j)} overlap in the destination, so the result "
+            "would depend on which chunk lands last; write each destination byte once"
+        )
 
 
 def _parse_metadata(metadata: bytes | str | dict[str, Any]) -> dict[str, Any]:

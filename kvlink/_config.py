@@ -7,23 +7,49 @@ defaults.  The C core reads no environment; this module builds its struct.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 import json
 import os
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from . import _nics
 from ._errors import ConfigError
+from ._units import parse_size
 
 KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
 
+# KVLINK_* variables that are not Config fields (read by the test suite and the
+# CLI); any other KVLINK_* name is taken for a typo and warned about.
+OTHER_ENV_VARS = frozenset({"KVLINK_REQUIRE_ALL", "KVLINK_PEERS_DIR", "KVLINK_SECRET_FILE"})
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+class Scheduler(Enum):
+    """Which path gets the next chunk."""
+
+    # the path that would finish it first, from its measured rate and backlog
+    EARLIEST_FINISH = "earliest_finish"
+    # paths in turn: a static baseline for benchmarks, never a good choice on
+    # uneven paths
+    ROUND_ROBIN = "round_robin"
+
 
 @dataclass(frozen=True)
 class Config:
     """How an :class:`~kvlink.Agent` listens, chunks and schedules.
+
+    Fields ending in ``_bytes`` also accept size strings such as ``"64MiB"``
+    (as ``KVLINK_*`` variables and config files do).
 
     Raises:
         ConfigError: at construction, naming the field and the fix.
@@ -31,7 +57,8 @@ class Config:
 
     # Which local NICs to use: "auto" (every up IPv4 interface but loopback),
     # "loopback:N" (N paths on 127.0.0.1..N, no root needed), or a list or
-    # comma-separated string of interface names and IPv4 addresses.
+    # comma-separated string of interface names and IPv4 addresses (checked
+    # against this host's interfaces at construction).
     nics: str | tuple[str, ...] = "auto"
     # 0 = an ephemeral port per address: metadata carries the real ones.
     port: int = 0
@@ -56,9 +83,10 @@ class Config:
     probe_backoff_max_ms: int = 2000
     # Copy straggling chunks onto idle paths at the end of a transfer.
     hedge: bool = True
-    # "earliest_finish" (the default) or "round_robin" (a static baseline for
-    # benchmarks, never a good choice on uneven paths).
-    scheduler: str = "earliest_finish"
+    # Earliest finish uses every path by its measured rate; round robin is a
+    # benchmark baseline.  Also accepts the names "earliest_finish" and
+    # "round_robin".
+    scheduler: Scheduler = Scheduler.EARLIEST_FINISH
     # Two chunks in flight per path keep the pipe full across the ack.
     window_chunks: int = 2
     # ...or this many bytes, so small chunks still fill a fast path.
@@ -92,6 +120,11 @@ class Config:
             raise ConfigError(
                 f"nics: expected 'auto', 'loopback:N' or a list of names, got {nics!r}"
             )
+        _nics.resolve(self.nics)
+        for f in _FIELDS:
+            value = getattr(self, f)
+            if f.endswith("_bytes") and isinstance(value, str):
+                object.__setattr__(self, f, _size(f, value))
         _int_range("port", self.port, 0, 65535)
         _int_range("chunk_bytes", self.chunk_bytes, 4 * KiB, 1 * GiB)
         _int_range("min_chunk_bytes", self.min_chunk_bytes, 1, self.chunk_bytes)
@@ -101,10 +134,7 @@ class Config:
         _int_range("probe_backoff_max_ms", self.probe_backoff_max_ms, 100, 600_000)
         if not isinstance(self.hedge, bool):
             raise ConfigError(f"hedge: expected True or False, got {self.hedge!r}")
-        if self.scheduler not in ("earliest_finish", "round_robin"):
-            raise ConfigError(
-                f"scheduler: expected 'earliest_finish' or 'round_robin', got {self.scheduler!r}"
-            )
+        object.__setattr__(self, "scheduler", _scheduler(self.scheduler))
         _int_range("window_chunks", self.window_chunks, 1, 1024)
         _int_range("window_bytes", self.window_bytes, 0, 16 * GiB)
         _int_range("sock_buf_bytes", self.sock_buf_bytes, 0, 1 * GiB)
@@ -156,10 +186,12 @@ class Config:
         if file is not None:
             values.update(_from_file(Path(file)))
         values.update(overrides)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
+        unknown = sorted(set(values) - set(_FIELDS))
         if unknown:
-            raise ConfigError(f"unknown config keys {unknown}; known keys: {sorted(known)}")
+            hints = "".join(_closest(k, _FIELDS) for k in unknown)
+            raise ConfigError(
+                f"unknown config keys {unknown}{hints}; known keys: {sorted(_FIELDS)}"
+            )
         return cls(**values)
 
 
@@ -179,6 +211,35 @@ def _check_secret(where: str, value: Any) -> bytes:
     return value
 
 
+_FIELDS = tuple(f.name for f in dataclasses.fields(Config))
+
+
+def _closest(name: str, known: Sequence[str]) -> str:
+    """ " (did you mean 'x'?)" for the known name closest to ``name``, or ""."""
+    match = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def _refuse_unknown_fields(init: Callable[..., None]) -> Callable[..., None]:
+    """Config(chunk_size=...) gets a ConfigError naming the closest field,
+    not the dataclass's bare TypeError."""
+
+    @functools.wraps(init)
+    def checked(self: Config, *args: Any, **kwargs: Any) -> None:
+        for key in kwargs:
+            if key not in _FIELDS:
+                raise ConfigError(
+                    f"Config: unknown field {key!r}{_closest(key, _FIELDS)}; fields: "
+                    + ", ".join(_FIELDS)
+                )
+        init(self, *args, **kwargs)
+
+    return checked
+
+
+Config.__init__ = _refuse_unknown_fields(Config.__init__)  # type: ignore[method-assign]
+
+
 def _int_range(name: str, value: Any, lo: int, hi: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise ConfigError(f"{name}: expected an integer, got {value!r}")
@@ -193,29 +254,65 @@ def _float_range(name: str, value: Any, lo: float, hi: float) -> None:
         raise ConfigError(f"{name}: {value} is outside [{lo}, {hi}]")
 
 
-_FIELDS = {f.name: f for f in dataclasses.fields(Config)}
-
-
-def _coerce(name: str, raw: str) -> Any:
-    default = _FIELDS[name].default
+def _size(name: str, text: str) -> int:
     try:
-        if isinstance(default, bool):
-            return raw.lower() in ("1", "true", "yes")
+        return parse_size(text)
+    except ValueError as exc:
+        raise ConfigError(f"{name}: {exc}") from None
+
+
+def _scheduler(value: Any) -> Scheduler:
+    if isinstance(value, Scheduler):
+        return value
+    names = [s.value for s in Scheduler]
+    if isinstance(value, str) and value in names:
+        return Scheduler(value)
+    hint = _closest(value, names) if isinstance(value, str) else ""
+    raise ConfigError(
+        f"scheduler: unknown scheduler {value!r}{hint}; expected a kvlink.Scheduler or one of "
+        + ", ".join(repr(n) for n in names)
+    )
+
+
+def _coerce(name: str, var: str, raw: str) -> Any:
+    """The value of environment variable ``var`` for field ``name``."""
+    default = Config.__dataclass_fields__[name].default
+    if isinstance(default, bool):
+        if raw.strip().lower() in _TRUE:
+            return True
+        if raw.strip().lower() in _FALSE:
+            return False
+        raise ConfigError(
+            f"{var}: {raw!r} is not a boolean; use {', '.join(_TRUE)} to turn it on, "
+            f"{', '.join(_FALSE)} to turn it off"
+        )
+    if name.endswith("_bytes"):
+        return _size(var, raw)
+    try:
         if isinstance(default, int):
             return int(raw, 0)
         if isinstance(default, float):
             return float(raw)
     except ValueError as exc:
-        raise ConfigError(f"KVLINK_{name.upper()}: cannot parse {raw!r}") from exc
+        raise ConfigError(f"{var}: cannot parse {raw!r}") from exc
     return raw
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    """Config values from ``KVLINK_<FIELD>`` variables; warns about other
+    ``KVLINK_*`` names, which are most likely typos."""
+    variables = {f"KVLINK_{name.upper()}": name for name in _FIELDS}
     out: dict[str, Any] = {}
-    for name in _FIELDS:
-        raw = env.get(f"KVLINK_{name.upper()}")
-        if raw is not None:
-            out[name] = _coerce(name, raw)
+    for var, raw in env.items():
+        if var in variables:
+            out[variables[var]] = _coerce(variables[var], var, raw)
+        elif var.startswith("KVLINK_") and var not in OTHER_ENV_VARS:
+            known = [*variables, *sorted(OTHER_ENV_VARS)]
+            warnings.warn(
+                f"{var} is not a kvlink setting and is ignored{_closest(var, known)}; "
+                f"kvlink reads {', '.join(known)}",
+                stacklevel=3,
+            )
     return out
 
 
@@ -231,4 +328,4 @@ def _from_file(path: Path) -> dict[str, Any]:
     return data
 
 
-__all__ = ["Config", "GiB", "KiB", "MiB"]
+__all__ = ["Config", "GiB", "KiB", "MiB", "Scheduler"]

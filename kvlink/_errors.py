@@ -78,6 +78,10 @@ class InvalidArgumentError(KvlinkError, ValueError):
     default_code = ErrorCode.INVALID_ARG
 
 
+class ArgumentTypeError(InvalidArgumentError, TypeError):
+    """An argument has the wrong type; the message names it and what it takes."""
+
+
 class RegistrationError(KvlinkError, ValueError):
     """Memory cannot be registered (type, layout or device)."""
 

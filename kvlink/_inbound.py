@@ -3,34 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
 
-from ._agent import ChunkEvent, TransferState
-from ._errors import ErrorCode, InvalidArgumentError, KvlinkError, error_for
-from ._native import check, cstr, ffi, lib
-from ._wait import sliced
-
-
-@dataclass(frozen=True)
-class InboundInfo:
-    """A snapshot of a push arriving here."""
-
-    transfer_id: int  # the sender's transfer id
-    peer: str
-    state: TransferState
-    bytes_total: int
-    bytes_done: int
-    chunks_total: int
-    chunks_done: int
-    layers: int
-    layers_ready: int  # layers 0 .. layers_ready-1 are all verified here
-    t_announce_ns: int
-    t_first_byte_ns: int
-    t_done_ns: int
-    tag: bytes
-    error_code: ErrorCode
-    message: str
+from . import _native
+from ._errors import KvlinkError, error_for
+from ._transfer import check_layer
+from ._types import ChunkEvent, InboundInfo, TransferState
 
 
 class InboundTransfer:
@@ -43,15 +20,14 @@ class InboundTransfer:
     the GIL released, in slices, so Ctrl-C gets through.  Thread-safe.
     """
 
-    def __init__(self, cdata: Any) -> None:
-        self._t = ffi.gc(cdata, lib.kvl_inxfer_release)
+    def __init__(self, handle: _native.Handle) -> None:
+        self._t = handle
         info = self.info()
         self.transfer_id = info.transfer_id
         self.peer = info.peer
         self.tag = info.tag
         self.nbytes = info.bytes_total
         self.layers = info.layers
-        self._progress = ffi.new("kvl_inbound_progress *")
 
     def __repr__(self) -> str:
         i = self.info()
@@ -62,48 +38,28 @@ class InboundTransfer:
 
     def info(self) -> InboundInfo:
         """A full snapshot (copies the tag; use the properties to poll)."""
-        out = ffi.new("kvl_inbound_info *")
-        check(lib.kvl_inxfer_info(self._t, out))
-        failed = out.state == TransferState.FAILED
-        return InboundInfo(
-            transfer_id=int(out.xfer_id),
-            peer=cstr(out.peer),
-            state=TransferState(out.state),
-            bytes_total=int(out.bytes_total),
-            bytes_done=int(out.bytes_done),
-            chunks_total=int(out.chunks_total),
-            chunks_done=int(out.chunks_done),
-            layers=int(out.layers),
-            layers_ready=int(out.layers_ready),
-            t_announce_ns=int(out.t_announce_ns),
-            t_first_byte_ns=int(out.t_first_byte_ns),
-            t_done_ns=int(out.t_done_ns),
-            tag=bytes(ffi.buffer(out.tag, out.tag_len)),
-            error_code=ErrorCode(out.err) if failed else ErrorCode.OK,
-            message=cstr(out.message),
-        )
+        return _native.inxfer_info(self._t)
 
-    def _poll(self) -> Any:
-        lib.kvl_inxfer_progress(self._t, self._progress)
-        return self._progress
+    def _poll(self) -> _native.Progress:
+        return _native.inxfer_progress(self._t)
 
     @property
     def state(self) -> TransferState:
-        return TransferState(self._poll().state)
+        return self._poll().state
 
     @property
     def done(self) -> bool:
         """True once the push has finished here, successfully or not."""
-        return bool(self._poll().state != TransferState.RUNNING)
+        return self._poll().state != TransferState.RUNNING
 
     @property
     def ok(self) -> bool:
         """True once every byte of the push is verified in this agent's memory."""
-        return bool(self._poll().state == TransferState.DONE)
+        return self._poll().state == TransferState.DONE
 
     @property
     def bytes_done(self) -> int:
-        return int(self._poll().bytes_done)
+        return self._poll().bytes_done
 
     @property
     def error(self) -> KvlinkError | None:
@@ -117,7 +73,7 @@ class InboundTransfer:
         """How many layers from layer 0 on are verified here: layers
         ``0 .. layers_done() - 1`` may be used (a later layer may be done too:
         :meth:`layer_done`)."""
-        return int(self._poll().layers_ready)
+        return self._poll().layers_ready
 
     def layer_done(self, layer: int) -> bool:
         """True if every byte of ``layer`` is verified here.
@@ -125,20 +81,7 @@ class InboundTransfer:
         Raises:
             InvalidArgumentError: the push has no such layer.
         """
-        self._check_layer(layer)
-        out = ffi.new("int *")
-        check(lib.kvl_inxfer_layer_done(self._t, layer, out))
-        return bool(out[0])
-
-    def _check_layer(self, layer: int) -> None:
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.layers:
-            raise InvalidArgumentError(
-                f"layer: expected an int in 0..{self.layers - 1} (the push's layers), got {layer!r}"
-            )
-
-    def _wait(self, fn: Any, *args: Any, timeout_s: float | None) -> None:
-        rc = sliced(lambda step_ms: int(fn(self._t, *args, step_ms)), timeout_s)
-        check(rc, transfer=True, peer=self.peer, waited_s=timeout_s)
+        return _native.inxfer_layer_done(self._t, check_layer(layer, self.layers))
 
     def wait(self, timeout_s: float | None = None) -> InboundTransfer:
         """Blocks until every byte of the push is verified here.
@@ -149,7 +92,7 @@ class InboundTransfer:
             TransferError: the sender failed the push (the subclass and the
                 message say why), or the agent was closed.
         """
-        self._wait(lib.kvl_inxfer_wait, timeout_s=timeout_s)
+        _native.inxfer_wait(self._t, timeout_s, peer=self.peer)
         return self
 
     def wait_layer(self, layer: int, timeout_s: float | None = None) -> None:
@@ -159,8 +102,9 @@ class InboundTransfer:
             InvalidArgumentError: the push has no such layer.
             TransferTimeoutError, TransferError: as :meth:`wait`.
         """
-        self._check_layer(layer)
-        self._wait(lib.kvl_inxfer_wait_layer, layer, timeout_s=timeout_s)
+        _native.inxfer_wait_layer(
+            self._t, check_layer(layer, self.layers), timeout_s, peer=self.peer
+        )
 
     def chunks(self, timeout_s: float | None = None) -> Iterator[ChunkEvent]:
         """Yields chunks as they are verified here, in arrival order, until
@@ -170,12 +114,8 @@ class InboundTransfer:
             TransferTimeoutError: no chunk arrived within ``timeout_s``.
             TransferError: the push failed.
         """
-        ev = ffi.new("kvl_chunk_event *")
         while True:
-            rc = sliced(
-                lambda step_ms: int(lib.kvl_inxfer_next_event(self._t, step_ms, ev)), timeout_s
-            )
-            if rc == ErrorCode.END:
+            ev = _native.inxfer_next_event(self._t, timeout_s, peer=self.peer)
+            if ev is None:
                 return
-            check(rc, transfer=True, peer=self.peer, waited_s=timeout_s)
-            yield ChunkEvent.from_c(ev)
+            yield ev

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
 
-from ._errors import ErrorCode
-from ._native import cstr, ffi, lib
+from . import _native
+from ._errors import KvlinkError
 
 log = logging.getLogger("kvlink")
 log.addHandler(logging.NullHandler())  # a library: the application decides where logs go
@@ -41,7 +40,7 @@ _WAIT_MS = 1000  # the thread is woken at close, so this only bounds a lost wake
 
 
 class LogDrain:
-    def __init__(self, agent: Any, name: str) -> None:
+    def __init__(self, agent: _native.Handle, name: str) -> None:
         self._a = agent
         self._stop = False
         self._free_on_exit = False
@@ -49,37 +48,38 @@ class LogDrain:
         self._thread.start()
 
     def _run(self) -> None:
-        rec = ffi.new("kvl_log_record *")
+        buf = _native.new_log_record()
         while not self._stop:
-            rc = lib.kvl_next_log(self._a, _WAIT_MS, rec)
-            if rc == ErrorCode.OK:
-                _emit(rec)
-            elif rc != ErrorCode.TIMEOUT:
+            try:
+                rec = _native.next_log(self._a, _WAIT_MS, buf)
+            except KvlinkError:  # woken by close_agent
                 break
+            if rec is not None:
+                _emit(rec)
         if self._free_on_exit:
-            lib.kvl_agent_close(self._a)
+            _native.agent_close(self._a)
 
     def close_agent(self) -> None:
         """Stops the thread, then closes and frees the native agent."""
         self._stop = True
-        lib.kvl_log_wake(self._a)
+        _native.log_wake(self._a)
         if threading.current_thread() is self._thread:
             self._free_on_exit = True  # we are in _run, outside the C call
             return
         self._thread.join()
-        lib.kvl_agent_close(self._a)
+        _native.agent_close(self._a)
 
 
-def _emit(rec: Any) -> None:
+def _emit(rec: _native.LogRecord) -> None:
     if rec.dropped:
         log.warning(
             "%d kvlink engine log records were dropped (nobody drained them in time)", rec.dropped
         )
-    level = int(rec.level)
+    level = rec.level
     if not log.isEnabledFor(level):
         return
-    peer = cstr(rec.peer)
-    path = int(rec.path)
+    peer = rec.peer
+    path = rec.path
     where = f"peer {peer!r}" if peer else "agent"
     if path >= 0:
         where += f" path {path}"
@@ -87,6 +87,6 @@ def _emit(rec: Any) -> None:
         level,
         "%s: %s",
         where,
-        cstr(rec.msg),
+        rec.msg,
         extra={"kvlink_peer": peer or None, "kvlink_path": path if path >= 0 else None},
     )

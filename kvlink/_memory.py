@@ -6,24 +6,20 @@ read-only flag, memory type) plus the object that keeps the memory alive.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from enum import IntEnum
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from ._errors import RegistrationError
-from ._native import ffi
+from ._native import buffer_address
+from ._types import MemoryType
+
+T = TypeVar("T")
 
 _DLPACK_CPU = 1
 _DLPACK_CUDA = 2
-
-
-class MemoryType(IntEnum):
-    """Where registered memory lives."""
-
-    HOST = 0
-    CUDA = 1
 
 
 @dataclass(frozen=True)
@@ -62,6 +58,11 @@ def _from_numpy(arr: np.ndarray[Any, Any], arg: str) -> MemorySpan:
 
 
 def _from_torch(t: Any, arg: str) -> MemorySpan:
+    if t.device.type == "meta":
+        raise RegistrationError(
+            f"{arg}: the torch tensor is a meta tensor: it has a shape but no storage, so "
+            "there is no memory to register; register a tensor allocated on the CPU"
+        )
     if t.device.type != "cpu":
         raise _gpu_unsupported(f"the torch tensor on {t.device}", arg)
     if not t.is_contiguous():
@@ -79,6 +80,24 @@ def _is_torch(obj: Any) -> bool:
     return type(obj).__module__.startswith("torch") and hasattr(obj, "data_ptr")
 
 
+def _is_cupy(obj: Any) -> bool:
+    # by module, without touching the object: without a GPU driver even reading
+    # a CuPy array's attributes raises CuPy's own errors
+    return type(obj).__module__.split(".")[0] == "cupy"
+
+
+def _ask(obj: Any, arg: str, question: Callable[[], T]) -> T:
+    """``question()`` about ``obj``, with whatever the object's library raises
+    while answering (CuPy without a GPU driver, say) as a RegistrationError."""
+    try:
+        return question()
+    except Exception as exc:
+        raise RegistrationError(
+            f"{arg}: cannot tell where the {type(obj).__name__} lives ({type(exc).__name__}: "
+            f"{exc}); kvlink registers host memory: pass a numpy array or a CPU tensor"
+        ) from exc
+
+
 def as_span(obj: Any, arg: str = "memory") -> MemorySpan:
     """The memory behind ``obj``.
 
@@ -90,10 +109,10 @@ def as_span(obj: Any, arg: str = "memory") -> MemorySpan:
         return _from_numpy(obj, arg)
     if _is_torch(obj):
         return _from_torch(obj, arg)
-    if hasattr(obj, "__cuda_array_interface__"):
-        raise _gpu_unsupported(f"the {type(obj).__name__} array", arg)
-    if hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
-        dev_type, _ = obj.__dlpack_device__()
+    if _is_cupy(obj) or _ask(obj, arg, lambda: hasattr(obj, "__cuda_array_interface__")):
+        raise _gpu_unsupported(f"the {type(obj).__module__}.{type(obj).__name__} array", arg)
+    if _ask(obj, arg, lambda: hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__")):
+        dev_type, _ = _ask(obj, arg, obj.__dlpack_device__)
         if dev_type == _DLPACK_CUDA:
             raise _gpu_unsupported(f"the DLPack tensor ({type(obj).__name__})", arg)
         if dev_type != _DLPACK_CPU:
@@ -115,6 +134,5 @@ def as_span(obj: Any, arg: str = "memory") -> MemorySpan:
         raise RegistrationError(f"{arg}: the buffer is not contiguous")
     if view.nbytes == 0:
         raise RegistrationError(f"{arg}: the buffer is empty (0 bytes)")
-    cdata = ffi.from_buffer("char[]", obj, require_writable=False)
-    address = int(ffi.cast("uintptr_t", cdata))
+    address, cdata = buffer_address(obj)
     return MemorySpan(address, view.nbytes, view.readonly, MemoryType.HOST, (obj, cdata))

@@ -1,20 +1,40 @@
 """The only module that touches the compiled C core.
 
-It loads ``kvlink._kvlink_c`` and turns every non-zero return code into the
-matching :class:`~kvlink.KvlinkError`; nothing above it sees a raw code.
-cffi releases the GIL around every call, so blocking waits do not stall
-other Python threads.
+One checked wrapper per C call (as pynacl's bindings): each takes and returns
+Python values (or an opaque handle), fills the C structs itself and turns
+every non-zero return code into the matching :class:`~kvlink.KvlinkError`;
+nothing above it sees a raw code or a C struct.  cffi releases the GIL around
+every call, so blocking waits do not stall other Python threads.
+
+Blocking waits run in slices of at most ``SLICE_S``: a C wait cannot see
+Ctrl-C or a concurrent ``close()``, so each slice returns to Python and the
+wait starts again until it has an answer or its own time is up.
 """
 
 from __future__ import annotations
 
+import math
 import re
-from typing import Any
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, NamedTuple
 
+from ._args import timeout_arg
+from ._config import Config, Scheduler
 from ._errors import ErrorCode, error_for
-
-# "within 199 ms" / "after 199 ms" in the C core's timeout messages
-_SLICE_MS = re.compile(r"\b(within|after) \d+ ms\b")
+from ._types import (
+    ChunkEvent,
+    InboundInfo,
+    MemoryType,
+    Notification,
+    Op,
+    PathInfo,
+    PathState,
+    RemoteRegion,
+    TransferInfo,
+    TransferState,
+)
 
 try:
     from ._kvlink_c import ffi, lib
@@ -24,12 +44,26 @@ except ImportError as exc:  # pragma: no cover - only without a build
         "kvlink checkout"
     ) from exc
 
-__all__ = ["ErrorCode", "check", "ffi", "last_error", "lib"]
+__all__ = ["ErrorCode", "check", "crc32c", "ffi", "lib", "make_plan"]
+
+SLICE_S = 0.2  # blocking waits run in slices so Ctrl-C and close() get through
+MAX_WAIT_MS = 2**31
+MAX_TAG_BYTES = 4096  # kvl_notification.tag
+
+# "within 199 ms" / "after 199 ms" in the C core's timeout messages
+_SLICE_MS = re.compile(r"\b(within|after) \d+ ms\b")
+
+# Handles the caller owns; ``Agent`` holds the agent pointer, these are freed
+# by the garbage collector.
+Handle = Any
+
+
+# ---- errors ----------------------------------------------------------------
 
 
 def last_error() -> str:
     """The C core's message for the last error in this thread."""
-    return str(ffi.string(lib.kvl_last_error()).decode("utf-8", "replace"))
+    return cstr(lib.kvl_last_error())
 
 
 def check(
@@ -42,13 +76,13 @@ def check(
 ) -> None:
     """Raises the exception for ``rc`` unless it is KVL_OK.
 
-    ``waited_s``: the caller's whole timeout, for a wait the Python layer ran
-    in slices; a TIMEOUT message then names it instead of the last slice.
+    ``waited_s``: the caller's whole timeout, for a wait run in slices; a
+    TIMEOUT message then names it instead of the last slice.
 
     Raises:
         KvlinkError: the subclass matching ``rc``, with the C core's message.
     """
-    if rc != 0:
+    if rc != ErrorCode.OK:
         msg = last_error()
         if rc == ErrorCode.TIMEOUT and waited_s is not None:
             msg = _SLICE_MS.sub(lambda m: f"{m.group(1)} {waited_s:g} s", msg, count=1)
@@ -60,10 +94,541 @@ def cstr(data: Any) -> str:
     return str(ffi.string(data).decode("utf-8", "replace"))
 
 
+def _ms(timeout_s: float | None) -> int:
+    """``timeout_s`` in whole milliseconds for the C core (None: the longest wait)."""
+    if timeout_s is None:
+        return MAX_WAIT_MS
+    return min(int(timeout_s * 1000), MAX_WAIT_MS)
+
+
+def _sliced(call: Callable[[int], int], timeout_s: float | None) -> int:
+    """Calls ``call(slice_ms)`` until it answers something other than
+    TIMEOUT or ``timeout_s`` has passed; returns its last return code.
+
+    Raises:
+        ArgumentTypeError, InvalidArgumentError: ``timeout_s`` is not a duration.
+    """
+    timeout_s = timeout_arg(timeout_s)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        step = SLICE_S if left is None else min(left, SLICE_S)
+        rc = int(call(_ms(step)))
+        if rc != ErrorCode.TIMEOUT or (left is not None and left <= step):
+            return rc
+
+
+# ---- agent -------------------------------------------------------------------
+
+
+def agent_create(name: str, addrs: Sequence[str], cfg: Config) -> Handle:
+    """kvl_agent_create: an agent listening on ``addrs``, configured by ``cfg``.
+
+    Raises:
+        KvlinkError: listening failed (the message names the address).
+    """
+    keep = [ffi.new("char[]", a.encode()) for a in addrs]
+    arr = ffi.new("const char *[]", keep)
+    cname = ffi.new("char[]", name.encode())
+    c = ffi.new("kvl_config *")
+    c.name = cname
+    c.addrs = arr
+    c.n_addrs = len(addrs)
+    c.port = cfg.port
+    c.chunk_bytes = cfg.chunk_bytes
+    c.min_chunk_bytes = cfg.min_chunk_bytes
+    c.connect_timeout_ms = max(1, int(cfg.connect_timeout_s * 1000))
+    c.monitor_interval_ms = cfg.monitor_interval_ms
+    c.max_attempts = cfg.max_attempts
+    c.stall_factor = cfg.stall_factor
+    c.probe_backoff_max_ms = cfg.probe_backoff_max_ms
+    c.hedge = int(cfg.hedge)
+    c.round_robin = int(cfg.scheduler is Scheduler.ROUND_ROBIN)
+    c.window_chunks = cfg.window_chunks
+    c.window_bytes = cfg.window_bytes
+    c.sock_buf_bytes = cfg.sock_buf_bytes
+    c.close_linger_ms = int(cfg.close_linger_s * 1000)
+    secret = cfg.resolved_secret()
+    if secret is not None:
+        keep.append(ffi.new("uint8_t[]", secret))
+        c.secret = keep[-1]
+        c.secret_len = len(secret)
+    c.allow_unauthenticated = int(cfg.allow_unauthenticated)
+    out = ffi.new("kvl_agent **")
+    check(lib.kvl_agent_create(c, out))
+    return out[0]
+
+
+def agent_close(a: Handle) -> None:
+    """kvl_agent_close: stops the engine and frees the agent."""
+    check(lib.kvl_agent_close(a))
+
+
+def agent_addresses(a: Handle) -> list[tuple[str, int]]:
+    """kvl_agent_n_addrs + kvl_agent_addr: every (host, port) listened on."""
+    n = ffi.new("size_t *")
+    check(lib.kvl_agent_n_addrs(a, n))
+    host = ffi.new("char[48]")
+    port = ffi.new("uint16_t *")
+    out = []
+    for i in range(n[0]):
+        check(lib.kvl_agent_addr(a, i, host, port))
+        out.append((cstr(host), int(port[0])))
+    return out
+
+
+def agent_instance(a: Handle) -> int:
+    """kvl_agent_instance: this agent's random 64-bit instance id."""
+    out = ffi.new("uint64_t *")
+    check(lib.kvl_agent_instance(a, out))
+    return int(out[0])
+
+
+# ---- regions -----------------------------------------------------------------
+
+
+def region_register(
+    a: Handle,
+    address: int,
+    nbytes: int,
+    *,
+    remote_read: bool,
+    remote_write: bool,
+    readonly: bool,
+    mem: MemoryType,
+    name: str,
+) -> int:
+    """kvl_region_register; returns the new region id.
+
+    Raises:
+        InvalidArgumentError: duplicate or over-long name, too many regions.
+    """
+    rights = (lib.KVL_REMOTE_READ if remote_read else 0) | (
+        lib.KVL_REMOTE_WRITE if remote_write else 0
+    )
+    if readonly:
+        rights |= lib.KVL_LOCAL_READONLY
+    rid = ffi.new("uint64_t *")
+    check(
+        lib.kvl_region_register(
+            a, ffi.cast("void *", address), nbytes, rights, int(mem), name.encode(), rid
+        )
+    )
+    return int(rid[0])
+
+
+def region_deregister(a: Handle, rid: int) -> None:
+    """kvl_region_deregister.
+
+    Raises:
+        RegionBusyError: a transfer still uses it.
+        UnknownRegionError: no such region.
+    """
+    check(lib.kvl_region_deregister(a, rid))
+
+
+def buffer_address(obj: Any) -> tuple[int, Any]:
+    """The address of a buffer-protocol object, and the cdata keeping the view alive."""
+    cdata = ffi.from_buffer("char[]", obj, require_writable=False)
+    return int(ffi.cast("uintptr_t", cdata)), cdata
+
+
+# ---- peers -------------------------------------------------------------------
+
+
+def peer_connect(a: Handle, name: str, instance: int, addrs: Sequence[tuple[str, int]]) -> Handle:
+    """kvl_peer_connect: the peer, connected (blocks up to connect_timeout per connection).
+
+    Raises:
+        PeerUnreachableError, HandshakeError, DuplicateNameError: as the C core says.
+    """
+    hosts = [ffi.new("char[]", h.encode()) for h, _ in addrs]
+    harr = ffi.new("const char *[]", hosts)
+    parr = ffi.new("uint16_t[]", [p for _, p in addrs])
+    out = ffi.new("kvl_peer **")
+    check(lib.kvl_peer_connect(a, name.encode(), instance, harr, parr, len(addrs), out), peer=name)
+    return out[0]
+
+
+def peer_remove(a: Handle, name: str) -> None:
+    """kvl_peer_remove.
+
+    Raises:
+        UnknownPeerError: no peer of that name.
+    """
+    check(lib.kvl_peer_remove(a, name.encode()), peer=name)
+
+
+def peer_find(a: Handle, name: str, *, missing_ok: bool = False) -> Handle | None:
+    """kvl_peer_find: the peer named ``name`` (None if unknown and ``missing_ok``).
+
+    Raises:
+        UnknownPeerError: no peer of that name (unless ``missing_ok``).
+    """
+    out = ffi.new("kvl_peer **")
+    rc = lib.kvl_peer_find(a, name.encode(), out)
+    if rc == ErrorCode.UNKNOWN_PEER and missing_ok:
+        return None
+    check(rc, peer=name)
+    return out[0]
+
+
+def peer_regions(p: Handle, peer: str) -> list[RemoteRegion]:
+    """kvl_peer_regions: the regions ``peer`` exposed at its last handshake or refresh."""
+    n = ffi.new("size_t *")
+    check(lib.kvl_peer_regions(p, ffi.NULL, 0, n))
+    cap = int(n[0])
+    arr = ffi.new("kvl_region_info[]", max(cap, 1))
+    check(lib.kvl_peer_regions(p, arr, cap, n))
+    return [
+        RemoteRegion(
+            peer=peer,
+            id=int(r.id),
+            nbytes=int(r.size),
+            remote_read=bool(r.rights & lib.KVL_REMOTE_READ),
+            remote_write=bool(r.rights & lib.KVL_REMOTE_WRITE),
+            mem=MemoryType(r.mem),
+            name=cstr(r.name),
+        )
+        for r in arr[0 : min(cap, int(n[0]))]
+    ]
+
+
+def peer_refresh(p: Handle, timeout_s: float) -> None:
+    """kvl_peer_refresh: asks the peer for its region table now (blocks).
+
+    Raises:
+        PeerUnreachableError: no answer within ``timeout_s``.
+    """
+    check(lib.kvl_peer_refresh(p, max(1, int(timeout_s * 1000))))
+
+
+def peer_send_prepare(p: Handle, peer: str, tag: bytes) -> None:
+    """kvl_peer_send_prepare: queues a PREPARE notification carrying ``tag``."""
+    check(lib.kvl_peer_send_prepare(p, tag, len(tag)), peer=peer)
+
+
+# ---- transfers ---------------------------------------------------------------
+
+
+def xfer_submit(
+    a: Handle,
+    p: Handle,
+    peer: str,
+    op: Op,
+    segments: Any,
+    notify: bytes,
+    timeout_s: float,
+) -> Handle:
+    """kvl_xfer_submit: queues a transfer of a SEGMENT_DTYPE array; ``timeout_s``
+    is its deadline (0: none).  The handle is released when collected.
+
+    Raises:
+        UnknownRegionError, OutOfBoundsError, RemoteAccessError,
+        PeerUnreachableError, InvalidArgumentError: validation failed, nothing
+            was sent.
+    """
+    out = ffi.new("kvl_xfer **")
+    check(
+        lib.kvl_xfer_submit(
+            a,
+            p,
+            int(op),
+            ffi.cast("const kvl_segment *", segments.ctypes.data),
+            len(segments),
+            notify,
+            len(notify),
+            max(1, math.ceil(timeout_s * 1000)) if timeout_s else 0,
+            out,
+        ),
+        peer=peer,
+    )
+    return ffi.gc(out[0], lib.kvl_xfer_release)
+
+
+def _chunk_event(ev: Any) -> ChunkEvent:
+    return ChunkEvent(
+        index=int(ev.chunk),
+        path=int(ev.path),
+        nbytes=int(ev.bytes),
+        layers=range(int(ev.layer_first), int(ev.layer_first + ev.layer_count)),
+        t_ns=int(ev.t_ns),
+    )
+
+
+def _wait(
+    fn: Any, handle: Handle, *args: Any, timeout_s: float | None, peer: str, tid: int | None
+) -> None:
+    rc = _sliced(lambda step_ms: fn(handle, *args, step_ms), timeout_s)
+    if rc == ErrorCode.INVALID_ARG:  # a layer the transfer lacks: the caller's mistake
+        check(rc, peer=peer, transfer_id=tid)
+    check(rc, transfer=True, peer=peer, transfer_id=tid, waited_s=timeout_s)
+
+
+def _next_event(
+    fn: Any, handle: Handle, timeout_s: float | None, peer: str, tid: int | None
+) -> ChunkEvent | None:
+    ev = ffi.new("kvl_chunk_event *")
+    rc = _sliced(lambda step_ms: fn(handle, step_ms, ev), timeout_s)
+    if rc == ErrorCode.END:
+        return None
+    check(rc, transfer=True, peer=peer, transfer_id=tid, waited_s=timeout_s)
+    return _chunk_event(ev)
+
+
+def xfer_wait(x: Handle, timeout_s: float | None, *, peer: str, transfer_id: int) -> None:
+    """kvl_xfer_wait, in slices.
+
+    Raises:
+        TransferTimeoutError, TransferError: still running, or failed.
+    """
+    _wait(lib.kvl_xfer_wait, x, timeout_s=timeout_s, peer=peer, tid=transfer_id)
+
+
+def xfer_wait_layer(
+    x: Handle, layer: int, timeout_s: float | None, *, peer: str, transfer_id: int
+) -> None:
+    """kvl_xfer_wait_layer, in slices.
+
+    Raises:
+        InvalidArgumentError: the transfer carries no bytes of ``layer``.
+        TransferTimeoutError, TransferError: as :func:`xfer_wait`.
+    """
+    _wait(lib.kvl_xfer_wait_layer, x, layer, timeout_s=timeout_s, peer=peer, tid=transfer_id)
+
+
+def xfer_next_event(
+    x: Handle, timeout_s: float | None, *, peer: str, transfer_id: int
+) -> ChunkEvent | None:
+    """kvl_xfer_next_event, in slices: the next verified chunk, None at the end.
+
+    Raises:
+        TransferTimeoutError: no chunk within ``timeout_s``.
+        TransferError: the transfer failed.
+    """
+    return _next_event(lib.kvl_xfer_next_event, x, timeout_s, peer, transfer_id)
+
+
+def xfer_info(x: Handle) -> TransferInfo:
+    """kvl_xfer_info_get: a snapshot of a transfer."""
+    out = ffi.new("kvl_xfer_info *")
+    check(lib.kvl_xfer_info_get(x, out))
+    return TransferInfo(
+        id=int(out.id),
+        state=TransferState(out.state),
+        bytes_total=int(out.bytes_total),
+        bytes_done=int(out.bytes_done),
+        chunks_total=int(out.chunks_total),
+        chunks_done=int(out.chunks_done),
+        layers=int(out.layers),
+        retries=int(out.retries),
+        t_submit_ns=int(out.t_submit_ns),
+        t_first_byte_ns=int(out.t_first_byte_ns),
+        t_done_ns=int(out.t_done_ns),
+        error_code=ErrorCode(out.err) if out.state == TransferState.FAILED else ErrorCode.OK,
+        message=cstr(out.message),
+    )
+
+
+# ---- inbound pushes ------------------------------------------------------------
+
+
+def inbound_next(
+    hold: Callable[[], AbstractContextManager[Handle]],
+    tag: bytes | None,
+    timeout_s: float | None,
+) -> Handle:
+    """kvl_inbound_next, in slices: the next push announced with ``tag`` (any
+    push when None).  ``hold()`` lends the agent for one slice, so close()
+    gets through between slices.
+
+    Raises:
+        TransferTimeoutError: none within ``timeout_s``.
+        ClosedError: the agent was closed.
+    """
+    raw = tag or b""
+    out = ffi.new("kvl_inxfer **")
+
+    def take(step_ms: int) -> int:
+        with hold() as a:
+            return int(lib.kvl_inbound_next(a, raw, len(raw), tag is None, step_ms, out))
+
+    check(_sliced(take, timeout_s), transfer=True, waited_s=timeout_s)
+    return ffi.gc(out[0], lib.kvl_inxfer_release)
+
+
+def inxfer_wait(t: Handle, timeout_s: float | None, *, peer: str) -> None:
+    """kvl_inxfer_wait, in slices.
+
+    Raises:
+        TransferTimeoutError, TransferError: still arriving, or failed.
+    """
+    _wait(lib.kvl_inxfer_wait, t, timeout_s=timeout_s, peer=peer, tid=None)
+
+
+def inxfer_wait_layer(t: Handle, layer: int, timeout_s: float | None, *, peer: str) -> None:
+    """kvl_inxfer_wait_layer, in slices.
+
+    Raises:
+        InvalidArgumentError: the push lacks ``layer``.
+        TransferTimeoutError, TransferError: as :func:`inxfer_wait`.
+    """
+    _wait(lib.kvl_inxfer_wait_layer, t, layer, timeout_s=timeout_s, peer=peer, tid=None)
+
+
+def inxfer_next_event(t: Handle, timeout_s: float | None, *, peer: str) -> ChunkEvent | None:
+    """kvl_inxfer_next_event, in slices: the next chunk verified here, None at the end.
+
+    Raises:
+        TransferTimeoutError, TransferError: as :func:`xfer_next_event`.
+    """
+    return _next_event(lib.kvl_inxfer_next_event, t, timeout_s, peer, None)
+
+
+def inxfer_info(t: Handle) -> InboundInfo:
+    """kvl_inxfer_info: a full snapshot of a push arriving here."""
+    out = ffi.new("kvl_inbound_info *")
+    check(lib.kvl_inxfer_info(t, out))
+    return InboundInfo(
+        transfer_id=int(out.xfer_id),
+        peer=cstr(out.peer),
+        state=TransferState(out.state),
+        bytes_total=int(out.bytes_total),
+        bytes_done=int(out.bytes_done),
+        chunks_total=int(out.chunks_total),
+        chunks_done=int(out.chunks_done),
+        layers=int(out.layers),
+        layers_ready=int(out.layers_ready),
+        t_announce_ns=int(out.t_announce_ns),
+        t_first_byte_ns=int(out.t_first_byte_ns),
+        t_done_ns=int(out.t_done_ns),
+        tag=bytes(ffi.buffer(out.tag, out.tag_len)),
+        error_code=ErrorCode(out.err) if out.state == TransferState.FAILED else ErrorCode.OK,
+        message=cstr(out.message),
+    )
+
+
+class Progress(NamedTuple):
+    state: TransferState
+    chunks_done: int
+    layers_ready: int
+    bytes_done: int
+
+
+def inxfer_progress(t: Handle) -> Progress:
+    """kvl_inxfer_progress: state and counters only (one lock, no copy of the tag)."""
+    out = ffi.new("kvl_inbound_progress *")
+    check(lib.kvl_inxfer_progress(t, out))
+    return Progress(
+        TransferState(out.state), int(out.chunks_done), int(out.layers_ready), int(out.bytes_done)
+    )
+
+
+def inxfer_layer_done(t: Handle, layer: int) -> bool:
+    """kvl_inxfer_layer_done: whether every byte of ``layer`` is verified here."""
+    out = ffi.new("int *")
+    check(lib.kvl_inxfer_layer_done(t, layer, out))
+    return bool(out[0])
+
+
+# ---- logging and observation -----------------------------------------------------
+
+
+class LogRecord(NamedTuple):
+    level: int
+    path: int  # -1: the control connection or none
+    dropped: int  # records lost before this one
+    peer: str
+    msg: str
+
+
+def new_log_record() -> Any:
+    """A reusable out-parameter for :func:`next_log`."""
+    return ffi.new("kvl_log_record *")
+
+
+def next_log(a: Handle, timeout_ms: int, rec: Any) -> LogRecord | None:
+    """kvl_next_log: the next engine log record, None when none came in time.
+
+    Raises:
+        ClosedError: :func:`log_wake` was called.
+    """
+    rc = lib.kvl_next_log(a, timeout_ms, rec)
+    if rc == ErrorCode.TIMEOUT:
+        return None
+    check(rc)
+    return LogRecord(int(rec.level), int(rec.path), int(rec.dropped), cstr(rec.peer), cstr(rec.msg))
+
+
+def log_wake(a: Handle) -> None:
+    """kvl_log_wake: makes every kvl_next_log return CLOSED from now on."""
+    lib.kvl_log_wake(a)
+
+
+def next_notification(a: Handle, timeout_s: float) -> Notification | None:
+    """kvl_next_notification: the next inbound notification, None when none
+    came within ``timeout_s`` (one slice at most: callers loop)."""
+    n = ffi.new("kvl_notification *")
+    rc = lib.kvl_next_notification(a, _ms(min(timeout_s, SLICE_S)), n)
+    if rc == ErrorCode.TIMEOUT:
+        return None
+    check(rc)
+    return Notification(
+        peer=cstr(n.peer),
+        tag=bytes(ffi.buffer(n.tag, n.tag_len)),
+        transfer_id=int(n.xfer_id),
+        op=Op(n.op),
+    )
+
+
+def paths(a: Handle) -> list[PathInfo]:
+    """kvl_paths: every path to every peer, with its live statistics."""
+    n = ffi.new("size_t *")
+    check(lib.kvl_paths(a, ffi.NULL, 0, n))
+    cap = int(n[0]) + 16  # room for peers added meanwhile
+    arr = ffi.new("kvl_path_info[]", cap)
+    check(lib.kvl_paths(a, arr, cap, n))
+    return [
+        PathInfo(
+            peer=cstr(p.peer),
+            index=int(p.index),
+            state=PathState(p.state),
+            local=cstr(p.local_addr),
+            remote=cstr(p.remote_addr),
+            bytes_sent=int(p.bytes_sent),
+            bytes_recv=int(p.bytes_recv),
+            chunks_done=int(p.chunks_done),
+            inflight_bytes=int(p.inflight_bytes),
+            est_gbps=float(p.est_gbps),
+            rtt_us=float(p.rtt_us),
+            delivery_gbps=float(p.delivery_gbps),
+            nic_other_gbps=float(p.nic_other_gbps),
+            stall_ms=int(p.stall_ms),
+            reconnects=int(p.reconnects),
+            hedges=int(p.hedges),
+            t_down_ns=int(p.t_down_ns),
+            last_error=cstr(p.last_error),
+        )
+        for p in arr[0 : min(n[0], cap)]
+    ]
+
+
+# ---- integrity -----------------------------------------------------------------
+
+
+def crc32c(data: bytes, crc: int = 0) -> int:
+    """kvl_crc32c: crc32c (Castagnoli) of ``data``, continuing from ``crc``."""
+    return int(lib.kvl_crc32c(crc, ffi.from_buffer(data), len(data)))
+
+
+# ---- planner -------------------------------------------------------------------
+
+
 def make_plan(
     segments: Any, n_paths: int, chunk_bytes: int, min_chunk_bytes: int, max_pieces: int
 ) -> tuple[Any, Any, int, int]:
-    """Runs the C chunk planner on a SEGMENT_DTYPE array (for tests and tools).
+    """kvl_plan_make + kvl_plan_free: the C chunk planner on a SEGMENT_DTYPE
+    array (for tests and tools).
 
     Returns (chunks, pieces, chunk_target, n_layers): ``chunks`` rows are
     (first_piece, n_pieces, layer_first, layer_last, bytes) and ``pieces`` rows

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import InvalidArgumentError
+from ._errors import ArgumentTypeError, InvalidArgumentError
 from ._memory import as_span
 from ._segments import SEGMENT_DTYPE
 
@@ -81,17 +81,32 @@ class PagedLayout:
         return (self.planes - 1) * self.plane_stride + self.num_blocks * self.block_bytes
 
     @classmethod
-    def from_tensors(cls, agent: Any, layers: Sequence[Any], *, planes: int = 1) -> PagedLayout:
+    def from_tensors(
+        cls, agent: Any, layers: Sequence[Any] | Any, *, planes: int | None = None
+    ) -> PagedLayout:
         """The layout of per-layer tensors registered with ``agent`` (each inside
         a registered region).  Dimension 0 is the plane axis when ``planes`` > 1,
-        then the block axis.
+        then the block axis.  ``layers`` is a sequence of tensors, or one array
+        whose first axis is the layer axis (as ``list(array)`` would split it).
+
+        ``planes`` may be left out unless dimension 0 of a layer of three or
+        more dimensions is 2: such a shape is K and V planes (``planes=2``) or
+        two blocks (``planes=1``), and kvlink does not guess which.
 
         Raises:
-            InvalidArgumentError: layers of different shapes, or a shape that
-                does not start with ``[planes, num_blocks]``.
+            InvalidArgumentError: no layers, layers of different shapes, a
+                shape that does not start with ``[planes, num_blocks]``, or an
+                ambiguous shape without ``planes``.
             NotRegisteredError: a layer lies outside every registered region.
         """
-        if not layers:
+        if hasattr(layers, "shape"):  # one array holding every layer
+            layers = list(layers)
+        if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):
+            raise ArgumentTypeError(
+                f"layers: expected a list of per-layer tensors or one array of them, got "
+                f"{type(layers).__name__}"
+            )
+        if len(layers) == 0:
             raise InvalidArgumentError("layers: expected at least one layer tensor")
         shape0 = tuple(layers[0].shape)
         regions, offsets = [], []
@@ -103,6 +118,16 @@ class PagedLayout:
             rid, off, _ = agent._locate(t, f"layers[{i}]")
             regions.append(rid)
             offsets.append(off)
+        if planes is None:
+            if len(shape0) >= 3 and shape0[0] == 2:
+                raise InvalidArgumentError(
+                    f"planes: each layer has shape {shape0}: is dimension 0 the K and V "
+                    "planes or two blocks? Pass planes=2 (K and V halves, as in vLLM) or "
+                    "planes=1 (dimension 0 is the block axis)"
+                )
+            planes = 1
+        if isinstance(planes, bool) or not isinstance(planes, int) or planes <= 0:
+            raise InvalidArgumentError(f"planes: expected a positive int, got {planes!r}")
         min_dims = 2 if planes > 1 else 1
         if len(shape0) < min_dims or (planes > 1 and shape0[0] != planes):
             raise InvalidArgumentError(
@@ -131,11 +156,25 @@ class PagedLayout:
         """Inverse of :meth:`to_dict`.
 
         Raises:
-            InvalidArgumentError: missing or extra keys.
+            ArgumentTypeError: ``d`` is not a dict.
+            InvalidArgumentError: a missing or unknown key (named), or a bad value.
         """
-        keys = {"regions", "offsets", "num_blocks", "block_bytes", "planes", "plane_stride"}
-        if not isinstance(d, dict) or set(d) != keys:
-            raise InvalidArgumentError(f"layout: expected keys {sorted(keys)}, got {d!r}")
+        keys = ("regions", "offsets", "num_blocks", "block_bytes", "planes", "plane_stride")
+        if not isinstance(d, dict):
+            raise ArgumentTypeError(
+                f"layout: expected a dict from PagedLayout.to_dict(), got {type(d).__name__}"
+            )
+        missing = [k for k in keys if k not in d]
+        if missing:
+            raise InvalidArgumentError(
+                f"layout: missing key {missing[0]!r} (a layout has keys {', '.join(keys)}; "
+                "send the peer PagedLayout.to_dict())"
+            )
+        unknown = sorted(set(d) - set(keys))
+        if unknown:
+            raise InvalidArgumentError(
+                f"layout: unknown key {unknown[0]!r} (a layout has keys {', '.join(keys)})"
+            )
         return cls(
             tuple(d["regions"]),
             tuple(d["offsets"]),

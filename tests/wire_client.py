@@ -12,7 +12,7 @@ import socket
 import struct
 import threading
 
-from kvlink._native import ffi, lib
+from kvlink._native import crc32c
 
 MAGIC = 0x4B4C564B
 VERSION = 3
@@ -25,7 +25,7 @@ SUPERSEDED = 100  # wire-only ACK status: a newer copy owns the chunk
 
 
 def crc(b: bytes) -> int:
-    return int(lib.kvl_crc32c(0, ffi.from_buffer(b), len(b)))
+    return crc32c(b)
 
 
 def frame(ftype: int, body: bytes, payload_len: int = 0) -> bytes:
@@ -48,20 +48,38 @@ def _u8str(s: str) -> bytes:
 
 
 def auth_mac(
-    secret: bytes, server: bool, server_name: str, server_instance: int, client_name: str,
-    client_instance: int, kind: int, path: int, nonce_c: bytes, nonce_s: bytes,
+    secret: bytes,
+    server: bool,
+    server_name: str,
+    server_instance: int,
+    client_name: str,
+    client_instance: int,
+    kind: int,
+    path: int,
+    nonce_c: bytes,
+    nonce_s: bytes,
 ) -> bytes:
     """A proof of the handshake (csrc/auth.c, docs/wire-protocol.md)."""
     label = b"kvlink/3 server\0" if server else b"kvlink/3 client\0"
     msg = (
-        label + _u8str(server_name) + struct.pack("<Q", server_instance) + _u8str(client_name)
-        + struct.pack("<Q", client_instance) + struct.pack("<BH", kind, path) + nonce_c + nonce_s
+        label
+        + _u8str(server_name)
+        + struct.pack("<Q", server_instance)
+        + _u8str(client_name)
+        + struct.pack("<Q", client_instance)
+        + struct.pack("<BH", kind, path)
+        + nonce_c
+        + nonce_s
     )
     return hmac.new(secret, msg, hashlib.sha256).digest()
 
 
 def authenticate(
-    s: socket.socket, name: str, instance: int, secret: bytes, kind: int = CONTROL,
+    s: socket.socket,
+    name: str,
+    instance: int,
+    secret: bytes,
+    kind: int = CONTROL,
     path: int = 0,
 ) -> bytes:
     """The initiator's side of an authenticated handshake; returns HELLO_ACK's body."""
@@ -73,8 +91,9 @@ def authenticate(
     server_instance, nlen = struct.unpack_from("<QH", body)
     server_name = body[10 : 10 + nlen].decode()
     nonce_s = body[10 + nlen : 26 + nlen]
-    mac = auth_mac(secret, False, server_name, server_instance, name, instance, kind, path,
-                   nonce_c, nonce_s)
+    mac = auth_mac(
+        secret, False, server_name, server_instance, name, instance, kind, path, nonce_c, nonce_s
+    )
     s.sendall(frame(AUTH, struct.pack("<I", 0) + mac))
     return recv_until(s, HELLO_ACK)
 

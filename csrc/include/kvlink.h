@@ -58,8 +58,10 @@ typedef enum kvl_op {
 } kvl_op;
 
 typedef enum kvl_rights {
-    KVL_REMOTE_READ = 1,
-    KVL_REMOTE_WRITE = 2
+    KVL_REMOTE_READ = 1,      /* peers may pull from the region */
+    KVL_REMOTE_WRITE = 2,     /* peers may push into the region */
+    KVL_LOCAL_READONLY = 0x100 /* the memory is read-only here: never pull into it (local
+                                  only, never sent to peers; excludes KVL_REMOTE_WRITE) */
 } kvl_rights;
 
 typedef enum kvl_mem {

@@ -7,6 +7,9 @@ import contextlib
 import os
 import socket
 import struct
+import subprocess
+import sys
+import threading
 import time
 
 import numpy as np
@@ -288,3 +291,171 @@ def test_frames_behind_a_refused_hello_are_not_processed(make_agent):
     finally:
         s.close()
     assert victim.notifications(timeout_s=0.5) == []
+
+
+@pytest.mark.parametrize("right", ["remote_read", "remote_write"])
+@pytest.mark.parametrize("value", ["no", "yes", 1, 0, None])
+def test_rights_must_be_real_booleans(make_agent, right, value):
+    a = make_agent("rights")
+    buf = np.zeros(4096, np.uint8)
+    with pytest.raises(kvlink.ArgumentTypeError, match=f"{right}: expected True or False") as ei:
+        a.register(buf, **{right: value})
+    assert isinstance(ei.value, TypeError)
+    assert a.regions() == []  # nothing was registered
+
+
+def test_remote_regions_refresh_must_be_a_boolean(pair):
+    tx, _ = pair
+    with pytest.raises(kvlink.ArgumentTypeError, match="refresh: expected True or False"):
+        tx.remote_regions("rx", refresh="yes")
+
+
+@pytest.mark.parametrize("bad", [-1, -0.001, float("nan")])
+def test_negative_timeouts_are_refused(pair, bad):
+    tx, _ = pair
+    src = np.ones(4096, np.uint8)
+    tx.register(src)
+    h = tx.push("rx", src=src, dst="w")
+    for call in (
+        lambda: tx.push("rx", src=src, dst="w", timeout_s=bad),
+        lambda: h.wait(timeout_s=bad),
+        lambda: h.wait_layer(0, timeout_s=bad),
+        lambda: next(h.chunks(timeout_s=bad)),
+        lambda: tx.prepare("rx", timeout_s=bad),
+        lambda: tx.notifications(timeout_s=bad),
+        lambda: tx.inbound(timeout_s=bad),
+    ):
+        with pytest.raises(kvlink.InvalidArgumentError, match=r"timeout_s: .* is not a duration"):
+            call()
+    h.wait(timeout_s=10)
+
+
+def test_timeouts_must_be_numbers(pair):
+    tx, _ = pair
+    src = np.ones(4096, np.uint8)
+    tx.register(src)
+    h = tx.push("rx", src=src, dst="w")
+    for call in (
+        lambda: h.wait(timeout_s="5"),
+        lambda: tx.push("rx", src=src, dst="w", timeout_s="5"),
+        lambda: tx.prepare("rx", timeout_s=None),
+        lambda: tx.notifications(timeout_s="1"),
+        lambda: tx.inbound(timeout_s=True),
+    ):
+        with pytest.raises(kvlink.ArgumentTypeError, match="timeout_s: expected seconds") as ei:
+            call()
+        assert isinstance(ei.value, TypeError)
+    h.wait(timeout_s=10)
+
+
+def test_prepare_layout_must_be_a_layout_or_dict(pair):
+    tx, _ = pair
+    with pytest.raises(kvlink.ArgumentTypeError, match=r"layout: expected a kvlink\.kv"):
+        tx.prepare("rx", layout=object())
+    with pytest.raises(kvlink.ArgumentTypeError, match="layout: the dict is not JSON-able"):
+        tx.prepare("rx", layout={"x": object()})
+
+
+def test_deregister_takes_a_region_or_its_id(make_agent):
+    a = make_agent("dereg")
+    buf = np.zeros(4096, np.uint8)
+    r = a.register(buf, name="kv")
+    for bad in ("kv", buf, 1.0, True):
+        with pytest.raises(kvlink.ArgumentTypeError, match="region: expected the Region"):
+            a.deregister(bad)
+    other = make_agent("dereg-other")
+    r_other = other.register(np.zeros(4096, np.uint8))
+    with pytest.raises(kvlink.UnknownRegionError, match="not registered with agent 'dereg'"):
+        a.deregister(r_other)
+    a.deregister(r)
+    with pytest.raises(kvlink.UnknownRegionError):
+        a.deregister(r)
+    with pytest.raises(kvlink.UnknownRegionError):
+        a.deregister(r.id)
+
+
+def test_overlapping_destinations_in_one_push_are_refused(pair):
+    tx, rx = pair
+    src = np.ones(MiB, np.uint8)
+    r = tx.register(src)
+    w = next(x for x in tx.remote_regions("rx") if x.name == "w")
+    before = rx.call("digest", key="w")["digest"]
+    segs = [
+        kvlink.Segment(r.id, 0, w.id, 0, 4096),
+        kvlink.Segment(r.id, 8192, w.id, 65536, 4096),
+        kvlink.Segment(r.id, 4096, w.id, 2048, 4096),  # overlaps the first
+    ]
+    with pytest.raises(
+        kvlink.InvalidArgumentError,
+        match=rf"segments\[0\] \(dst region {w.id}, bytes \[0, 4096\)\) and segments\[2\] "
+        rf"\(dst region {w.id}, bytes \[2048, 6144\)\) overlap",
+    ):
+        tx.push("rx", segments=segs)
+    unchanged(rx, "w", before)
+    # touching ranges and overlapping sources are fine
+    tx.push(
+        "rx",
+        segments=[
+            kvlink.Segment(r.id, 0, w.id, 0, 4096),
+            kvlink.Segment(r.id, 0, w.id, 4096, 4096),
+        ],
+    ).wait(timeout_s=10)
+
+
+def test_closed_agent_refuses_observation_and_with(make_agent):
+    a = make_agent("closed-obs")
+    a.register(np.zeros(4096, np.uint8))
+    a.close()
+    with pytest.raises(kvlink.ClosedError, match="closed"):
+        a.regions()
+    with pytest.raises(kvlink.ClosedError, match="closed"), a:
+        pass
+
+
+def test_region_table_under_concurrent_register_push_deregister(pair):
+    """Threads register and deregister their own buffers while others push from
+    theirs: every push finds its region, none sees a table changing under it."""
+    tx, _ = pair
+    errors: list[BaseException] = []
+    stop = time.monotonic() + 3
+
+    def churn() -> None:
+        try:
+            while time.monotonic() < stop:
+                bufs = [np.zeros(4096, np.uint8) for _ in range(20)]
+                regions = [tx.register(b) for b in bufs]
+                tx.regions()
+                for r in regions:
+                    tx.deregister(r)
+        except BaseException as exc:
+            errors.append(exc)
+
+    def pusher() -> None:
+        try:
+            src = np.ones(64 * 1024, np.uint8)
+            r = tx.register(src)
+            while time.monotonic() < stop:
+                tx.push("rx", src=src[1024:2048], dst="w").wait(timeout_s=10)
+            tx.deregister(r)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=f) for f in (churn, churn, pusher, pusher)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads)
+    assert errors == []
+    assert tx.regions() == []
+
+
+def test_bench_cli_refuses_a_non_boolean_setting():
+    """kvlink-bench reads the library's config, so it refuses KVLINK_HEDGE=maybe too."""
+    env = {**os.environ, "KVLINK_HEDGE": "maybe"}
+    out = subprocess.run(
+        [sys.executable, "-m", "kvlink.cli.bench", "loopback", "--quick", "--json"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert "KVLINK_HEDGE: 'maybe' is not a boolean" in out.stderr

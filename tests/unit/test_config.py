@@ -19,7 +19,8 @@ def test_defaults_are_valid():
     "field,value,match",
     [
         ("chunk_bytes", 100, r"chunk_bytes: 100 is outside"),
-        ("chunk_bytes", "64MiB", "chunk_bytes: expected an integer"),
+        ("chunk_bytes", "64 apples", "chunk_bytes: not a size"),
+        ("chunk_bytes", 1.5, "chunk_bytes: expected an integer"),
         ("min_chunk_bytes", 128 * kvlink.MiB, "min_chunk_bytes"),
         ("port", 70000, "port"),
         ("connect_timeout_s", 0, "connect_timeout_s"),
@@ -80,3 +81,74 @@ def test_agent_rejects_bad_name():
         kvlink.Agent("", kvlink.Config(nics="loopback:1"))
     with pytest.raises(kvlink.InvalidArgumentError, match="name"):
         kvlink.Agent("x" * 64, kvlink.Config(nics="loopback:1"))
+
+
+@pytest.mark.parametrize("raw,expected", [("1", True), ("On", True), ("no", False), ("0", False)])
+def test_env_booleans(monkeypatch, raw, expected):
+    monkeypatch.setenv("KVLINK_HEDGE", raw)
+    assert kvlink.Config.load().hedge is expected
+
+
+@pytest.mark.parametrize("raw", ["maybe", "", "2", "yess"])
+def test_env_boolean_that_is_not_one_is_refused(monkeypatch, raw):
+    monkeypatch.setenv("KVLINK_HEDGE", raw)
+    accepted = r"use 1, true, yes, on to turn it on, 0, false, no, off to turn it off"
+    with pytest.raises(kvlink.ConfigError, match=rf"KVLINK_HEDGE: .* is not a boolean; {accepted}"):
+        kvlink.Config.load()
+
+
+def test_env_typo_warns_with_the_closest_name(monkeypatch):
+    monkeypatch.setenv("KVLINK_CHUNK_BYTE", "1MiB")
+    with pytest.warns(UserWarning, match=r"KVLINK_CHUNK_BYTE .*ignored.*'KVLINK_CHUNK_BYTES'"):
+        c = kvlink.Config.load()
+    assert c.chunk_bytes == kvlink.Config().chunk_bytes
+
+
+def test_env_variables_kvlink_reads_elsewhere_do_not_warn(monkeypatch):
+    monkeypatch.setenv("KVLINK_PEERS_DIR", "/tmp")
+    monkeypatch.setenv("KVLINK_REQUIRE_ALL", "0")
+    kvlink.Config.load()  # filterwarnings = error: a warning fails here
+
+
+def test_sizes_in_env_file_and_fields(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVLINK_CHUNK_BYTES", "64MiB")
+    monkeypatch.setenv("KVLINK_WINDOW_BYTES", "0x2000000")
+    c = kvlink.Config.load()
+    assert c.chunk_bytes == 64 * kvlink.MiB and c.window_bytes == 32 * kvlink.MiB
+    f = tmp_path / "kvlink.json"
+    f.write_text(json.dumps({"min_chunk_bytes": "256KiB"}))
+    assert kvlink.Config.load(f).min_chunk_bytes == 256 * kvlink.KiB
+    assert kvlink.Config(chunk_bytes="1.5MiB").chunk_bytes == 3 * 512 * kvlink.KiB
+    monkeypatch.setenv("KVLINK_CHUNK_BYTES", "64 megs")
+    with pytest.raises(kvlink.ConfigError, match="KVLINK_CHUNK_BYTES: not a size: '64 megs'"):
+        kvlink.Config.load()
+
+
+def test_unknown_field_suggests_the_closest(monkeypatch):
+    with pytest.raises(kvlink.ConfigError, match=r"unknown field 'chunk_size'.*'chunk_bytes'"):
+        kvlink.Config(chunk_size=1)
+    with pytest.raises(kvlink.ConfigError, match=r"unknown field 'hedging'.*'hedge'"):
+        kvlink.Config().replace(hedging=False)
+    with pytest.raises(kvlink.ConfigError, match=r"unknown config keys.*'chunk_bytes'"):
+        kvlink.Config.load(chunk_size=1)
+
+
+def test_scheduler_is_an_enum_that_takes_its_names():
+    assert kvlink.Config().scheduler is kvlink.Scheduler.EARLIEST_FINISH
+    c = kvlink.Config(scheduler="round_robin")
+    assert c.scheduler is kvlink.Scheduler.ROUND_ROBIN
+    assert kvlink.Config(scheduler=kvlink.Scheduler.ROUND_ROBIN) == c
+    with pytest.raises(kvlink.ConfigError, match=r"scheduler: .*'roundrobin'.*'round_robin'"):
+        kvlink.Config(scheduler="roundrobin")
+    with pytest.raises(kvlink.ConfigError, match="scheduler: unknown scheduler 3"):
+        kvlink.Config(scheduler=3)
+
+
+def test_nics_are_checked_when_the_config_is_made():
+    for bad, match in [
+        ("nosuchnic0", "no up interface named 'nosuchnic0'"),
+        ("loopback:0", "1 <= N"),
+        (["127.0.0.1", "127.0.0.1"], "listed twice"),
+    ]:
+        with pytest.raises(kvlink.ConfigError, match=match):
+            kvlink.Config(nics=bad)

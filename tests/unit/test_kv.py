@@ -116,3 +116,41 @@ def test_from_tensors_rejects_wrong_shapes(make_agent):
         kv.PagedLayout.from_tensors(a, [np.zeros((2, 8, 16), np.uint8)], planes=2)
     with pytest.raises(kvlink.InvalidArgumentError, match="offsets: 1 entries for 2 layers"):
         kv.PagedLayout(regions=(1, 2), offsets=(0,), num_blocks=4, block_bytes=8)
+
+
+def test_from_tensors_refuses_to_guess_planes(make_agent):
+    a = make_agent("kv-planes")
+    cache = np.zeros((3, 2, 8, 64), np.uint8)  # layers, K/V, blocks, bytes
+    a.register(cache)
+    with pytest.raises(kvlink.InvalidArgumentError, match=r"planes=2 .*planes=1"):
+        kv.PagedLayout.from_tensors(a, list(cache))
+    assert kv.PagedLayout.from_tensors(a, list(cache), planes=2).num_blocks == 8
+    assert kv.PagedLayout.from_tensors(a, list(cache), planes=1).num_blocks == 2
+    flat = np.zeros((3, 8, 64), np.uint8)  # no plane axis: nothing to guess
+    a.register(flat)
+    assert kv.PagedLayout.from_tensors(a, list(flat)).planes == 1
+
+
+def test_from_tensors_takes_one_array_of_layers(make_agent):
+    a = make_agent("kv-array")
+    cache = np.zeros((3, 2, 8, 64), np.uint8)
+    a.register(cache)
+    assert kv.PagedLayout.from_tensors(a, cache, planes=2) == kv.PagedLayout.from_tensors(
+        a, list(cache), planes=2
+    )
+    with pytest.raises(kvlink.InvalidArgumentError, match="layers: expected a list"):
+        kv.PagedLayout.from_tensors(a, 5, planes=1)
+    with pytest.raises(kvlink.InvalidArgumentError, match="at least one layer"):
+        kv.PagedLayout.from_tensors(a, [], planes=1)
+
+
+def test_layout_dict_names_the_missing_key():
+    d, _ = layout()
+    raw = d.to_dict()
+    del raw["planes"]
+    with pytest.raises(kvlink.InvalidArgumentError, match="missing key 'planes'"):
+        kv.PagedLayout.from_dict(raw)
+    with pytest.raises(kvlink.InvalidArgumentError, match="unknown key 'extra'"):
+        kv.PagedLayout.from_dict({**d.to_dict(), "extra": 1})
+    with pytest.raises(TypeError, match="layout: expected a dict"):
+        kv.PagedLayout.from_dict([1, 2])

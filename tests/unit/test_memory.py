@@ -95,3 +95,36 @@ def test_torch_push_between_processes(make_agent, spawn_peer):
         rx.call("read", key="w", offset=4000, nbytes=8)["hex"]
         == t[1000:1002].numpy().tobytes().hex()
     )
+
+
+def test_torch_meta_tensor_is_named(make_agent):
+    torch = require("torch")
+    a = make_agent("mem-meta")
+    with pytest.raises(kvlink.RegistrationError, match=r"meta tensor.*no storage"):
+        a.register(torch.empty(1024, device="meta"))
+
+
+class _BrokenDeviceArray:
+    """An array library whose attributes fail without its driver (as CuPy's do)."""
+
+    @property
+    def __cuda_array_interface__(self):
+        raise RuntimeError("cudaErrorInsufficientDriver: CUDA driver version is insufficient")
+
+
+def test_array_library_errors_are_wrapped(make_agent):
+    a = make_agent("mem-broken")
+    with pytest.raises(kvlink.RegistrationError, match="memory: cannot tell where") as ei:
+        a.register(_BrokenDeviceArray())
+    assert isinstance(ei.value.__cause__, RuntimeError)
+
+
+def test_cupy_array_without_a_driver(make_agent):
+    cupy = pytest.importorskip("cupy", reason="cupy (an optional GPU array library) is absent")
+    a = make_agent("mem-cupy")
+    try:
+        arr = cupy.zeros(16, dtype=cupy.uint8)
+    except Exception:  # no driver: cupy cannot even allocate; nothing reaches kvlink
+        pytest.skip("cupy cannot allocate without a GPU driver")
+    with pytest.raises(kvlink.RegistrationError, match="GPU memory"):
+        a.register(arr)

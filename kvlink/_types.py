@@ -1,0 +1,187 @@
+"""The values the API hands out: enums mirroring the C header and frozen snapshots.
+
+Plain data, no behaviour that touches the C core: :mod:`kvlink._native`
+builds them from the C structs, the object layer passes them on.  The enums'
+values are those of csrc/include/kvlink.h (tests/unit/test_native.py checks
+them against the header).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+from ._errors import ErrorCode, InvalidArgumentError
+
+
+class Op(IntEnum):
+    """Direction of a transfer, from the initiator's point of view; PREPARE
+    marks a pre-warm request (see :meth:`Agent.prepare`). (``kvl_op``)"""
+
+    PUSH = 1
+    PULL = 2
+    PREPARE = 3
+
+
+class TransferState(IntEnum):
+    """(``kvl_xfer_state``)"""
+
+    RUNNING = 0
+    DONE = 1
+    FAILED = 2
+
+
+class PathState(IntEnum):
+    """(``kvl_path_state``)"""
+
+    UP = 0
+    DEGRADED = 1
+    DOWN = 2
+    PROBING = 3
+    STALLED = 4
+
+
+class MemoryType(IntEnum):
+    """Where registered memory lives. (``kvl_mem``)"""
+
+    HOST = 0
+    CUDA = 1
+
+
+@dataclass(frozen=True)
+class Region:
+    """Memory registered with an agent.
+
+    ``id`` is what peers use to address it (with ``name``, if given).
+    """
+
+    id: int
+    address: int
+    nbytes: int
+    remote_read: bool
+    remote_write: bool
+    readonly: bool
+    mem: MemoryType
+    name: str
+    _keepalive: Any = None
+
+    def __repr__(self) -> str:
+        rights = "r" if self.remote_read else "-"
+        rights += "w" if self.remote_write else "-"
+        return f"Region(id={self.id}, name={self.name!r}, nbytes={self.nbytes}, rights={rights})"
+
+
+@dataclass(frozen=True)
+class RemoteRegion:
+    """A region a peer exposes (from its handshake)."""
+
+    peer: str
+    id: int
+    nbytes: int
+    remote_read: bool
+    remote_write: bool
+    mem: MemoryType
+    name: str
+
+
+@dataclass(frozen=True)
+class ChunkEvent:
+    """A verified chunk, in completion order.
+
+    ``layers`` is the range of layers this chunk completed (possibly empty).
+    """
+
+    index: int
+    path: int
+    nbytes: int
+    layers: range
+    t_ns: int
+
+
+@dataclass(frozen=True)
+class TransferInfo:
+    id: int
+    state: TransferState
+    bytes_total: int
+    bytes_done: int
+    chunks_total: int
+    chunks_done: int
+    layers: int
+    retries: int
+    t_submit_ns: int
+    t_first_byte_ns: int
+    t_done_ns: int
+    error_code: ErrorCode
+    message: str
+
+
+@dataclass(frozen=True)
+class InboundInfo:
+    """A snapshot of a push arriving here."""
+
+    transfer_id: int  # the sender's transfer id
+    peer: str
+    state: TransferState
+    bytes_total: int
+    bytes_done: int
+    chunks_total: int
+    chunks_done: int
+    layers: int
+    layers_ready: int  # layers 0 .. layers_ready-1 are all verified here
+    t_announce_ns: int
+    t_first_byte_ns: int
+    t_done_ns: int
+    tag: bytes
+    error_code: ErrorCode
+    message: str
+
+
+@dataclass(frozen=True)
+class Notification:
+    """A peer finished a transfer with us and attached ``tag`` (op PUSH or
+    PULL), or announced one with :meth:`Agent.prepare` (op PREPARE)."""
+
+    peer: str
+    tag: bytes
+    transfer_id: int
+    op: Op
+
+    def prepare_request(self) -> dict[str, Any]:
+        """For op PREPARE: what the peer announced ({"nbytes": ..., "layout": ...}).
+
+        Raises:
+            InvalidArgumentError: this is not a PREPARE notification.
+        """
+        if self.op != Op.PREPARE:
+            raise InvalidArgumentError(f"notification: op is {self.op.name}, not PREPARE")
+        data = json.loads(self.tag)
+        return data if isinstance(data, dict) else {}
+
+
+@dataclass(frozen=True)
+class PathInfo:
+    """Live statistics of one path (refreshed every monitor interval).
+
+    Rates are in GB/s (gigabytes, 1e9 bytes per second), not gigabits.
+    """
+
+    peer: str
+    index: int
+    state: PathState
+    local: str
+    remote: str
+    bytes_sent: int
+    bytes_recv: int
+    chunks_done: int
+    inflight_bytes: int
+    est_gbps: float  # GB/s (1e9 bytes/s): EWMA of the busy-period delivery rate
+    rtt_us: float  # TCP_INFO while busy, PING probes while idle
+    delivery_gbps: float  # the kernel's latest delivery-rate sample, GB/s
+    nic_other_gbps: float  # traffic on the local NIC that is not ours, GB/s
+    stall_ms: int  # time without progress while busy
+    reconnects: int  # times re-established after going down
+    hedges: int  # straggler copies sent on this path
+    t_down_ns: int  # CLOCK_MONOTONIC time it last left service, STALLED or DOWN (0: never)
+    last_error: str

@@ -11,7 +11,7 @@ Targets (the issue's acceptance criteria, checked as ratios of medians):
     peak RSS of each kvlink process <= its registered memory + 64 MiB
 
 How it measures:
-  * kvlink: receiver and sender are two processes (bench/_proc.py), fresh for
+  * kvlink: receiver and sender are two benchmark workers (kvlink.bench.worker), fresh for
     every iteration; buffers are allocated, filled or pre-faulted and
     registered, and the peer connected, before the clock starts.  Seconds are
     the sender's push() -> wait() return; CPU is getrusage(RUSAGE_SELF) deltas
@@ -37,65 +37,24 @@ a "meta" line, one "result" line per table row and one "ratio" line per target.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvlink.cli._jsonlines import JsonLinesProcess
-from kvlink.cli.bench import wait_listening as _wait_listening
+from kvlink.bench import BenchError, iperf3
+from kvlink.bench.measure import GiB, MiB, fmt_size, size_arg
+from kvlink.bench.report import JsonLinesFile
+from kvlink.bench.worker import Worker
 
-MiB = 1 << 20
-GiB = 1 << 30
-USER_HZ = os.sysconf("SC_CLK_TCK")
-WORKER = Path(__file__).with_name("_proc.py")
 CONFIGS = ("kvlink1", "iperf1", "kvlink4", "iperf4")
-
-
-class BenchError(RuntimeError):
-    pass
-
-
-def parse_size(text: str) -> int:
-    """'1GiB', '256MiB', '1G' (binary, as iperf3 reads it), '4096'."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?\s*", text, re.IGNORECASE)
-    if not m:
-        raise argparse.ArgumentTypeError(f"cannot parse size {text!r}; write e.g. 1GiB or 256MiB")
-    mult = {"": 1, "K": 1 << 10, "M": MiB, "G": GiB, "T": 1 << 40}[m.group(2).upper()]
-    return int(float(m.group(1)) * mult)
-
-
-def median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
-def iperf3_json(text: str, what: str) -> dict[str, Any]:
-    """An iperf3 --json report, or a BenchError saying what went wrong."""
-    try:
-        res: dict[str, Any] = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise BenchError(f"{what} printed no JSON: {text[:300]!r}") from exc
-    if "error" in res:
-        raise BenchError(f"{what}: {res['error']}")
-    return res
-
-
-def fmt_size(n: int) -> str:
-    for unit, mult in (("GiB", GiB), ("MiB", MiB), ("KiB", 1 << 10)):
-        if n >= mult and n % mult == 0:
-            return f"{n // mult}{unit}"
-    return f"{n / MiB:.1f}MiB"
 
 
 # ---- host accounting ---------------------------------------------------------
@@ -131,35 +90,6 @@ def ksoftirqd_s() -> float:
         except OSError:
             pass
     return total / 1e9
-
-
-def proc_cpu_s(pid: int) -> float:
-    """utime+stime of a process (all threads), tick resolution."""
-    with open(f"/proc/{pid}/stat") as f:
-        rest = f.read().rsplit(")", 1)[1].split()
-    return (int(rest[11]) + int(rest[12])) / USER_HZ
-
-
-# ---- the kvlink worker -------------------------------------------------------
-
-
-class Worker(JsonLinesProcess):
-    """bench/_proc.py in a subprocess, spoken to in JSON lines."""
-
-    error = BenchError
-
-    def __init__(self, tag: str) -> None:
-        err = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
-        p = subprocess.Popen(
-            [sys.executable, str(WORKER)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=err,
-        )
-        super().__init__(tag, p, err)
-
-    def error_text(self, answer: dict[str, Any]) -> str:
-        return f"{answer['type']}: {answer['error']}"
 
 
 # cpu-clock samples with call graphs, at a rate that is not a multiple of the tick
@@ -347,15 +277,22 @@ def run_kvlink(
     rx = Worker("kvlink-rx")
     tx = Worker("kvlink-tx")
     perfs: list[Perf] = []
+    region = (region + 7) // 8 * 8
     try:
         # Both set up at once: filling and faulting 1 GiB takes a while.
-        rx.send("init", role="rx", size=region, nics=nics, config=config, touch=touch, name="rx")
-        tx.send("init", role="tx", size=region, nics=nics, config=config, touch=True, name="tx")
-        rxi = rx.recv(300)
-        txi = tx.recv(300)
+        rx.send("agent", name="rx", nics=nics, config=config)
+        tx.send("agent", name="tx", nics=nics, config=config)
+        rxi = rx.recv(60)
+        txi = tx.recv(60)
+        rx.send("alloc", key="buf", nbytes=region, fill="zero" if touch else "none",
+                remote_write=True, name="kv")  # fmt: skip
+        tx.send("alloc", key="buf", nbytes=region, fill="pattern")
+        rxi["registered_bytes"] = rx.recv(300)["nbytes"]
+        txi["registered_bytes"] = tx.recv(300)["nbytes"]
         tx.call("add_peer", metadata=rxi["metadata"])
         if warm:
-            tx.call("warm", peer="rx", nbytes=min(region, 64 * MiB))
+            tx.call("push", peer="rx", local="buf", remote="kv", nbytes=min(region, 64 * MiB),
+                    wait=120)  # fmt: skip
         if perf_dir is not None:
             perf_dir.mkdir(parents=True, exist_ok=True)
             perfs = [
@@ -368,9 +305,11 @@ def run_kvlink(
             rx.call("arm")
             k0 = ksoftirqd_s()
             pt = tx.call(
-                "push",
+                "push_timed",
                 answer_s=600,
                 peer="rx",
+                local="buf",
+                remote="kv",
                 nbytes=nbytes,
                 reps=reps,
                 notify=True,
@@ -384,9 +323,12 @@ def run_kvlink(
         # Peak RSS before the check below, whose temporaries are the bench's.
         txm = tx.call("stats")
         rxm = rx.call("stats")
-        bad = rx.call("verify", answer_s=300, nbytes=max(todo))["first_bad_word"]
-        if bad >= 0:
-            raise BenchError(f"kvlink: received data is wrong at byte {bad * 8}")
+        ver = rx.call("verify", answer_s=300, key="buf", nbytes=max(todo))
+        if ver["corrupt_bytes"]:
+            raise BenchError(
+                f"kvlink: received data is wrong: {ver['corrupt_bytes']} bytes, the first at "
+                f"byte {ver['first_bad_offset']}"
+            )
     finally:
         for pf in perfs:
             pf.stop()
@@ -444,112 +386,42 @@ def run_kvlink(
 # ---- iperf3 ------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
-        s.bind(("::", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_listening(servers: list[subprocess.Popen[Any]], ports: list[int], err: Any) -> None:
-    """kvlink.cli.bench.wait_listening, raising BenchError."""
-    try:
-        _wait_listening(servers, ports, err)
-    except RuntimeError as exc:
-        raise BenchError(str(exc)) from None
-
-
-def vm_hwm_kib(pid: int) -> int:
-    """Peak RSS so far; -1 once the process is gone (or a zombie)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return -1
-
-
-def wait4(p: subprocess.Popen[bytes], timeout_s: float, watch: list[int]) -> tuple[Any, list[int]]:
-    """Reaps ``p``; returns its rusage (threads and all) and the last VmHWM
-    seen of each pid in ``watch``.  rusage's ru_maxrss is no use here: exec
-    keeps the forking parent's high-water mark, i.e. this script's."""
-    deadline = time.monotonic() + timeout_s
-    hwm = [-1] * len(watch)
-    while True:
-        hwm = [max(h, vm_hwm_kib(w)) for h, w in zip(hwm, watch, strict=True)]
-        pid, status, ru = os.wait4(p.pid, os.WNOHANG)
-        if pid:
-            p.returncode = os.waitstatus_to_exitcode(status)
-            return ru, hwm
-        if time.monotonic() > deadline:
-            p.kill()
-            raise BenchError(f"iperf3 (pid {p.pid}) did not finish in {timeout_s} s")
-        time.sleep(0.005)
-
-
 def run_iperf3(size: int, streams: int, perf_dir: Path | None = None) -> Sample:
-    port = free_port()
     wrap_s: list[str] = []
     wrap_c: list[str] = []
     if perf_dir is not None:
         perf_dir.mkdir(parents=True, exist_ok=True)
         for wrap, side in ((wrap_s, "rx"), (wrap_c, "tx")):
             wrap += [*PERF_RECORD, "-o", str(perf_dir / f"iperf3-{streams}p-{side}.data"), "--"]
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        server = subprocess.Popen(
-            [*wrap_s, "iperf3", "-s", "-1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=err
-        )
-        try:
-            wait_listening([server], [port], err)
-            base = proc_cpu_s(server.pid) if not wrap_s else 0.0
-            k0 = ksoftirqd_s()
-            cmd = [*wrap_c, "iperf3", "-c", "127.0.0.1", "-p", str(port), "-n", str(size), "--json"]
-            if streams > 1:
-                cmd += ["-P", str(streams)]
-            client = subprocess.Popen(cmd, stdout=out, stderr=err)
-            ru_c, (hwm_c, hwm_s) = wait4(client, 300, [client.pid, server.pid])
-            ksirq = ksoftirqd_s() - k0
-            ru_s, _ = wait4(server, 30, [])
-        finally:
-            if server.poll() is None:
-                server.kill()
-                server.wait()
-        out.seek(0)
-        text = out.read().decode()
-    res = iperf3_json(text, "iperf3 -c")
-    # The issue's yardstick is sum_received's rate.  Its byte count stops short
-    # of -n by what is still in the socket buffer when the sender finishes
-    # (~6 MB here), so size and seconds are -n and -n / that rate.
-    recv = res["end"]["sum_received"]
-    sent = res["end"]["sum_sent"]
-    bps = float(recv["bits_per_second"])
-    cpu_tx = ru_c.ru_utime + ru_c.ru_stime
-    cpu_rx = ru_s.ru_utime + ru_s.ru_stime - base
+    k0 = ksoftirqd_s()
+    (r,) = iperf3.run(
+        [iperf3.Stream("127.0.0.1", nbytes=size, parallel=streams, server_prefix=wrap_s,
+                       client_prefix=wrap_c)],
+        timeout_s=300,
+    )  # fmt: skip
+    ksirq = ksoftirqd_s() - k0
+    end = r.report["end"]
     return Sample(
         tool="iperf3",
         op="send",
-        size_bytes=int(sent["bytes"]),
+        size_bytes=r.sent_bytes,
         paths=streams,
-        seconds=int(sent["bytes"]) * 8 / bps,
-        cpu_s=cpu_tx + cpu_rx,
-        cpu_tx_s=cpu_tx,
-        cpu_rx_s=cpu_rx,
-        sys_s=ru_c.ru_stime + ru_s.ru_stime,
-        rss_tx_mib=hwm_c / 1024,
-        rss_rx_mib=hwm_s / 1024,
+        seconds=r.seconds,
+        cpu_s=r.cpu_client_s + r.cpu_server_s,
+        cpu_tx_s=r.cpu_client_s,
+        cpu_rx_s=r.cpu_server_s,
+        sys_s=r.sys_s,
+        rss_tx_mib=r.hwm_client_kib / 1024,
+        rss_rx_mib=r.hwm_server_kib / 1024,
         registered_tx_mib=0.0,
         registered_rx_mib=0.0,
         ksoftirqd_s=ksirq,
         extra={
-            "sum_received": recv,
-            "sum_sent": sent,
-            "congestion": [
-                res["end"].get("sender_tcp_congestion"),
-                res["end"].get("receiver_tcp_congestion"),
-            ],
-            "iperf3_cpu_pct": res["end"].get("cpu_utilization_percent", {}),
-            "retransmits": res["end"].get("sum_sent", {}).get("retransmits"),
+            "sum_received": end["sum_received"],
+            "sum_sent": end["sum_sent"],
+            "congestion": [end.get("sender_tcp_congestion"), end.get("receiver_tcp_congestion")],
+            "iperf3_cpu_pct": end.get("cpu_utilization_percent", {}),
+            "retransmits": r.retransmits,
         },
     )
 
@@ -869,12 +741,12 @@ def chunk_sweep(args: argparse.Namespace, emit: Any) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size", type=parse_size, default=GiB, help="bytes per transfer (1GiB)")
+    ap.add_argument("--size", type=size_arg, default=GiB, help="bytes per transfer (1GiB)")
     ap.add_argument("--iters", type=int, default=3, help="interleaved runs per configuration")
     ap.add_argument("--json", type=Path, help="write one JSON object per line here")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {','.join(CONFIGS)}")
-    ap.add_argument("--chunk-bytes", type=parse_size, help="kvlink Config.chunk_bytes")
-    ap.add_argument("--min-chunk-bytes", type=parse_size, help="kvlink Config.min_chunk_bytes")
+    ap.add_argument("--chunk-bytes", type=size_arg, help="kvlink Config.chunk_bytes")
+    ap.add_argument("--min-chunk-bytes", type=size_arg, help="kvlink Config.min_chunk_bytes")
     ap.add_argument(
         "--no-touch",
         action="store_true",
@@ -893,19 +765,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--sweep-chunks",
-        type=lambda t: [parse_size(x) for x in t.split(",")],
+        type=lambda t: [size_arg(x) for x in t.split(",")],
         help="chunk sizes of the chunk sweep (1MiB,4MiB,16MiB,64MiB)",
         default=[1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB],
     )
     ap.add_argument(
         "--sweep-floors",
-        type=lambda t: [parse_size(x) for x in t.split(",")],
+        type=lambda t: [size_arg(x) for x in t.split(",")],
         help="min_chunk_bytes values of the floor sweep (64KiB,256KiB,1MiB,4MiB)",
         default=[64 << 10, 256 << 10, 1 * MiB, 4 * MiB],
     )
     ap.add_argument(
         "--sweep-sizes",
-        type=lambda t: [parse_size(x) for x in t.split(",")],
+        type=lambda t: [size_arg(x) for x in t.split(",")],
         help="transfer sizes of the floor sweep (4MiB,16MiB,64MiB)",
         default=[4 * MiB, 16 * MiB, 64 * MiB],
     )
@@ -922,18 +794,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.perf is not None and shutil.which("perf") is None:
         ap.error("--perf: perf is not installed (apt-get install linux-perf)")
 
-    jf = open(args.json, "w") if args.json else None  # noqa: SIM115
-
-    def emit(obj: dict[str, Any]) -> None:
-        if jf:
-            jf.write(json.dumps(obj) + "\n")
-            jf.flush()
+    jf = JsonLinesFile(args.json)
+    emit = jf.emit
 
     import kvlink
 
-    iperf = ""
-    if shutil.which("iperf3"):
-        iperf = subprocess.run(["iperf3", "--version"], capture_output=True, text=True).stdout
     emit(
         {
             "kind": "meta",
@@ -943,7 +808,7 @@ def main(argv: list[str] | None = None) -> int:
             "kernel": platform.release(),
             "cpus": os.cpu_count(),
             "kvlink": kvlink.__version__,
-            "iperf3": iperf.splitlines()[0] if iperf else None,
+            "iperf3": iperf3.version(),
             "loadavg": os.getloadavg(),
         }
     )
@@ -956,8 +821,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:
-        if jf:
-            jf.close()
+        jf.close()
 
 
 if __name__ == "__main__":

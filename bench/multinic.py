@@ -23,7 +23,7 @@ Needs root (it builds kvlink.testbed namespaces, "kvlmn*") and iperf3.  Scenario
              event that completes layer 0, over the whole transfer's time, <= 2/32.
 
 How it measures:
-  * Each scenario gets its own testbed and one worker process per side (bench/_mn_proc.py,
+  * Each scenario gets its own testbed and one worker process per side (kvlink.bench.worker,
     sender in namespace a, receiver in b) holding one agent per configuration, all sharing
     one SIZE buffer per side: the sender's is filled with a pattern (64-bit word i holds i),
     the receiver's is zeroed (pre-faulted) before every push and checked byte by byte after.
@@ -54,7 +54,6 @@ one "linkcut_events" line.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -62,214 +61,29 @@ import platform
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from loopback import (  # bench/loopback.py
-    BenchError,
-    GiB,
-    MiB,
-    fmt_size,
-    iperf3_json,
-    median,
-    parse_size,
-    wait_listening,
-)
-from loopback import Worker as LoopbackWorker
-
 import kvlink
 import kvlink.testbed as kt
-from kvlink.cli._jsonlines import JsonLinesProcess
+from kvlink.bench import BenchError, iperf3, share_run_secret
+from kvlink.bench.measure import GiB, MiB, fmt_size, median, size_arg
+from kvlink.bench.pair import KV_BLOCK_BYTES, QUIET_S, KvRun, Pair, kv_geometry
+from kvlink.bench.report import JsonLinesFile
 
-WORKER = Path(__file__).with_name("_mn_proc.py")
 SCENARIOS = ("aggregate", "hetero", "linkcut", "ratedrop", "kvlayers")
 TAGS = {s: "mn" + s[:4] for s in SCENARIOS}  # namespaces kvlmnaggra, kvlmnheta, ...
-IPERF_PORT = 5201
-WARM_BYTES = 512 * MiB
-KV_LAYERS, KV_PLANES, KV_BLOCK_BYTES = 32, 2, 32 * 1024
 CUT_AT = 0.3  # of the clean transfer time
-UP_TIMEOUT_S = 20.0
-# Quiet time before every measured run.  Each agent's NIC monitor counts traffic that is not
-# its own (the previous run: another agent, or iperf3) as foreign load and discounts that NIC
-# for ~1 s afterwards (EWMA, 0.3 per 100 ms tick); both tools start from quiet links.
-QUIET_S = 1.0
 
 Emit = Callable[[dict[str, Any]], None]
 
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-# ---- the kvlink workers --------------------------------------------------------
-
-
-class Worker(LoopbackWorker):
-    """bench/_mn_proc.py in one side's namespace, spoken to in JSON lines (the
-    protocol and its client are bench/loopback.py's; only the spawning differs)."""
-
-    def __init__(self, tb: kt.Testbed, side: str, tag: str) -> None:
-        err = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
-        # tb.run: down() stops it if we never get to close() it.
-        p = tb.run(
-            side,
-            [sys.executable, str(WORKER)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=err,
-            env=dict(os.environ, PYTHONPATH=str(WORKER.parent.parent)),
-        )
-        JsonLinesProcess.__init__(self, tag, p, err)
-
-
-@dataclass
-class KvRun:
-    """One kvlink transfer."""
-
-    config: str
-    size_bytes: int
-    seconds: float  # engine t_done - t_submit
-    retries: int
-    chunks: int
-    corrupt_bytes: int
-    path_bytes: list[int]  # bytes_sent per path over this transfer (hedge copies included)
-    path_hedges: list[int]
-    path_reconnects: list[int]
-    path_est_gbps: list[float]  # after the transfer
-    path_states: list[str]
-    t_submit_ns: int
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def gbps(self) -> float:
-        return self.size_bytes / self.seconds / 1e9
-
-
-class Pair:
-    """A sender (side a) and receiver (side b) worker with one agent pair per configuration."""
-
-    def __init__(
-        self, tb: kt.Testbed, size: int, wait_s: float, base: dict[str, Any] | None = None
-    ) -> None:
-        self.tb = tb
-        self.base = base or {}
-        self.size = size
-        self.wait_s = wait_s
-        self.tx = Worker(tb, "a", "tx")
-        self.rx = Worker(tb, "b", "rx")
-        self.labels: list[str] = []
-        # Both at once: filling and faulting 2 GiB takes seconds.
-        self.tx.send("alloc", key="src", nbytes=size, fill="pattern")
-        self.rx.send("alloc", key="dst", nbytes=size, fill="zero")
-        self.tx.recv(300)
-        self.rx.recv(300)
-
-    def add(self, label: str, links: list[int], config: dict[str, Any]) -> None:
-        cfg = {"transfer_timeout_s": self.wait_s, **self.base, **config}
-        b = ",".join(self.tb.address("b", i) for i in links)
-        a = ",".join(self.tb.address("a", i) for i in links)
-        md = self.rx.call("agent", name=f"rx-{label}", nics=b, config=cfg)["metadata"]
-        self.rx.call("register", agent=f"rx-{label}", key="dst", remote_write=True, name="kv")
-        self.tx.call("agent", name=f"tx-{label}", nics=a, config=cfg)
-        self.tx.call("register", agent=f"tx-{label}", key="src")
-        self.tx.call("add_peer", agent=f"tx-{label}", metadata=md)
-        self.labels.append(label)
-
-    def warm(self, label: str) -> float:
-        """One untimed push; returns its seconds."""
-        sub = self.tx.call(
-            "push", agent=f"tx-{label}", peer=f"rx-{label}", key="src", remote="kv",
-            nbytes=min(self.size, WARM_BYTES),
-        )  # fmt: skip
-        w = self.tx.call("wait", answer_s=self.wait_s + 30, id=sub["id"], wait_s=self.wait_s)
-        if w["error"]:
-            raise BenchError(f"warm-up push of {label} failed: {w['error']}")
-        return float(w["t_done_ns"] - w["t_submit_ns"]) / 1e9
-
-    def paths(self, label: str) -> list[dict[str, Any]]:
-        paths: list[dict[str, Any]] = self.tx.call("paths", agent=f"tx-{label}")["paths"]
-        return paths
-
-    def wait_path_up(self, label: str, index: int) -> tuple[float, dict[str, Any]]:
-        """Polls paths() until path ``index`` is UP (or DEGRADED: in service, just slower)."""
-        t0 = time.monotonic()
-        while True:
-            p = self.paths(label)[index]
-            if p["state"] in ("UP", "DEGRADED"):
-                return time.monotonic() - t0, p
-            if time.monotonic() - t0 > UP_TIMEOUT_S:
-                raise BenchError(
-                    f"{label}: path {index} not UP {UP_TIMEOUT_S:.0f} s after the link came "
-                    f"back: {p}"
-                )
-            time.sleep(0.05)
-
-    def run(
-        self,
-        label: str,
-        *,
-        kv_layout: dict[str, Any] | None = None,
-        on_submit: Callable[[int], None] | None = None,
-    ) -> tuple[KvRun, dict[str, Any]]:
-        """One measured push of SIZE (or of the whole KV cache), checked afterwards.
-
-        ``on_submit(t_submit_ns)`` runs as soon as the push is submitted (fault schedules)."""
-        self.rx.call("zero", answer_s=120, key="dst")
-        time.sleep(QUIET_S)
-        if kv_layout is None:
-            sub = self.tx.call(
-                "push", agent=f"tx-{label}", peer=f"rx-{label}", key="src", remote="kv",
-                nbytes=self.size,
-            )  # fmt: skip
-        else:
-            sub = self.tx.call(
-                "push_kv", agent=f"tx-{label}", peer=f"rx-{label}", key="src",
-                dst_layout=kv_layout, **kv_geometry(self.size),
-            )  # fmt: skip
-        if on_submit is not None:
-            on_submit(sub["t_submit_ns"])
-        w = self.tx.call("wait", answer_s=self.wait_s + 30, id=sub["id"], wait_s=self.wait_s)
-        if w["error"]:
-            raise BenchError(f"{label}: transfer failed: {w['error']}; paths {w['paths']}")
-        ver = self.rx.call("verify", answer_s=300, key="dst", nbytes=self.size)
-        paths = w["paths"]
-        run = KvRun(
-            config=label,
-            size_bytes=w["bytes_total"],
-            seconds=(w["t_done_ns"] - w["t_submit_ns"]) / 1e9,
-            retries=w["retries"],
-            chunks=w["chunks"],
-            corrupt_bytes=ver["corrupt_bytes"],
-            path_bytes=[d["bytes_sent"] for d in w["path_delta"]],
-            path_hedges=[d["hedges"] for d in w["path_delta"]],
-            path_reconnects=[d["reconnects"] for d in w["path_delta"]],
-            path_est_gbps=[round(p["est_gbps"], 4) for p in paths],
-            path_states=[p["state"] for p in paths],
-            t_submit_ns=w["t_submit_ns"],
-            extra={"segments": sub.get("segments", 1), "first_bad_offset": ver["first_bad_offset"]},
-        )
-        return run, w
-
-    def close(self) -> None:
-        self.tx.close()
-        self.rx.close()
-
-
-def kv_geometry(size: int) -> dict[str, int]:
-    """[32 layers][2 planes][num_blocks][32 KiB] covering exactly ``size`` bytes."""
-    per_block = KV_LAYERS * KV_PLANES * KV_BLOCK_BYTES
-    if size % per_block:
-        raise BenchError(
-            f"kvlayers: --size {size} is not a multiple of {per_block} "
-            f"({KV_LAYERS} layers x {KV_PLANES} planes x {KV_BLOCK_BYTES // 1024} KiB blocks)"
-        )
-    return {"layers": KV_LAYERS, "planes": KV_PLANES, "num_blocks": size // per_block}
 
 
 # ---- iperf3 ----------------------------------------------------------------------
@@ -293,58 +107,24 @@ class IperfRun:
 
 def run_iperf3(tb: kt.Testbed, stream_bytes: list[int], timeout_s: float) -> IperfRun:
     """One iperf3 stream per link, all at once, ``stream_bytes[i]`` over link i."""
-    n = len(stream_bytes)
-    ports = [IPERF_PORT + i for i in range(n)]
-    procs: list[subprocess.Popen[Any]] = []
-
-    def reap() -> None:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-
     time.sleep(QUIET_S)
-    with contextlib.ExitStack() as stack:
-        outs = [stack.enter_context(tempfile.TemporaryFile()) for _ in range(n)]
-        errs = stack.enter_context(tempfile.TemporaryFile())
-        stack.callback(reap)  # runs first: no iperf3 outlives this round
-        servers = []
-        for i in range(n):
-            argv = ["iperf3", "-s", "-1", "-B", tb.address("b", i), "-p", str(ports[i])]
-            servers.append(tb.run("b", argv, stdout=subprocess.DEVNULL, stderr=errs))
-            procs.append(servers[-1])
-        wait_listening(servers, ports, errs)
-        clients = []
-        for i in range(n):
-            argv = [
-                "iperf3", "-c", tb.address("b", i), "-B", tb.address("a", i), "-p", str(ports[i]),
-                "-n", str(stream_bytes[i]), "--json",
-            ]  # fmt: skip
-            clients.append(tb.run("a", argv, stdout=outs[i], stderr=errs))
-            procs.append(clients[-1])
-        deadline = time.monotonic() + timeout_s
-        for c in clients:
-            try:
-                c.wait(max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise BenchError(f"iperf3 -c did not finish in {timeout_s:.0f} s") from None
-        for srv in servers:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                srv.wait(10)
-        res = []
-        for i, out in enumerate(outs):
-            out.seek(0)
-            res.append(iperf3_json(out.read().decode(), f"iperf3 -c (link {i})"))
-    sent = [int(r["end"]["sum_sent"]["bytes"]) for r in res]
-    bps = [float(r["end"]["sum_received"]["bits_per_second"]) for r in res]
-    secs = [b * 8 / r for b, r in zip(sent, bps, strict=True)]
+    res = iperf3.run(
+        [
+            iperf3.Stream(tb.address("b", i), tb.address("a", i), nbytes=n,
+                          server_prefix=tb.exec_prefix("b"), client_prefix=tb.exec_prefix("a"))
+            for i, n in enumerate(stream_bytes)
+        ],
+        timeout_s=timeout_s,
+    )  # fmt: skip
+    sent = [r.sent_bytes for r in res]
+    secs = [r.seconds for r in res]
     return IperfRun(
         size_bytes=sum(sent),
         seconds=max(secs),
         stream_bytes=sent,
         stream_seconds=secs,
-        stream_gbit=[r / 1e9 for r in bps],
-        retransmits=[int(r["end"]["sum_sent"].get("retransmits", 0)) for r in res],
+        stream_gbit=[r.received_bps / 1e9 for r in res],
+        retransmits=[r.retransmits for r in res],
     )
 
 
@@ -830,7 +610,7 @@ def _sigterm(signum: int, frame: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--rate", default="2gbit", help="rate of each link (the top rate in hetero)")
-    ap.add_argument("--size", type=parse_size, default=2 * GiB, help="bytes per transfer (2GiB)")
+    ap.add_argument("--size", type=size_arg, default=2 * GiB, help="bytes per transfer (2GiB)")
     ap.add_argument("--iters", type=int, default=3, help="interleaved runs per configuration")
     ap.add_argument("--json", type=Path, help="write one JSON object per line here")
     ap.add_argument("--plot", type=Path, help="PNG of one link-cut run (needs matplotlib)")
@@ -852,6 +632,7 @@ def main(argv: list[str] | None = None) -> int:
         help="only redraw --plot from the linkcut_events line of an earlier --json file",
     )
     args = ap.parse_args(argv)
+    share_run_secret()  # testbed agents listen on 198.18.x addresses
     if args.plot_from is not None:
         if args.plot is None:
             ap.error("--plot-from needs --plot (where to write the PNG)")
@@ -892,18 +673,9 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(str(exc))
 
     signal.signal(signal.SIGTERM, _sigterm)
-    jf = open(args.json, "w") if args.json else None  # noqa: SIM115
+    jf = JsonLinesFile(args.json)
+    emit = jf.emit
 
-    def emit(obj: dict[str, Any]) -> None:
-        if jf:
-            jf.write(json.dumps(obj) + "\n")
-            jf.flush()
-
-    iperf = ""
-    if shutil.which("iperf3"):
-        iperf = subprocess.run(
-            ["iperf3", "--version"], capture_output=True, text=True, check=False
-        ).stdout.splitlines()[0]
     now = datetime.datetime.now(datetime.timezone.utc)
     meta = {
         "kind": "meta",
@@ -914,7 +686,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpus": os.cpu_count(),
         "loadavg": os.getloadavg(),
         "kvlink": kvlink.__version__,
-        "iperf3": iperf,
+        "iperf3": iperf3.version(),
         "rate": kt.format_rate(rate_bps),
         "tbf": asdict(kt.tbf_parameters(rate_bps)),
         "size_bytes": args.size,
@@ -945,8 +717,7 @@ def main(argv: list[str] | None = None) -> int:
             plot_linkcut(ctx.linkcut_plot, args.plot)
             print(f"\nplot: {args.plot}")
     finally:
-        if jf:
-            jf.close()
+        jf.close()
         left = sorted(ns for ns in kt._list_netns() if ns.startswith("kvlmn"))
         if left:
             log(f"warning: namespaces left behind: {left}")

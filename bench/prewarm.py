@@ -19,61 +19,50 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from tests.peer_client import PeerProcess
-
-UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
-
-
-def parse_size(text: str) -> int:
-    for unit, mult in UNITS.items():
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * mult)
-    return int(text)
+from kvlink.bench import Worker
+from kvlink.bench.measure import size_arg
 
 
 def one_run(size: int, paths: int, prepared: bool, prefill_s: float) -> dict[str, float]:
     nics = f"loopback:{paths}"
-    rx = PeerProcess("decode", nics, {})
-    tx = PeerProcess("prefill", nics, {})
+    rx = Worker("decode", name="decode", nics=nics)
+    tx = Worker("prefill", name="prefill", nics=nics)
     try:
         tx.call("alloc", key="src", nbytes=size, seed=1)
         if prepared:
             tx.call("add_peer", metadata=rx.metadata.decode())
-            tx.call("prepare", peer="decode", nbytes=size, wait_s=10, timeout=30)
+            tx.call("prepare", peer="decode", nbytes=size, wait_s=10, answer_s=30)
             note = rx.call("notifications", wait_s=5)["notifications"]
             assert note and note[0]["op"] == "PREPARE", note
-            rx.call("alloc", key="kv", nbytes=size, remote_write=True, name="kv", timeout=120)
+            rx.call("alloc", key="kv", nbytes=size, remote_write=True, name="kv", answer_s=120)
             time.sleep(prefill_s)  # prefill still running; everything above overlapped it
         else:
             time.sleep(prefill_s)
         t0 = time.monotonic_ns()  # prefill finished
         if not prepared:
-            rx.call("alloc", key="kv", nbytes=size, remote_write=True, name="kv", timeout=120)
+            rx.call("alloc", key="kv", nbytes=size, remote_write=True, name="kv", answer_s=120)
             tx.call("add_peer", metadata=rx.metadata.decode())
         xid = tx.call("push", peer="decode", local="src", remote="kv")["id"]
-        info = tx.call("wait", id=xid, wait_s=120, timeout=130)
+        info = tx.call("wait", id=xid, wait_s=120, answer_s=130)
         return {
             "first_byte_s": (info["t_first_ns"] - t0) / 1e9,
             "done_s": (info["t_done_ns"] - t0) / 1e9,
         }
     finally:
-        tx.stop()
-        rx.stop()
+        tx.close()
+        rx.close()
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--size", default="1GiB")
+    ap.add_argument("--size", type=size_arg, default="1GiB", help="bytes pushed (default: 1GiB)")
     ap.add_argument("--paths", type=int, default=4)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--prefill-s", type=float, default=2.0, help="simulated prefill time")
     ap.add_argument("--json", help="append one JSON line per result here")
     args = ap.parse_args()
-    size = parse_size(args.size)
+    size = args.size
     runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
     for _ in range(args.iters):  # interleaved: cold, prepared, cold, prepared ...
         for prepared in (False, True):

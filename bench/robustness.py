@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import multiprocessing as mp
 import os
 import signal
 import statistics
@@ -31,55 +30,33 @@ from typing import Any
 import numpy as np
 
 import kvlink
+from kvlink.bench import Worker
 
 MiB = 1 << 20
 PAUSE_S = 1.5
 
 
-def _receiver(conn: Any, nics: str, nbytes: int) -> None:
-    """Child: an agent with one writable region; answers digest/notes/exit."""
-    buf = np.zeros(nbytes, np.uint8)
-    with kvlink.Agent("rx", kvlink.Config(nics=nics)) as rx:
-        rx.register(buf, remote_write=True, name="kv")
-        conn.send(rx.metadata())
-        while True:
-            cmd = conn.recv()
-            if cmd == "digest":
-                conn.send(hashlib.blake2b(buf.data).hexdigest())
-            elif cmd == "notes":
-                got: list[bytes] = []
-                while True:
-                    batch = rx.notifications(timeout_s=2)
-                    if not batch:
-                        break
-                    got += [n.tag for n in batch]
-                conn.send(got)
-            else:
-                conn.send("bye")
-                return
+class Receiver(Worker):
+    """A benchmark worker whose agent "rx" has one writable region "kv"."""
 
-
-class Receiver:
     def __init__(self, nics: str, nbytes: int) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_receiver, args=(child, nics, nbytes), daemon=True)
-        self.proc.start()
-        if not self.conn.poll(60):
-            raise RuntimeError("the receiver did not start within 60 s")
-        self.metadata: bytes = self.conn.recv()
+        super().__init__("rx", name="rx", nics=nics)
+        self.call("alloc", key="kv", nbytes=nbytes, remote_write=True, name="kv")
 
-    def ask(self, cmd: str, timeout_s: float = 60) -> Any:
-        self.conn.send(cmd)
-        if not self.conn.poll(timeout_s):
-            raise RuntimeError(f"the receiver did not answer {cmd!r} within {timeout_s} s")
-        return self.conn.recv()
+    def digest(self) -> str:
+        return str(self.call("digest", key="kv")["digest"])
+
+    def notes(self) -> list[bytes]:
+        """Tags of every notification, until none comes for 2 s."""
+        got: list[bytes] = []
+        while batch := self.call("notifications", wait_s=2)["notifications"]:
+            got += [bytes.fromhex(n["tag"]) for n in batch]
+        return got
 
     def stop(self) -> None:
-        if self.proc.is_alive():
-            os.kill(self.proc.pid, signal.SIGCONT)
-            self.ask("exit")
-        self.proc.join(10)
+        if self.p.poll() is None:
+            os.kill(self.pid, signal.SIGCONT)
+        self.close()
 
 
 def pause(paths: int, iters: int) -> dict[str, Any]:
@@ -108,9 +85,9 @@ def pause(paths: int, iters: int) -> dict[str, Any]:
                 h = tx.push("rx", src=src, dst="kv")
                 t0 = time.monotonic()
                 time.sleep(t_ideal / 3)
-                os.kill(rx.proc.pid, signal.SIGSTOP)
+                os.kill(rx.pid, signal.SIGSTOP)
                 time.sleep(PAUSE_S)
-                os.kill(rx.proc.pid, signal.SIGCONT)
+                os.kill(rx.pid, signal.SIGCONT)
                 try:
                     h.wait(timeout_s=60)
                 except kvlink.TransferError as exc:
@@ -118,7 +95,7 @@ def pause(paths: int, iters: int) -> dict[str, Any]:
                     _wait_up(tx)
                     continue
                 paused.append(time.monotonic() - t0)
-                ok &= rx.ask("digest") == want
+                ok &= rx.digest() == want
             reconnects = sum(p.reconnects for p in tx.paths())
     finally:
         rx.stop()
@@ -164,7 +141,7 @@ def hedge() -> dict[str, Any]:
                 tx.push("rx", src=src, dst="kv").wait(timeout_s=60)
             elapsed = time.monotonic() - t0
             ps = tx.paths()
-            ok = rx.ask("digest") == hashlib.blake2b(src.data).hexdigest()
+            ok = rx.digest() == hashlib.blake2b(src.data).hexdigest()
     finally:
         rx.stop()
     return {
@@ -188,7 +165,7 @@ def notify() -> dict[str, Any]:
                 tx.register(src)
                 tx.add_peer(rx.metadata)
                 tx.push("rx", src=src, dst="kv", notify=b"n%d" % i).wait(timeout_s=60)
-        got = rx.ask("notes")
+        got = rx.notes()
     finally:
         rx.stop()
     return {"scenario": "notify", "sent": 20, "delivered": len(got), "distinct": len(set(got))}

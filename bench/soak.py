@@ -4,7 +4,7 @@ and up, change rate and all go down at once.
     .venv/bin/python bench/soak.py --pushes 300 [--links 4] [--rate 2gbit] [--seed 1]
 
 A sender and a receiver agent run in the testbed's two namespaces
-(bench/_mn_proc.py workers, as bench/multinic.py uses them).  One thread
+(kvlink.bench.pair, as bench/multinic.py uses them).  One thread
 pushes 64 MiB after 64 MiB (the receiver's buffer zeroed before each, every
 byte checked after each that reported success); another injects a random
 fault every 0.3-1.5 s: a link down for 0.2-3 s, a link's rate changed, or
@@ -24,9 +24,9 @@ import threading
 import time
 from typing import Any
 
-from multinic import Pair  # bench/multinic.py
-
 import kvlink.testbed as kt
+from kvlink.bench import share_run_secret
+from kvlink.bench.pair import Pair
 
 MiB = 1 << 20
 SIZE = 64 * MiB
@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1, help="fault schedule seed (default 1)")
     ap.add_argument("--json", metavar="FILE", help="also append the result as a JSON line")
     args = ap.parse_args(argv)
+    share_run_secret()  # testbed agents listen on 198.18.x addresses
     ok, why = kt.is_available()
     if not ok:
         print(f"soak: the testbed cannot run here: {why}", file=sys.stderr)
@@ -98,14 +99,15 @@ def main(argv: list[str] | None = None) -> int:
                     pair.rx.call("zero", key="dst")
                     try:
                         sub = pair.tx.call(
-                            "push", agent="tx-s", peer="rx-s", key="src", remote="kv", nbytes=SIZE
+                            "push", agent="tx-s", peer="rx-s", local="src", remote="kv", nbytes=SIZE
                         )
                     except Exception as exc:  # refused at submit: every path known dead
                         failures[type(exc).__name__ + ": " + str(exc)[:60]] += 1
                         time.sleep(0.2)
                         continue
                     w = pair.tx.call(
-                        "wait", answer_s=DEADLINE_S + 30, id=sub["id"], wait_s=DEADLINE_S + 5
+                        "wait", answer_s=DEADLINE_S + 30, id=sub["id"], wait_s=DEADLINE_S + 5,
+                        capture=True,
                     )
                     slowest = max(slowest, w["waited_s"])
                     if w["state"] == "RUNNING":

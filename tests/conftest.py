@@ -80,19 +80,19 @@ def make_agent() -> Iterator[Callable[..., Any]]:
 
 @pytest.fixture
 def spawn_peer() -> Iterator[Callable[..., Any]]:
-    """Factory for agents in child processes (tests/peer_proc.py), killed at teardown."""
-    from tests.peer_client import PeerProcess
+    """Factory for agents in child processes (kvlink.bench.worker), closed at teardown."""
+    from kvlink.bench import Worker
 
-    procs: list[PeerProcess] = []
+    procs: list[Worker] = []
 
-    def spawn(name: str, nics: str = "loopback:1", **cfg: Any) -> PeerProcess:
-        p = PeerProcess(name, nics, cfg)
+    def spawn(name: str, nics: str = "loopback:1", **cfg: Any) -> Worker:
+        p = Worker(name, name=name, nics=nics, config=cfg)
         procs.append(p)
         return p
 
     yield spawn
     for p in procs:
-        p.stop()
+        p.close()
 
 
 @pytest.fixture

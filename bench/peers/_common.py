@@ -1,7 +1,7 @@
 """What every peer worker shares: the JSON-lines loop, the data pattern and CPU time.
 
 A worker is one process in one of two roles. The *target* owns the destination buffer; the
-*initiator* owns the source and writes it into the target's buffer. kvlink/cli/_peers.py (for
+*initiator* owns the source and writes it into the target's buffer. kvlink/bench/peers.py (for
 compare.py and kvlink-bench) drives both over stdin/stdout, one JSON object per line each way:
 
     both:      (start)  -> {"ok": true, "event": "ready", "info": {...}} once memory is

@@ -17,7 +17,7 @@ ucxx is measured and its ratio printed, with no target.
 
 What runs (every tool in two fresh processes per run; on the testbed the writer is in
 namespace a and the target in namespace b):
-  * kvlink: tests/peer_proc.py agents (tests/peer_client.PeerProcess), nics ``loopback:4`` on
+  * kvlink: kvlink.bench.Worker agents, nics ``loopback:4`` on
     loopback (kvlink's way to open several TCP paths on one host) or the side's four testbed
     addresses. Seconds are the engine's t_done - t_submit (t_done: the last chunk's verified
     acknowledgement came back). Both buffers are checked with blake2b afterwards.
@@ -60,13 +60,10 @@ import json
 import os
 import platform
 import re
-import select
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -93,20 +90,10 @@ def _reexec_with_kvlink_venv() -> None:
 if __name__ == "__main__":
     _reexec_with_kvlink_venv()
 
-sys.path.insert(0, str(HERE.parent))  # bench/: the helpers the other benchmarks use
-from loopback import (  # noqa: E402
-    BenchError,
-    GiB,
-    MiB,
-    fmt_size,
-    iperf3_json,
-    median,
-    parse_size,
-    wait_listening,
-)
-
-from kvlink.cli import _peers  # noqa: E402
-from kvlink.cli._peers import (  # noqa: E402
+from kvlink.bench import BenchError, iperf3  # noqa: E402
+from kvlink.bench import peers as _peers  # noqa: E402
+from kvlink.bench.measure import GiB, MiB, fmt_size, median, proc_cpu_s, size_arg  # noqa: E402
+from kvlink.bench.peers import (  # noqa: E402
     PEER_VARIANTS,
     PEERS,
     QUIET_S,
@@ -118,12 +105,12 @@ from kvlink.cli._peers import (  # noqa: E402
     Where,
     transfer_timeout_s,
 )
-
-USER_HZ = os.sysconf("SC_CLK_TCK")
+from kvlink.bench.report import JsonLinesFile  # noqa: E402
+from kvlink.bench.worker import Worker  # noqa: E402
 
 # Contrast rows, run only when named in --peers: kvlink's own is kvlink-1path, kvlink with one
 # address per side, so one TCP connection (like the peers on loopback; on the testbed, one
-# link); the NIXL ones are described in kvlink/cli/_peers.py.
+# link); the NIXL ones are described in kvlink/bench/peers.py.
 VARIANTS = (*PEER_VARIANTS, "kvlink-1path")
 TOOLS = ("kvlink", *PEERS, *VARIANTS, "iperf3")
 LABEL = {
@@ -152,13 +139,6 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def proc_cpu_s(pid: int) -> float:
-    """utime + stime of a live process, all its threads, from /proc (clock-tick resolution)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / USER_HZ
-
-
 def run_peer(peer: str, where: Where, size: int, it: int) -> Run:
     return _peers.run_peer(HERE, peer, where, size, it)
 
@@ -167,55 +147,34 @@ def run_peer(peer: str, where: Where, size: int, it: int) -> Run:
 
 
 def run_kvlink(where: Where, size: int, it: int, one_path: bool = False) -> Run:
-    sys.path.insert(0, str(ROOT))
-    from tests.peer_client import PeerProcess  # needs ROOT on sys.path
-
-    procs: list[Any] = []
+    procs: list[Worker] = []
     try:
         nics = {side: where.kvlink_nics(side, one_path) for side in "ab"}
-        rx = PeerProcess(f"rx{it}", nics["b"], {}, prefix=where.prefix("b") or None)
+        rx = Worker(f"rx{it}", name=f"rx{it}", nics=nics["b"], prefix=where.prefix("b"))
         procs.append(rx)
-        tx = PeerProcess(f"tx{it}", nics["a"], {}, prefix=where.prefix("a") or None)
+        tx = Worker(f"tx{it}", name=f"tx{it}", nics=nics["a"], prefix=where.prefix("a"))
         procs.append(tx)
         # Both at once: generating and registering 1 GiB takes seconds in each process.
-        for p, kw in (
-            (rx, {"key": "dst", "seed": None, "remote_write": True, "name": "kv"}),
-            (tx, {"key": "src", "seed": it + 1}),
-        ):
-            assert p.proc.stdin
-            p.proc.stdin.write(json.dumps({"cmd": "alloc", "nbytes": size, **kw}) + "\n")
-            p.proc.stdin.flush()
-        for p in (rx, tx):
-            assert p.proc.stdout
-            r, _, _ = select.select([p.proc.stdout], [], [], 300)
-            rep = json.loads(p.proc.stdout.readline()) if r else None
-            if not rep or not rep["ok"]:
-                raise BenchError(f"kvlink alloc failed: {rep}")
+        rx.send("alloc", key="dst", nbytes=size, remote_write=True, name="kv")
+        tx.send("alloc", key="src", nbytes=size, seed=it + 1)
+        rx.recv(300)
+        tx.recv(300)
         peer = tx.call("add_peer", metadata=rx.metadata.decode())["peer"]
         wait_s = transfer_timeout_s(size)
         sub = tx.call("push", peer=peer, local="src", remote="kv", nbytes=min(size, WARM_BYTES))
-        w = tx.call("wait", timeout=wait_s + 30, id=sub["id"], wait_s=wait_s)
+        w = tx.call("wait", answer_s=wait_s + 30, id=sub["id"], wait_s=wait_s)
         warm_s = (w["t_done_ns"] - w["t_submit_ns"]) / 1e9
         time.sleep(QUIET_S)
         links0 = where.link_tx_bytes()
-        c0 = [proc_cpu_s(p.proc.pid) for p in (tx, rx)]
+        c0 = [proc_cpu_s(p.pid) for p in (tx, rx)]
         sub = tx.call("push", peer=peer, local="src", remote="kv")
-        w = tx.call("wait", timeout=wait_s + 30, id=sub["id"], wait_s=wait_s)
-        c1 = [proc_cpu_s(p.proc.pid) for p in (tx, rx)]
+        w = tx.call("wait", answer_s=wait_s + 30, id=sub["id"], wait_s=wait_s)
+        c1 = [proc_cpu_s(p.pid) for p in (tx, rx)]
         links1 = where.link_tx_bytes()
         # Both digests at once (blake2b of 1 GiB takes about a second each).
-        for p, key in ((tx, "src"), (rx, "dst")):
-            assert p.proc.stdin
-            p.proc.stdin.write(json.dumps({"cmd": "digest", "key": key}) + "\n")
-            p.proc.stdin.flush()
-        digests = []
-        for p in (tx, rx):
-            assert p.proc.stdout
-            r, _, _ = select.select([p.proc.stdout], [], [], 300)
-            rep = json.loads(p.proc.stdout.readline()) if r else None
-            if not rep or not rep["ok"]:
-                raise BenchError(f"kvlink digest failed: {rep}")
-            digests.append(rep["digest"])
+        tx.send("digest", key="src")
+        rx.send("digest", key="dst")
+        digests = [tx.recv(300)["digest"], rx.recv(300)["digest"]]
         return Run(
             tool="kvlink-1path" if one_path else "kvlink",
             where=where.name,
@@ -233,81 +192,38 @@ def run_kvlink(where: Where, size: int, it: int, one_path: bool = False) -> Run:
         )  # fmt: skip
     finally:
         for p in reversed(procs):
-            try:
-                p.stop()
-            except Exception:
-                p.kill()
+            p.close()
 
 
 # ---- iperf3 ----------------------------------------------------------------------------
 
 
-def _wait4(p: subprocess.Popen[Any], timeout_s: float) -> float:
-    """Reap ``p``; its CPU seconds (rusage, all threads)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        pid, status, ru = os.wait4(p.pid, os.WNOHANG)
-        if pid:
-            p.returncode = os.waitstatus_to_exitcode(status)
-            return float(ru.ru_utime + ru.ru_stime)
-        if time.monotonic() > deadline:
-            p.kill()
-            raise BenchError(f"iperf3 (pid {p.pid}) did not finish in {timeout_s:.0f} s")
-        time.sleep(0.005)
-
-
 def run_iperf3(where: Where, size: int, it: int) -> Run:
-    if shutil.which("iperf3") is None:
-        raise PeerUnavailable("iperf3 is not installed (apt-get install iperf3)")
+    if not iperf3.available():
+        raise PeerUnavailable(f"iperf3 is not installed ({iperf3.INSTALL_HINT})")
     tb = getattr(where, "tb", None)
     n = 1 if tb is None else tb.links
     each = [size // n + (1 if i < size % n else 0) for i in range(n)]
-    ports = [5301 + i for i in range(n)]
-    procs: list[subprocess.Popen[Any]] = []
-    with contextlib.ExitStack() as stack:
-        outs = [stack.enter_context(tempfile.TemporaryFile()) for _ in range(n)]
-        errs = stack.enter_context(tempfile.TemporaryFile())
-
-        def reap() -> None:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    with contextlib.suppress(ChildProcessError, subprocess.TimeoutExpired):
-                        p.wait(5)
-
-        stack.callback(reap)
-        time.sleep(QUIET_S)
-        servers = []
-        for i in range(n):
-            bind = [] if tb is None else ["-B", tb.address("b", i)]
-            argv = [*where.prefix("b"), "iperf3", "-s", "-1", *bind, "-p", str(ports[i])]
-            servers.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=errs))
-            procs.append(servers[-1])
-        wait_listening(servers, ports, errs)
-        links0 = where.link_tx_bytes()
-        clients = []
-        for i in range(n):
-            dst = "127.0.0.1" if tb is None else tb.address("b", i)
-            bind = [] if tb is None else ["-B", tb.address("a", i)]
-            argv = [*where.prefix("a"), "iperf3", "-c", dst, *bind, "-p", str(ports[i]),
-                    "-n", str(each[i]), "--json"]  # fmt: skip
-            clients.append(subprocess.Popen(argv, stdout=outs[i], stderr=errs))
-            procs.append(clients[-1])
-        cpu_tx = sum(_wait4(c, transfer_timeout_s(size)) for c in clients)
-        links1 = where.link_tx_bytes()
-        cpu_rx = sum(_wait4(s, 30) for s in servers)
-        res = []
-        for i, out in enumerate(outs):
-            out.seek(0)
-            res.append(iperf3_json(out.read().decode(), f"iperf3 -c (stream {i})"))
-    sent = [int(r["end"]["sum_sent"]["bytes"]) for r in res]
-    bps = [float(r["end"]["sum_received"]["bits_per_second"]) for r in res]
-    secs = [b * 8 / r for b, r in zip(sent, bps, strict=True)]
+    streams = [
+        iperf3.Stream(
+            "127.0.0.1" if tb is None else tb.address("b", i),
+            None if tb is None else tb.address("a", i),
+            nbytes=each[i], server_prefix=where.prefix("b"), client_prefix=where.prefix("a"),
+        )
+        for i in range(n)
+    ]  # fmt: skip
+    time.sleep(QUIET_S)
+    links0 = where.link_tx_bytes()
+    res = iperf3.run(streams, timeout_s=transfer_timeout_s(size))
+    links1 = where.link_tx_bytes()
+    cpu_tx = sum(r.cpu_client_s for r in res)
+    cpu_rx = sum(r.cpu_server_s for r in res)
+    secs = [r.seconds for r in res]
     return Run(
         tool="iperf3",
         where=where.name,
         iteration=it,
-        size_bytes=sum(sent),
+        size_bytes=sum(r.sent_bytes for r in res),
         seconds=max(secs),
         cpu_s=cpu_tx + cpu_rx,
         cpu_tx_s=cpu_tx,
@@ -316,8 +232,8 @@ def run_iperf3(where: Where, size: int, it: int) -> Run:
         link_bytes=[b - a for a, b in zip(links0, links1, strict=True)],
         extra={
             "streams": n,
-            "stream_gbit": [r / 1e9 for r in bps],
-            "retransmits": [int(r["end"]["sum_sent"].get("retransmits", 0)) for r in res],
+            "stream_gbit": [r.received_bps / 1e9 for r in res],
+            "retransmits": [r.retransmits for r in res],
         },
     )
 
@@ -472,7 +388,7 @@ def _sigterm(signum: int, frame: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--where", choices=("loopback", "testbed", "both"), default="both")
-    ap.add_argument("--size", type=parse_size, default=GiB, help="bytes per write (1GiB)")
+    ap.add_argument("--size", type=size_arg, default=GiB, help="bytes per write (1GiB)")
     ap.add_argument("--iters", type=int, default=3, help="interleaved runs per tool")
     ap.add_argument("--peers", default=",".join((*PEERS, "iperf3")),
                     help="which peers to run beside kvlink; contrast rows: "
@@ -492,12 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     tools = ["kvlink", *[t for t in TOOLS if t in peers]]
     wheres = ["loopback", "testbed"] if args.where == "both" else [args.where]
     signal.signal(signal.SIGTERM, _sigterm)
-    jf = open(args.json, "w") if args.json else None  # noqa: SIM115
-
-    def emit(obj: dict[str, Any]) -> None:
-        if jf:
-            jf.write(json.dumps(obj) + "\n")
-            jf.flush()
+    jf = JsonLinesFile(args.json)
+    emit = jf.emit
 
     versions: dict[str, str | None] = {"kvlink": kvlink.__version__}
     for p in PEERS:
@@ -510,10 +422,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{d['name']} {d['version']}" for d in json.loads(listed)
                     if re.match(r"(mooncake|nixl|ucxx|libucx)", d["name"], re.I)
                 )  # fmt: skip
-    if shutil.which("iperf3"):
-        versions["iperf3"] = subprocess.run(
-            ["iperf3", "--version"], capture_output=True, text=True, check=False
-        ).stdout.splitlines()[0]
+    versions["iperf3"] = iperf3.version()
     now = datetime.datetime.now(datetime.timezone.utc)
     meta = {
         "kind": "meta",
@@ -566,8 +475,7 @@ def main(argv: list[str] | None = None) -> int:
         for w, out in results.items():
             verdicts += ratios(w, out, emit)
     finally:
-        if jf:
-            jf.close()
+        jf.close()
     if verdicts:
         print(f"\n{sum(verdicts)} of {len(verdicts)} targets pass")
     else:

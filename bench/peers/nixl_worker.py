@@ -9,7 +9,7 @@ nixl_agent_config(backends=["UCX"]))``, ``register_memory([(ptr, n, 0, "")], "DR
 from the WRITE's notification (``check_remote_xfer_done``), which ends the clock.
 ``initialize_xfer`` (request preparation) runs before the clock starts.
 
-UCX is configured only through its environment, which kvlink/cli/_peers.py sets (for
+UCX is configured only through its environment, which kvlink/bench/peers.py sets (for
 compare.py and kvlink-bench): ``UCX_TLS=tcp`` (else UCX would use shared memory between two
 processes on one host, which is not a network),
 ``UCX_NET_DEVICES`` (lo, or this side's four testbed veths), ``UCX_MODULES=^ib,...`` (peers.md:

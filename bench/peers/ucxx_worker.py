@@ -10,7 +10,7 @@ moves the data zero-copy into the posted buffer. The clock starts at the initiat
 ``send()`` of the data (an 8-byte size header goes first, outside the clock) and the driver
 stops it when the target's receive completes ("await_done").
 
-UCX is configured only through its environment, which kvlink/cli/_peers.py sets (for
+UCX is configured only through its environment, which kvlink/bench/peers.py sets (for
 compare.py and kvlink-bench): ``UCX_TLS=tcp`` (no shared memory between the two processes),
 ``UCX_NET_DEVICES``, ``UCX_PROTO_ENABLE=n`` (peers.md: 1.50 GB/s instead of 0.68 on loopback)
 and, on the testbed, UCX_MAX_RNDV_RAILS / UCX_MAX_EAGER_RAILS raised to the number of links.

@@ -1,16 +1,17 @@
 """`kvlink-bench demo`: a prefill process pushes a 32-layer paged KV cache to a
 decode process over several loopback paths, and the decode side verifies
-every byte.
+every byte. Beside the result stand two baselines measured in the same run:
+iperf3 over the same loopback paths (what TCP itself gives) and memcpy of
+the same bytes on this machine. GB/s is 1e9 bytes per second.
 
-The sender runs in this process; the receiver is a child process
-(``python -m kvlink.cli.demo --receiver``) that talks JSON lines on stdio.
+The sender runs in this process; the receiver is a benchmark worker
+(kvlink.bench.worker) in a child process. Every wait has a deadline
+(--timeout): a failure is reported with its reason, never waited out.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import time
 from typing import Any
@@ -20,96 +21,82 @@ import numpy as np
 import kvlink
 from kvlink import kv
 
-GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # spreads indices over all 64 bits
-VERIFY_STEP = 8 << 20  # words per verification slice (64 MiB)
+from .._nics import MAX_PATHS
+from ..bench import iperf3, measure
+from ..bench.protocol import WorkerError
+from ..bench.worker import Worker
+from .bench import check_environment, int_range
+
+MEMCPY_SLICE = 64 << 20  # bytes per memcpy step: no second full-size cache is needed
 
 
-def fill_pattern(words: np.ndarray[Any, Any], start: int = 0) -> None:
-    """Word i of the cache holds (start + i) * GOLDEN: every byte is predictable."""
-    step = VERIFY_STEP
-    for lo in range(0, words.size, step):
-        hi = min(lo + step, words.size)
-        idx = np.arange(start + lo, start + hi, dtype=np.uint64)
-        np.multiply(idx, GOLDEN, out=words[lo:hi])
-
-
-def count_mismatches(words: np.ndarray[Any, Any]) -> int:
-    bad = 0
-    expect = np.empty(min(VERIFY_STEP, words.size), np.uint64)
-    for lo in range(0, words.size, VERIFY_STEP):
-        hi = min(lo + VERIFY_STEP, words.size)
-        e = expect[: hi - lo]
-        np.multiply(np.arange(lo, hi, dtype=np.uint64), GOLDEN, out=e)
-        bad += int(np.count_nonzero(words[lo:hi] != e))
-    return bad
+def _positive_s(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"{text}: must be more than 0 seconds")
+    return v
 
 
 def cache_shape(args: argparse.Namespace) -> tuple[int, ...]:
     return (args.layers, 2, args.blocks, args.block_kib * 1024 // 8)
 
 
-def receiver(args: argparse.Namespace) -> int:
-    cfg = kvlink.Config(nics=f"loopback:{args.paths}")
-    with kvlink.Agent("decode-0", cfg) as agent:
-        cache = np.empty(cache_shape(args), np.uint64)
-        cache.fill(0)  # a serving engine allocates its KV cache up front
-        agent.register(cache, remote_write=True, name="kv")
-        layout = kv.PagedLayout.from_tensors(agent, list(cache), planes=2)
-        print(json.dumps({"metadata": agent.metadata().decode(), "layout": layout.to_dict()}))
-        sys.stdout.flush()
-        notes = agent.notifications(timeout_s=args.timeout)
-        if not notes:
-            print(json.dumps({"error": "no notification from the sender"}))
-            return 1
-        t0 = time.perf_counter()
-        bad = count_mismatches(cache.reshape(-1))
-        print(
-            json.dumps(
-                {
-                    "tag": notes[0].tag.decode(),
-                    "verified_bytes": cache.nbytes,
-                    "mismatched_words": bad,
-                    "verify_s": time.perf_counter() - t0,
-                }
-            )
-        )
-        return 0 if bad == 0 else 1
+def memcpy_gbps(src: np.ndarray[Any, Any]) -> float:
+    """GB/s of copying ``src`` once on this machine, slice by slice into one scratch slice."""
+    flat = src.reshape(-1).view(np.uint8)
+    scratch = np.empty(min(MEMCPY_SLICE, flat.size), np.uint8)
+    scratch.fill(0)  # fault the pages in before the clock starts
+    t0 = time.perf_counter()
+    for lo in range(0, flat.size, MEMCPY_SLICE):
+        hi = min(lo + MEMCPY_SLICE, flat.size)
+        np.copyto(scratch[: hi - lo], flat[lo:hi])
+    return flat.size / (time.perf_counter() - t0) / 1e9
 
 
-def sender(args: argparse.Namespace, child_argv: list[str]) -> int:
+def iperf3_baseline(nbytes: int, paths: int, timeout_s: float) -> float | None:
+    """GB/s of iperf3 moving ``nbytes`` over the demo's loopback paths, one stream each."""
+    if not iperf3.available():
+        return None
+    per = max(1, nbytes // paths)
+    streams = [iperf3.Stream("127.0.0.1", f"127.0.0.{i + 1}", nbytes=per) for i in range(paths)]
+    return iperf3.aggregate_gbps(iperf3.run(streams, timeout_s=timeout_s))
+
+
+def sender(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TransferSpeedColumn
     from rich.table import Table
 
     console = Console()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvlink.cli.demo", "--receiver", *child_argv],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    nics = f"loopback:{args.paths}"
+    shape = cache_shape(args)
+    nbytes = int(np.prod(shape)) * 8
+    console.print(f"starting the decode process (registers a {measure.fmt_size(nbytes)} cache) ...")
+    rx = Worker("decode-0", name="decode-0", nics=nics, answer_s=args.timeout)
     try:
-        assert proc.stdout is not None
-        hello = json.loads(proc.stdout.readline() or "{}")
-        if "metadata" not in hello:
-            console.print("[red]receiver did not start[/red]")
-            return 1
-        cfg = kvlink.Config(nics=f"loopback:{args.paths}")
-        with kvlink.Agent("prefill-0", cfg) as agent:
-            cache = np.empty(cache_shape(args), np.uint64)
-            fill_pattern(cache.reshape(-1))
+        rx.call("alloc", answer_s=args.timeout, key="kv", nbytes=nbytes, fill="zero",
+                remote_write=True, name="kv")  # fmt: skip
+        dst_layout = rx.call("layout", key="kv", layers=args.layers, planes=2,
+                             num_blocks=args.blocks)["layout"]  # fmt: skip
+        with kvlink.Agent("prefill-0", kvlink.Config.load(nics=nics)) as agent:
+            cache = np.empty(shape, np.uint64)
+            measure.fill_pattern(cache)
             agent.register(cache, remote_read=True, name="kv")
             src = kv.PagedLayout.from_tensors(agent, list(cache), planes=2)
-            dst = kv.PagedLayout.from_dict(hello["layout"])
-            agent.add_peer(hello["metadata"].encode())
+            dst = kv.PagedLayout.from_dict(dst_layout)
+            agent.add_peer(rx.metadata)
             segs = kv.block_segments(src, dst, range(args.blocks), range(args.blocks))
             total = int(segs["len"].sum())
             console.print(
-                f"pushing a {args.layers}-layer paged KV cache ({total / 2**30:.2f} GiB, "
-                f"{len(segs)} segments) from prefill-0 to decode-0 over {args.paths} loopback paths"
+                f"pushing a {args.layers}-layer paged KV cache ({measure.fmt_size(total)}, "
+                f"{len(segs)} segments) from prefill-0 to decode-0 over {args.paths} loopback "
+                "paths"
             )
             t0 = time.perf_counter()
-            h = agent.push("decode-0", segments=segs, notify=b"req-demo")
+            h = agent.push("decode-0", segments=segs, notify=b"req-demo", timeout_s=args.timeout)
             first_layer_s = None
             with Progress(
                 "[progress.description]{task.description}",
@@ -129,14 +116,22 @@ def sender(args: argparse.Namespace, child_argv: list[str]) -> int:
             info = h.info()
             xfer_s = (info.t_done_ns - info.t_submit_ns) / 1e9
             paths = agent.paths()
-        result = json.loads(proc.stdout.readline() or "{}")
-        proc.wait(30)
+            notes = rx.call("notifications", answer_s=args.timeout + 10,
+                            wait_s=args.timeout)["notifications"]  # fmt: skip
+            if not notes:
+                raise WorkerError(f"decode-0: no notification from the sender in {args.timeout} s")
+            t_check = time.perf_counter()
+            check = rx.call("verify", answer_s=args.timeout + 60, key="kv")
+            verify_s = time.perf_counter() - t_check
+            console.print("measuring the baselines: memcpy, then iperf3 on the same paths ...")
+            copy_gbps = memcpy_gbps(cache)
+        rx.close()  # frees the receiver's cache before iperf3 runs
+        limit = iperf3_baseline(total, args.paths, args.timeout)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        rx.close()
 
-    table = Table(title="kvlink demo: per-path throughput")
+    gbps = total / xfer_s / 1e9
+    table = Table(title="kvlink demo: per-path throughput (GB/s = 1e9 bytes/s)")
     for col in ("path", "local -> remote", "bytes", "GB/s"):
         table.add_column(col)
     for p in paths:
@@ -147,39 +142,73 @@ def sender(args: argparse.Namespace, child_argv: list[str]) -> int:
             f"{p.bytes_sent / xfer_s / 1e9:.2f}",
         )
     console.print(table)
-    console.print(f"aggregate:            {total / xfer_s / 1e9:.2f} GB/s")
-    console.print(f"time to first layer:  {first_layer_s * 1e3:.1f} ms" if first_layer_s else "")
+    base = Table(title="the result beside baselines measured in this run")
+    for col in ("what", "GB/s", "kvlink / it"):
+        base.add_column(col)
+    base.add_row(f"kvlink push, {args.paths} paths, every byte checked", f"{gbps:.2f}", "")
+    if limit is not None:
+        base.add_row(f"iperf3, {args.paths} streams on the same paths (TCP's limit)",
+                     f"{limit:.2f}", f"{gbps / limit:.0%}")  # fmt: skip
+    else:
+        base.add_row(f"iperf3: not installed ({iperf3.INSTALL_HINT})", "-", "-")
+    base.add_row("memcpy of the same bytes, one core (memory's limit)", f"{copy_gbps:.2f}",
+                 f"{gbps / copy_gbps:.0%}")  # fmt: skip
+    console.print(base)
+    if limit is not None:
+        console.print(
+            f"kvlink moved the cache at {gbps / limit:.0%} of what iperf3 gets over the same "
+            "paths: near 100% means the network, not kvlink, is the limit."
+        )
+    console.print(f"aggregate:            {gbps:.2f} GB/s")
+    if first_layer_s is not None:
+        console.print(f"time to first layer:  {first_layer_s * 1e3:.1f} ms")
     console.print(
         f"total transfer time:  {xfer_s * 1e3:.1f} ms (wall incl. progress {seconds * 1e3:.1f} ms)"
     )
-    ok = result.get("mismatched_words") == 0 and result.get("verified_bytes") == total
-    if ok:
+    if check["corrupt_bytes"] == 0:
         console.print(
             f"[green]verified every byte[/green] on the receiver: {total:,} bytes, 0 mismatches "
-            f"({result['verify_s'] * 1e3:.0f} ms), notification tag {result['tag']!r}"
+            f"({verify_s * 1e3:.0f} ms), notification tag {bytes.fromhex(notes[0]['tag'])!r}"
         )
         return 0
-    console.print(f"[red]verification failed[/red]: {result}")
+    console.print(
+        f"[red]verification failed[/red]: {check['corrupt_bytes']} bytes differ, the first at "
+        f"offset {check['first_bad_offset']}"
+    )
     return 1
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvlink-bench demo", description=__doc__)
-    p.add_argument("--paths", type=int, default=4, help="loopback paths (default 4)")
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--blocks", type=int, default=512, help="KV blocks per layer")
-    p.add_argument("--block-kib", type=int, default=32, help="KiB per block per K/V plane")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds before giving up")
-    p.add_argument("--receiver", action="store_true", help=argparse.SUPPRESS)
+def build_parser(prog: str = "kvlink-bench demo") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--paths", type=int_range(1, MAX_PATHS), default=4,
+                   help=f"loopback paths, 1 to {MAX_PATHS} (default: 4)")
+    p.add_argument("--layers", type=int_range(1), default=32,
+                   help="layers of the KV cache (default: 32)")
+    p.add_argument("--blocks", type=int_range(1), default=512,
+                   help="KV blocks per layer (default: 512)")
+    p.add_argument("--block-kib", type=int_range(1), default=32,
+                   help="KiB per block per K/V plane (default: 32)")
+    p.add_argument("--timeout", type=_positive_s, default=60.0,
+                   help="seconds any one step may take before the demo fails with the reason "
+                   "(default: 60)")  # fmt: skip
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "kvlink-bench demo") -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
-    if args.receiver:
-        return receiver(args)
-    return sender(args, [a for a in argv if a != "--receiver"])
+    args = build_parser(prog).parse_args(argv)
+    if err := check_environment():
+        print(f"kvlink-bench demo: {err}", file=sys.stderr)
+        return 2
+    try:
+        return sender(args)
+    except (WorkerError, kvlink.KvlinkError, iperf3.Iperf3Error) as exc:
+        print(f"kvlink-bench demo: failed: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # whatever it was, the reason and a non-zero exit, at once
+        print(f"kvlink-bench demo: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,30 +1,38 @@
 """`kvlink`: operational commands.
 
-Subcommands:
-  testbed    build and drive the emulated multi-NIC testbed (root)
-  bench      the same as kvlink-bench
+Commands:
+  testbed    build and drive the emulated multi-NIC testbed (root); kvlink testbed --help
+  bench      the same as kvlink-bench; kvlink bench --help
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
+
+COMMANDS = ("testbed", "bench")
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # The command's own parser sees everything after its name, --help included, so
+    # `kvlink testbed up --help` shows `up`'s help, not this one.
+    if argv[:1] == ["testbed"]:
+        from . import testbed
+
+        return testbed.main(argv[1:], prog="kvlink testbed")
+    if argv[:1] == ["bench"]:
+        from . import bench
+
+        return bench.main(argv[1:], prog="kvlink bench")
     parser = argparse.ArgumentParser(
         prog="kvlink", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("command", choices=["testbed", "bench"])
-    args, rest = parser.parse_known_args(argv)
-    if args.command == "testbed":
-        from . import testbed
-
-        return testbed.main(rest)
-    from . import bench
-
-    return bench.main(rest)
+    parser.add_argument("command", choices=COMMANDS, help="the command to run")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="the command's arguments")
+    parser.parse_args(argv)  # only --help, nothing or an unknown command get here
+    return 2
 
 
 if __name__ == "__main__":

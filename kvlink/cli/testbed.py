@@ -55,9 +55,9 @@ def _rates_arg(text: str) -> list[int | None]:
     return [_rate_arg(item) for item in items]
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(prog: str = "kvlink testbed") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="kvlink testbed",
+        prog=prog,
         description="Two network namespaces joined by N rate-limited veth links (needs root).",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log every ip/tc command")
@@ -78,8 +78,10 @@ def _parser() -> argparse.ArgumentParser:
         help="rate of every link, e.g. 2gbit, 500mbit, or none (default: 2gbit)",
     )  # fmt: skip
     shape.add_argument(
-        "--rates", type=_rates_arg, help="one rate per link, comma-separated: 2gbit,1gbit,none"
-    )
+        "--rates", type=_rates_arg,
+        help="one rate per link instead of --rate, comma-separated: 2gbit,1gbit,none "
+        "(default: none)",
+    )  # fmt: skip
     up.add_argument(
         "--subnet-base", type=int, default=0,
         help="third octet of link 0's subnet 198.18.X.0/24 (default: 0)",
@@ -91,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print the state as JSON")
 
     setp = tagged("set", "change one link while the testbed is up")
-    setp.add_argument("--link", type=int, required=True, help="link index")
+    setp.add_argument("--link", type=int, required=True, help="link index, from 0")
     change = setp.add_mutually_exclusive_group(required=True)
     # SUPPRESS, not None: argparse would count "--rate none" (parsed to None) as not given.
     change.add_argument(
@@ -102,7 +104,7 @@ def _parser() -> argparse.ArgumentParser:
     change.add_argument("--up", action="store_true", help="bring both ends up")
 
     run = tagged("run", "run a command inside one side's namespace")
-    run.add_argument("--side", choices=("a", "b"), required=True)
+    run.add_argument("--side", choices=("a", "b"), required=True, help="the namespace to run in")
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     return parser
 
@@ -192,9 +194,9 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 128 - code if code < 0 else code
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "kvlink testbed") -> int:
     """Run ``kvlink testbed`` with ``argv`` (default: sys.argv[1:]) and return the exit code."""
-    parser = _parser()
+    parser = _parser(prog)
     try:
         args = parser.parse_args(argv)
         logging.basicConfig(

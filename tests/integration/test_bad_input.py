@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import kvlink
+from kvlink.bench import WorkerError
 from tests import wire_client as wc
-from tests.peer_client import PeerError
 
 MiB = 1 << 20
 
@@ -145,7 +145,7 @@ def test_duplicate_agent_name_across_peers(make_agent, spawn_peer):
     first = spawn_peer("client")
     first.call("add_peer", metadata=rx.metadata.decode())
     second = spawn_peer("client")  # a different process with the same name
-    with pytest.raises(PeerError) as ei:
+    with pytest.raises(WorkerError) as ei:
         second.call("add_peer", metadata=rx.metadata.decode())
     assert ei.value.error == "DuplicateNameError"
     assert "names must be unique" in ei.value.message

@@ -3,28 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 
+from kvlink.bench.report import JSON_FIELDS
 from tests.conftest import REQUIRE_ALL
 
-FIELDS = {
-    "tool",
-    "op",
-    "size_bytes",
-    "chunk_bytes",
-    "paths",
-    "seconds",
-    "gbps",
-    "first_layer_s",
-    "p50_s",
-    "p99_s",
-    "cpu_s",
-    "limit_gbps",
-    "ratio_to_limit",
-}
+FIELDS = set(JSON_FIELDS)
 
 
 def bench(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -70,7 +59,7 @@ def test_pull_with_concurrency():
     "argv,message",
     [
         (["--mem", "cuda"], "UCX transport"),
-        (["--concurrency", "0"], "--concurrency must be at least 1"),
+        (["--concurrency", "0"], "argument --concurrency: 0 is out of range: must be at least 1"),
         (["--compare", "rdma"], "--compare: unknown"),
     ],
 )
@@ -107,3 +96,125 @@ def test_kvlink_environment_settings_apply(monkeypatch):
     out = bench("loopback", "--quick", "--json", "--compare", "none")
     assert out.returncode == 2
     assert out.stderr == "kvlink-bench: KVLINK_WINDOW_CHUNKS: cannot parse 'not-a-number'\n"
+
+
+def test_quick_does_not_override_explicit_flags():
+    """--quick only fills what was not given: --paths 3 and --size 8MiB stay."""
+    out = bench("loopback", "--quick", "--json", "--compare", "none", "--paths", "3",
+                "--size", "8MiB")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    (r,) = [json.loads(line) for line in out.stdout.splitlines()]
+    assert r["paths"] == 3 and r["size_bytes"] == 8 << 20
+    assert r["chunk_bytes"] == 0  # auto, from --quick
+
+
+def test_size_zero_is_refused_before_any_process_starts():
+    t0 = time.monotonic()
+    out = bench("loopback", "--size", "0")
+    assert out.returncode == 2
+    assert "argument --size: '0': a size must be at least 1 byte" in out.stderr
+    assert "serve did not start" not in out.stderr and "Traceback" not in out.stderr
+    assert time.monotonic() - t0 < 20
+
+
+def test_serve_that_fails_says_why():
+    """A serve child that cannot start its agent: its reason, not a bare "did not start"."""
+    env = dict(os.environ, KVLINK_NICS="loopback:0")
+    out = subprocess.run(
+        [sys.executable, "-m", "kvlink.cli.bench", "serve", "--nics", "loopback:0",
+         "--bootstrap", "127.0.0.1:0"],
+        capture_output=True, text=True, timeout=60, check=False, env=env,
+    )  # fmt: skip
+    assert out.returncode != 0
+    assert "loopback:N" in out.stderr and "Traceback" not in out.stderr
+
+
+def demo(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvlink.cli.bench", "demo", *argv],
+        capture_output=True, text=True, timeout=timeout, check=False,
+        env=dict(os.environ, COLUMNS="200"),
+    )  # fmt: skip
+
+
+def test_demo_shows_baselines_beside_the_result():
+    out = demo("--paths", "2", "--layers", "4", "--blocks", "16")
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = " ".join(out.stdout.split())
+    assert "verified every byte" in text
+    assert "memcpy of the same bytes" in text
+    if "iperf3, 2 streams on the same paths" in text:
+        assert "of what iperf3 gets over the same paths" in text
+    elif REQUIRE_ALL:
+        pytest.fail("iperf3 is required in CI for the demo's baseline")
+    else:
+        assert "iperf3: not installed" in text
+
+
+def test_failed_demo_fails_fast_with_the_reason():
+    """A receiver that cannot allocate its cache: reported at once, with why."""
+    t0 = time.monotonic()
+    out = demo("--blocks", "100000000", "--timeout", "30", timeout=60)
+    assert out.returncode == 1
+    assert "decode-0: MemoryError" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+    assert time.monotonic() - t0 < 30
+
+
+def _testbed_ready() -> bool:
+    if os.geteuid() != 0:
+        return False
+    from kvlink import testbed as kt
+
+    return kt.is_available()[0]
+
+
+def kvlink_cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvlink.cli.main", *argv], capture_output=True,
+                          text=True, timeout=timeout, check=False)  # fmt: skip
+
+
+@pytest.fixture
+def bench_tag():
+    """A testbed tag of this test's own, taken down afterwards."""
+    if not _testbed_ready():
+        if REQUIRE_ALL:
+            pytest.fail("the testbed (root, iproute2) is required in CI")
+        pytest.skip("needs root and iproute2 (the testbed)")
+    tag = f"bc{os.getpid() % 100000}"
+    yield tag
+    kvlink_cli("testbed", "down", "--tag", tag)
+
+
+@pytest.mark.root
+def test_testbed_tag_is_reused_as_it_is(bench_tag):
+    """A testbed that is up is used as it is (not rebuilt to defaults) and left up."""
+    up = kvlink_cli("testbed", "up", "--tag", bench_tag, "--links", "2", "--rate", "1gbit",
+                    "--subnet-base", "7")  # fmt: skip
+    assert up.returncode == 0, up.stderr
+    out = bench("testbed", "--tag", bench_tag, "--quick", "--size", "4MiB", "--json",
+                "--compare", "none", timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    notes = " ".join(x["note"] for x in lines if "note" in x)
+    assert f"using testbed '{bench_tag}' as it is (left up): 2 links" in notes
+    assert "198.18.7.0/24" in notes
+    (row,) = [x for x in lines if x.get("tool") == "kvlink"]
+    assert row["paths"] == 2
+    status = kvlink_cli("testbed", "status", "--tag", bench_tag, "--json")
+    assert status.returncode == 0 and len(json.loads(status.stdout)["links"]) == 2
+    clash = bench("testbed", "--tag", bench_tag, "--links", "4", "--quick")
+    assert clash.returncode == 2
+    assert f"--links: testbed '{bench_tag}' is up and is used as it is" in clash.stderr
+
+
+@pytest.mark.root
+def test_testbed_built_for_the_run_takes_subnet_base_and_is_removed(bench_tag):
+    out = bench("testbed", "--tag", bench_tag, "--links", "2", "--subnet-base", "9",
+                "--quick", "--size", "4MiB", "--json", "--compare", "none",
+                timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    notes = " ".join(json.loads(x)["note"] for x in out.stdout.splitlines() if '"note"' in x)
+    assert "198.18.9.0/24, 198.18.10.0/24" in notes
+    status = kvlink_cli("testbed", "status", "--tag", bench_tag, "--json")
+    assert status.returncode == 3  # not up: removed after the run

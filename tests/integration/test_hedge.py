@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import kvlink
+from kvlink.bench.measure import random_bytes as pattern
 from tests.integration.test_transfer import digest
-from tests.peer_proc import pattern
 
 MiB = 1 << 20
 

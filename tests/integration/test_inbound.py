@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import kvlink
+from kvlink.bench.measure import random_bytes as pattern
 from tests import wire_client as wc
-from tests.peer_proc import pattern
 
 MiB = 1 << 20
 LAYERS = 8
@@ -97,7 +97,7 @@ def test_sender_closing_mid_push_fails_the_inbound_handle(make_agent, spawn_peer
     tx.call("push", peer="rx", local="src", remote="kv", notify=b"doomed".hex())
     h = rx.inbound(b"doomed", timeout_s=10)
     assert not h.done, "the push finished before the sender closed; nothing was tested"
-    tx.stop()  # closes the sender's agent: its push fails, END says so
+    tx.close()  # closes the sender's agent: its push fails, END says so
     with pytest.raises(kvlink.TransferError, match="closed"):
         h.wait(timeout_s=30)
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import kvlink
+from kvlink.bench.measure import random_bytes as pattern
 from tests.integration.test_transfer import digest
-from tests.peer_proc import pattern
 
 MiB = 1 << 20
 

@@ -14,20 +14,20 @@ import numpy as np
 import pytest
 
 import kvlink
+from kvlink.bench import Worker
+from kvlink.bench.measure import random_bytes as pattern
 from tests.integration.test_transfer import digest
-from tests.peer_client import PeerProcess
-from tests.peer_proc import pattern
 
 MiB = 1 << 20
 
 
 @contextlib.contextmanager
-def paused(peer: PeerProcess) -> Iterator[None]:
-    os.kill(peer.proc.pid, signal.SIGSTOP)
+def paused(peer: Worker) -> Iterator[None]:
+    os.kill(peer.pid, signal.SIGSTOP)
     try:
         yield
     finally:
-        os.kill(peer.proc.pid, signal.SIGCONT)
+        os.kill(peer.pid, signal.SIGCONT)
 
 
 def wait_started(h: kvlink.Transfer, timeout_s: float = 30) -> None:

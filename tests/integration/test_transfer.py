@@ -11,7 +11,7 @@ import pytest
 
 import kvlink
 from kvlink import kv
-from tests.peer_proc import pattern
+from kvlink.bench.measure import random_bytes as pattern
 
 MiB = 1 << 20
 BIG = 256 * MiB

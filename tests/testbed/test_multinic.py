@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 import kvlink.testbed as kt
+from kvlink.bench import Worker, WorkerError
 from tests.conftest import require_tool
-from tests.peer_client import PeerError, PeerProcess
 
 pytestmark = [pytest.mark.root, pytest.mark.timeout(120)]
 
@@ -26,8 +26,14 @@ class Pair:
         self.tb = tb
         self.size = size
         cfg = cfg or {}
-        self.rx = PeerProcess("rx", ",".join(tb.addresses("b")), cfg, prefix=tb.exec_prefix("b"))
-        self.tx = PeerProcess("tx", ",".join(tb.addresses("a")), cfg, prefix=tb.exec_prefix("a"))
+        self.rx = Worker(
+            "rx", name="rx", nics=",".join(tb.addresses("b")), config=cfg,
+            prefix=tb.exec_prefix("b"),
+        )  # fmt: skip
+        self.tx = Worker(
+            "tx", name="tx", nics=",".join(tb.addresses("a")), config=cfg,
+            prefix=tb.exec_prefix("a"),
+        )  # fmt: skip
         if size:
             self.rx.call("alloc", key="kv", nbytes=size, remote_write=True, name="kv")
             self.tx.call("alloc", key="src", nbytes=size, seed=1)
@@ -37,7 +43,7 @@ class Pair:
         return int(self.tx.call("push", peer="rx", local="src", remote="kv")["id"])
 
     def wait(self, xid: int, timeout: float = 60) -> dict[str, Any]:
-        return self.tx.call("wait", id=xid, wait_s=timeout, timeout=timeout + 10)
+        return self.tx.call("wait", id=xid, wait_s=timeout, answer_s=timeout + 10)
 
     def verified(self) -> bool:
         return (
@@ -59,8 +65,8 @@ class Pair:
             time.sleep(0.1)
 
     def stop(self) -> None:
-        self.tx.stop()
-        self.rx.stop()
+        self.tx.close()
+        self.rx.close()
 
 
 @pytest.fixture
@@ -128,7 +134,7 @@ def test_all_links_down_then_up_without_restart(pair):
     p = pair(64 * MiB, links=4, rate="1gbit")
     for i in range(4):
         p.tb.link_down(i)
-    with pytest.raises(PeerError) as ei:
+    with pytest.raises(WorkerError) as ei:
         p.tx.call("push", peer="rx", local="src", remote="kv", wait=20)
     assert ei.value.error in ("ConnectionLostError", "PeerUnreachableError")
     for i in range(4):
@@ -147,7 +153,7 @@ def test_peer_killed_mid_transfer_fails_fast(pair):
     time.sleep(0.2)
     p.rx.kill()
     t0 = time.monotonic()
-    with pytest.raises(PeerError) as ei:
+    with pytest.raises(WorkerError) as ei:
         p.wait(xid, timeout=10)
     assert time.monotonic() - t0 < 2.0, "the loss is reported within 2 s"
     assert ei.value.error == "ConnectionLostError"
@@ -163,7 +169,7 @@ def test_prepare_then_push(pair):
         assert time.monotonic() < deadline, p.paths()
         time.sleep(0.1)
     p.tb.link_up(1)
-    states = p.tx.call("prepare", peer="rx", nbytes=32 * MiB, wait_s=15, timeout=30)["states"]
+    states = p.tx.call("prepare", peer="rx", nbytes=32 * MiB, wait_s=15, answer_s=30)["states"]
     assert states == ["UP", "UP"] or set(states) <= {"UP", "DEGRADED"}
     # the receiver learns what is coming and registers its destination
     notes = p.rx.call("notifications", wait_s=5)["notifications"]
@@ -197,18 +203,20 @@ def test_competing_traffic_is_seen_and_avoided(pair):
             proc.wait(10)
 
 
-def _spawn_pair(tb: kt.Testbed, size: int) -> tuple[PeerProcess, PeerProcess]:
-    rx = PeerProcess("rx", ",".join(tb.addresses("b")), {}, prefix=tb.exec_prefix("b"))
-    tx = PeerProcess("tx", ",".join(tb.addresses("a")), {}, prefix=tb.exec_prefix("a"))
+def _spawn_pair(tb: kt.Testbed, size: int) -> tuple[Worker, Worker]:
+    rx = Worker("rx", name="rx", nics=",".join(tb.addresses("b")),
+                prefix=tb.exec_prefix("b"))  # fmt: skip
+    tx = Worker("tx", name="tx", nics=",".join(tb.addresses("a")),
+                prefix=tb.exec_prefix("a"))  # fmt: skip
     rx.call("alloc", key="kv", nbytes=size, remote_write=True, name="kv")
     tx.call("alloc", key="src", nbytes=size, seed=1)
     return rx, tx
 
 
-def _push_and_notify(rx: PeerProcess, tx: PeerProcess, tag: bytes) -> None:
+def _push_and_notify(rx: Worker, tx: Worker, tag: bytes) -> None:
     xid = tx.call("push", peer="rx", local="src", remote="kv", notify=tag.hex())["id"]
-    tx.call("wait", id=xid, wait_s=30, timeout=40)
-    notes = rx.call("notifications", wait_s=10, timeout=20)["notifications"]
+    tx.call("wait", id=xid, wait_s=30, answer_s=40)
+    notes = rx.call("notifications", wait_s=10, answer_s=20)["notifications"]
     assert notes == [{"peer": "tx", "tag": tag.hex(), "op": "PUSH"}]
     assert tx.call("digest", key="src")["digest"] == rx.call("digest", key="kv")["digest"]
 
@@ -219,11 +227,11 @@ def test_add_peer_with_nic_0_down_uses_another_path_for_control(testbed):
     rx, tx = _spawn_pair(tb, 64 * MiB)
     try:
         tb.link_down(0)
-        tx.call("add_peer", metadata=rx.metadata.decode(), timeout=30)
+        tx.call("add_peer", metadata=rx.metadata.decode(), answer_s=30)
         _push_and_notify(rx, tx, b"nic0-down")
     finally:
-        tx.stop()
-        rx.stop()
+        tx.close()
+        rx.close()
 
 
 def test_notification_arrives_when_the_control_link_dies(testbed):
@@ -232,9 +240,9 @@ def test_notification_arrives_when_the_control_link_dies(testbed):
     tb = testbed(links=4, rate="1gbit")
     rx, tx = _spawn_pair(tb, 64 * MiB)
     try:
-        tx.call("add_peer", metadata=rx.metadata.decode(), timeout=30)
+        tx.call("add_peer", metadata=rx.metadata.decode(), answer_s=30)
         tb.link_down(0)
         _push_and_notify(rx, tx, b"ctrl-link-down")
     finally:
-        tx.stop()
-        rx.stop()
+        tx.close()
+        rx.close()

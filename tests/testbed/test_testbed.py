@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import pytest
 
 import kvlink.testbed as kt
+from kvlink.bench import iperf3
 from kvlink.cli.testbed import main as cli_main
 from tests.conftest import require_tool
 
@@ -34,7 +35,6 @@ class Factory(Protocol):
 # The checkout's root, so child processes (in namespaces, as another user) import this kvlink.
 REPO_ROOT = Path(kt.__file__).resolve().parents[2]
 PROBE_PORT = 7100
-IPERF_PORT = 5201
 IPERF_SECONDS = 2
 
 # Listens on every address of its namespace and answers each connection with the address the
@@ -96,27 +96,13 @@ def probe(tb: kt.Testbed, addresses: list[str]) -> list[dict[str, Any]]:
 
 def iperf_bps(tb: kt.Testbed, link: int, seconds: int = IPERF_SECONDS) -> float:
     """Receiver-side throughput in bit/s of one iperf3 TCP stream from a to b over ``link``."""
-    iperf3 = require_tool("iperf3")
-    server_addr = tb.address("b", link)
-    server = tb.run(
-        "b", [iperf3, "-s", "-1", "--forceflush", "-B", server_addr, "-p", str(IPERF_PORT)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    require_tool("iperf3")
+    (res,) = iperf3.run(
+        [iperf3.Stream(tb.address("b", link), tb.address("a", link), seconds=seconds,
+                       server_prefix=tb.exec_prefix("b"), client_prefix=tb.exec_prefix("a"))],
+        timeout_s=seconds + 20,
     )  # fmt: skip
-    with server:  # closes the pipe and reaps the process on exit
-        assert server.stdout is not None
-        for line in server.stdout:  # ready once it says "Server listening on 5201"
-            if "listening" in line:
-                break
-        else:
-            pytest.fail(f"iperf3 server did not start (exit {server.wait()})")
-        client = subprocess.run(
-            [*tb.exec_prefix("a"), iperf3, "-c", server_addr, "-B", tb.address("a", link),
-             "-p", str(IPERF_PORT), "-t", str(seconds), "--json"],
-            capture_output=True, text=True, timeout=seconds + 20,
-        )  # fmt: skip
-        server.wait(timeout=10)
-    assert client.returncode == 0, client.stdout + client.stderr
-    return float(json.loads(client.stdout)["end"]["sum_received"]["bits_per_second"])
+    return res.received_bps
 
 
 def namespaces_of(tag: str) -> list[str]:

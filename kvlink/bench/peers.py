@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._jsonlines import JsonLinesProcess
+from .protocol import ChildProcess, WorkerError
 
 MiB = 1 << 20
 PEERS = ("mooncake", "nixl", "ucxx")
@@ -47,7 +47,7 @@ LINK_USED_SHARE = 0.05
 SLOWEST_BPS = 0.1e9
 
 
-class PeerError(RuntimeError):
+class PeerError(WorkerError):
     """A peer run failed; the message says which peer, which side and why."""
 
 
@@ -221,7 +221,7 @@ class Run:
 # ---- peer workers ----------------------------------------------------------------------
 
 
-class Worker(JsonLinesProcess):
+class Worker(ChildProcess):
     """One <peer>_worker.py process (protocol: bench/peers/_common.py)."""
 
     error = PeerError

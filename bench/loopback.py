@@ -287,9 +287,10 @@ def run_kvlink(
         rx.send("alloc", key="buf", nbytes=region, fill="zero" if touch else "none",
                 remote_write=True, name="kv")  # fmt: skip
         tx.send("alloc", key="buf", nbytes=region, fill="pattern")
-        rxi["registered_bytes"] = rx.recv(300)["nbytes"]
+        rx_reg = rx.recv(300)
+        rxi["registered_bytes"] = rx_reg["nbytes"]
         txi["registered_bytes"] = tx.recv(300)["nbytes"]
-        tx.call("add_peer", metadata=rxi["metadata"])
+        tx.call("add_peer", metadata=rx_reg["metadata"])  # with the new region's access key
         if warm:
             tx.call("push", peer="rx", local="buf", remote="kv", nbytes=min(region, 64 * MiB),
                     wait=120)  # fmt: skip

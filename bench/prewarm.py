@@ -35,7 +35,9 @@ def one_run(size: int, paths: int, prepared: bool, prefill_s: float) -> dict[str
             tx.call("prepare", peer="decode", nbytes=size, wait_s=10, answer_s=30)
             note = rx.call("notifications", wait_s=5)["notifications"]
             assert note and note[0]["op"] == "PREPARE", note
-            rx.call("alloc", key="kv", nbytes=size, remote_write=True, name="kv", answer_s=120)
+            md = rx.call("alloc", key="kv", nbytes=size, remote_write=True, name="kv",
+                         answer_s=120)["metadata"]  # fmt: skip
+            tx.call("add_peer", metadata=md)  # the new region's access key, handed back
             time.sleep(prefill_s)  # prefill still running; everything above overlapped it
         else:
             time.sleep(prefill_s)

@@ -106,7 +106,10 @@ def main(argv: list[str] | None = None) -> int:
                         time.sleep(0.2)
                         continue
                     w = pair.tx.call(
-                        "wait", answer_s=DEADLINE_S + 30, id=sub["id"], wait_s=DEADLINE_S + 5,
+                        "wait",
+                        answer_s=DEADLINE_S + 30,
+                        id=sub["id"],
+                        wait_s=DEADLINE_S + 5,
                         capture=True,
                     )
                     slowest = max(slowest, w["waited_s"])

@@ -99,6 +99,8 @@ typedef struct kvl_wire_piece {
     uint64_t region, offset, len;
 } kvl_wire_piece;
 #define KVL_WIRE_PIECE_BYTES 24
+#define KVL_KEY_BYTES 16          /* a region's access key (docs/security.md) */
+#define KVL_WIRE_KEY_BYTES (8 + KVL_KEY_BYTES) /* region id + its key */
 #define KVL_WIRE_REGION_BYTES 90 /* a region record without its remote key */
 #define KVL_MAX_RKEY 256          /* bytes of a transport's remote key */
 
@@ -144,6 +146,8 @@ typedef struct kvl_msg_chunk {
     uint64_t xfer;
     uint32_t chunk, attempt, n_pieces;
     const uint8_t *pieces; /* n_pieces * KVL_WIRE_PIECE_BYTES, inside the body */
+    uint32_t n_keys;       /* access keys of the regions the pieces name: 1..n_pieces, */
+    const uint8_t *keys;   /* ids strictly ascending; n_keys * KVL_WIRE_KEY_BYTES */
 } kvl_msg_chunk;
 
 /* ACK and READ_RESP */
@@ -188,6 +192,9 @@ void kvl_enc_hello_ack(kvl_buf *b, uint32_t status, uint64_t instance, const cha
 void kvl_enc_chunk(kvl_buf *b, uint64_t xfer, uint32_t chunk, uint32_t attempt,
                    uint32_t n_pieces); /* pieces follow with kvl_enc_piece */
 void kvl_enc_piece(kvl_buf *b, const kvl_wire_piece *p);
+/* After the pieces: n keys follow with kvl_enc_key, ids strictly ascending. */
+void kvl_enc_keys(kvl_buf *b, uint32_t n);
+void kvl_enc_key(kvl_buf *b, uint64_t region, const uint8_t key[KVL_KEY_BYTES]);
 void kvl_enc_status(kvl_buf *b, const kvl_msg_status *m);
 void kvl_enc_notify(kvl_buf *b, uint64_t xfer, uint32_t op, const void *tag, uint32_t len);
 void kvl_enc_token(kvl_buf *b, uint64_t token); /* PING and PONG */
@@ -211,6 +218,8 @@ kvl_err kvl_dec_announce(const uint8_t *body, size_t len, kvl_msg_announce *m);
 void kvl_dec_announce_chunk(const kvl_msg_announce *m, uint32_t i, uint32_t *layer_first,
                             uint32_t *layer_last);
 void kvl_dec_piece(const kvl_msg_chunk *m, uint32_t i, kvl_wire_piece *p);
+/* The key the frame carries for region id, or NULL (binary search). */
+const uint8_t *kvl_dec_key_for(const kvl_msg_chunk *m, uint64_t region);
 /* Decodes the region record at p (from a table kvl_dec_hello_ack accepted)
  * and returns where the next one starts. */
 const uint8_t *kvl_dec_region_next(const uint8_t *p, kvl_region_info *r);
@@ -230,8 +239,17 @@ typedef struct kvl_region {
     char name[KVL_NAME_MAX];
     uint32_t rkey_len;        /* the transport's remote key (reg_mem) */
     uint8_t rkey[KVL_MAX_RKEY];
+    uint8_t key[KVL_KEY_BYTES]; /* exposed regions: the access key every piece must carry */
     int refs; /* transfers / frames using it; under regions_mu */
 } kvl_region;
+
+/* A remote region's access key, as its owner's metadata gave it. */
+typedef struct kvl_rkey_entry {
+    uint64_t id;
+    uint8_t key[KVL_KEY_BYTES];
+} kvl_rkey_entry;
+/* bsearch / qsort order of kvl_rkey_entry by id (a key may be a bare uint64_t id). */
+int kvl_region_key_cmp(const void *a, const void *b);
 
 typedef struct kvl_regions {
     pthread_mutex_t mu;
@@ -248,7 +266,8 @@ void kvl_regions_destroy(kvl_regions *t);
 kvl_err kvl_regions_acquire(kvl_regions *t, uint64_t id, uint64_t off, uint64_t len,
                             uint32_t need, const char *what, kvl_region **out);
 void kvl_regions_release(kvl_regions *t, kvl_region *r);
-/* Snapshot of the table in wire form for handshakes; caller frees *out. */
+/* The exposed regions (remote_read / remote_write) in wire form, for
+ * handshakes; no access keys.  Caller frees *out. */
 kvl_err kvl_regions_snapshot(kvl_regions *t, kvl_region_info **out, size_t *n);
 
 /* ---- engine structures ---- */
@@ -321,6 +340,8 @@ struct kvl_peer {
     pthread_cond_t cv;
     kvl_region_info *regions;
     size_t n_regions;
+    kvl_rkey_entry *keys;      /* access keys from the metadata, sorted by id */
+    size_t n_keys, cap_keys;
     uint64_t regions_gen;
     int refresh_pending;
     struct kvl_peer *next;     /* callers' list, under agent->mu */
@@ -339,6 +360,10 @@ struct kvl_xfer {
     uint8_t **local_ptr;       /* per segment: our side's address of its first byte */
     kvl_region **held;         /* local regions referenced until retirement */
     size_t n_held;
+    kvl_rkey_entry *keys;      /* access keys of the remote regions it names, sorted by id */
+    size_t n_keys;
+    uint32_t *key_used;        /* per key: the last chunk frame (key_frames) that carried it */
+    uint32_t key_frames;       /* chunk frames built so far (engine) */
     uint8_t *notify;
     uint32_t notify_len;
     uint64_t deadline_ns;

@@ -264,6 +264,9 @@ void kvl_peer_free(kvl_peer *p)
     pthread_mutex_destroy(&p->mu);
     pthread_cond_destroy(&p->cv);
     free(p->regions);
+    if (p->keys)
+        explicit_bzero(p->keys, p->cap_keys * sizeof *p->keys);
+    free(p->keys);
     free(p);
 }
 
@@ -571,6 +574,51 @@ kvl_err kvl_peer_find(kvl_agent *a, const char *name, kvl_peer **out)
                         "no peer named '%s': call add_peer() with its metadata first", name);
     *out = p;
     return KVL_OK;
+}
+
+kvl_err kvl_peer_set_key(kvl_peer *p, uint64_t id, const uint8_t key[16])
+{
+    kvl_clear_error();
+    if (!p || !key)
+        return kvl_fail(KVL_ERR_INVALID_ARG, "set_key: NULL argument");
+    kvl_err e = KVL_OK;
+    pthread_mutex_lock(&p->mu);
+    size_t lo = 0, hi = p->n_keys;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (p->keys[mid].id < id)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    if (lo < p->n_keys && p->keys[lo].id == id) {
+        memcpy(p->keys[lo].key, key, KVL_KEY_BYTES);
+    } else if (p->n_keys >= KVL_MAX_REGIONS) {
+        e = kvl_fail(KVL_ERR_INVALID_ARG, "peer '%s': more than %d region keys", p->name,
+                     KVL_MAX_REGIONS);
+    } else {
+        if (p->n_keys == p->cap_keys) {
+            size_t ncap = p->cap_keys ? p->cap_keys * 2 : 8;
+            kvl_rkey_entry *nk = calloc(ncap, sizeof *nk);
+            if (!nk) {
+                pthread_mutex_unlock(&p->mu);
+                return kvl_fail(KVL_ERR_NOMEM, "set_key: out of memory");
+            }
+            if (p->keys) {
+                memcpy(nk, p->keys, p->n_keys * sizeof *nk);
+                explicit_bzero(p->keys, p->cap_keys * sizeof *p->keys);
+                free(p->keys);
+            }
+            p->keys = nk;
+            p->cap_keys = ncap;
+        }
+        memmove(&p->keys[lo + 1], &p->keys[lo], (p->n_keys - lo) * sizeof *p->keys);
+        p->keys[lo].id = id;
+        memcpy(p->keys[lo].key, key, KVL_KEY_BYTES);
+        p->n_keys++;
+    }
+    pthread_mutex_unlock(&p->mu);
+    return e;
 }
 
 kvl_err kvl_peer_regions(kvl_peer *p, kvl_region_info *out, size_t cap, size_t *n)

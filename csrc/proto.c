@@ -175,6 +175,7 @@ int kvl_conn_send_chunk(kvl_conn *c, kvl_xfer *x, uint32_t ci)
     kvl_tp_frame f = {.is_chunk = 1, .xid = x->id, .chunk = ci, .attempt = x->attempt[ci]};
     kvl_frame_start(&f.head);
     kvl_enc_chunk(&f.head, x->id, ci, x->attempt[ci], ch->n_pieces);
+    uint32_t n_keys = 0, mark = ++x->key_frames; /* key_used[k] == mark: this frame has key k */
     for (uint32_t i = 0; i < ch->n_pieces; i++) {
         const kvl_segment *s = &x->segs[pc[i].seg];
         kvl_wire_piece wp = {
@@ -183,7 +184,17 @@ int kvl_conn_send_chunk(kvl_conn *c, kvl_xfer *x, uint32_t ci)
             .len = pc[i].len,
         };
         kvl_enc_piece(&f.head, &wp);
+        const kvl_rkey_entry *k = bsearch(&wp.region, x->keys, x->n_keys, sizeof *x->keys,
+                                          kvl_region_key_cmp);
+        if (k && x->key_used[k - x->keys] != mark) {
+            x->key_used[k - x->keys] = mark;
+            n_keys++;
+        }
     }
+    kvl_enc_keys(&f.head, n_keys); /* every region the pieces name, ascending */
+    for (size_t k = 0; k < x->n_keys; k++)
+        if (x->key_used[k] == mark)
+            kvl_enc_key(&f.head, x->keys[k].id, x->keys[k].key);
     if (push) {
         f.payload = malloc(ch->n_pieces * sizeof *f.payload);
         if (!f.payload)
@@ -278,6 +289,16 @@ static int resolve_pieces(kvl_conn *c, const kvl_msg_chunk *m, uint32_t need,
             kvl_region *r;
             kvl_err e = kvl_regions_acquire(&c->a->regions, p.region, p.offset, p.len, need,
                                             what, &r);
+            const uint8_t *key = e ? NULL : kvl_dec_key_for(m, p.region);
+            if (!e && (!key || !kvl_ct_equal(key, r->key, KVL_KEY_BYTES))) {
+                kvl_regions_release(&c->a->regions, r);
+                e = kvl_fail(KVL_ERR_ACCESS_DENIED,
+                             "%s: region %llu '%s': the access key is %s (the sender's "
+                             "metadata of this agent is stale, or it never had it)",
+                             what, (unsigned long long)p.region, r->name,
+                             key ? "wrong" : "missing");
+                kvl_log(c->a, KVL_LOG_WARNING, c->peer_name, -1, "%s", kvl_last_error());
+            }
             if (e || prefs_push(c, r)) {
                 if (!e)
                     kvl_regions_release(&c->a->regions, r);

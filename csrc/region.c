@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <unistd.h>
 
 #include "internal.h"
@@ -101,6 +102,11 @@ kvl_err kvl_region_register(kvl_agent *a, void *ptr, uint64_t len, uint32_t righ
     }
     if (name)
         strcpy(r->name, name);
+    if ((rights & (KVL_REMOTE_READ | KVL_REMOTE_WRITE)) &&
+        getrandom(r->key, sizeof r->key, 0) != sizeof r->key) {
+        free(r);
+        return kvl_fail_errno("register: getrandom (the region's access key)");
+    }
     kvl_regions *t = &a->regions;
     pthread_mutex_lock(&t->mu);
     kvl_err err = KVL_OK;
@@ -161,8 +167,33 @@ kvl_err kvl_region_deregister(kvl_agent *a, uint64_t id)
     else {
         memmove(&t->v[pos], &t->v[pos + 1], (t->n - pos - 1) * sizeof *t->v);
         t->n--;
+        explicit_bzero(r->key, sizeof r->key);
         free(r);
     }
+    pthread_mutex_unlock(&t->mu);
+    return err;
+}
+
+kvl_err kvl_region_key(kvl_agent *a, uint64_t id, uint8_t key[16])
+{
+    kvl_clear_error();
+    if (!a || !key)
+        return kvl_fail(KVL_ERR_INVALID_ARG, "region_key: NULL argument");
+    kvl_regions *t = &a->regions;
+    pthread_mutex_lock(&t->mu);
+    size_t pos;
+    kvl_region *r = find(t, id, &pos);
+    kvl_err err = KVL_OK;
+    if (!r)
+        err = kvl_fail(KVL_ERR_UNKNOWN_REGION, "region_key: region %llu is not registered",
+                       (unsigned long long)id);
+    else if (!(r->rights & (KVL_REMOTE_READ | KVL_REMOTE_WRITE)))
+        err = kvl_fail(KVL_ERR_ACCESS_DENIED,
+                       "region_key: region %llu '%s' is not exposed to peers (no remote_read "
+                       "or remote_write)",
+                       (unsigned long long)id, r->name);
+    else
+        memcpy(key, r->key, sizeof r->key);
     pthread_mutex_unlock(&t->mu);
     return err;
 }
@@ -209,17 +240,22 @@ kvl_err kvl_regions_snapshot(kvl_regions *t, kvl_region_info **out, size_t *n)
         pthread_mutex_unlock(&t->mu);
         return kvl_fail(KVL_ERR_NOMEM, "region table: out of memory");
     }
+    size_t k = 0; /* only what peers may touch: local-only regions stay private */
     for (size_t i = 0; i < t->n; i++) {
         kvl_region *r = t->v[i];
-        v[i].id = r->id;
-        v[i].size = r->size;
-        v[i].rights = r->rights & (KVL_REMOTE_READ | KVL_REMOTE_WRITE);
-        v[i].mem = r->mem;
-        memcpy(v[i].name, r->name, sizeof v[i].name);
-        v[i].rkey_len = r->rkey_len;
-        memcpy(v[i].rkey, r->rkey, r->rkey_len);
+        uint32_t rights = r->rights & (KVL_REMOTE_READ | KVL_REMOTE_WRITE);
+        if (!rights)
+            continue;
+        v[k].id = r->id;
+        v[k].size = r->size;
+        v[k].rights = rights;
+        v[k].mem = r->mem;
+        memcpy(v[k].name, r->name, sizeof v[k].name);
+        v[k].rkey_len = r->rkey_len;
+        memcpy(v[k].rkey, r->rkey, r->rkey_len);
+        k++;
     }
-    *n = t->n;
+    *n = k;
     *out = v;
     pthread_mutex_unlock(&t->mu);
     return KVL_OK;

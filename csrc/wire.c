@@ -383,6 +383,14 @@ void kvl_enc_piece(kvl_buf *b, const kvl_wire_piece *p)
     put_u64(b, p->len);
 }
 
+void kvl_enc_keys(kvl_buf *b, uint32_t n) { put_u32(b, n); }
+
+void kvl_enc_key(kvl_buf *b, uint64_t region, const uint8_t key[KVL_KEY_BYTES])
+{
+    put_u64(b, region);
+    put_bytes(b, key, KVL_KEY_BYTES);
+}
+
 kvl_err kvl_dec_chunk(const uint8_t *body, size_t len, kvl_msg_chunk *m)
 {
     rd r = {body, len, 0, 0};
@@ -396,7 +404,34 @@ kvl_err kvl_dec_chunk(const uint8_t *body, size_t len, kvl_msg_chunk *m)
         return kvl_fail(KVL_ERR_PROTOCOL, "chunk frame with %u pieces (1..%u allowed)",
                         m->n_pieces, KVL_MAX_PIECES);
     m->pieces = take(&r, (size_t)m->n_pieces * KVL_WIRE_PIECE_BYTES);
+    m->n_keys = get_u32(&r);
+    if (r.bad)
+        return finish(&r, "chunk");
+    if (m->n_keys == 0 || m->n_keys > m->n_pieces)
+        return kvl_fail(KVL_ERR_PROTOCOL, "chunk frame with %u access keys for %u pieces",
+                        m->n_keys, m->n_pieces);
+    m->keys = take(&r, (size_t)m->n_keys * KVL_WIRE_KEY_BYTES);
+    for (uint32_t i = 1; m->keys && i < m->n_keys; i++)
+        if (ld_u64(m->keys + (size_t)i * KVL_WIRE_KEY_BYTES) <=
+            ld_u64(m->keys + (size_t)(i - 1) * KVL_WIRE_KEY_BYTES))
+            return kvl_fail(KVL_ERR_PROTOCOL, "chunk frame: access keys not in ascending order");
     return finish(&r, "chunk");
+}
+
+const uint8_t *kvl_dec_key_for(const kvl_msg_chunk *m, uint64_t region)
+{
+    uint32_t lo = 0, hi = m->n_keys;
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        uint64_t id = ld_u64(m->keys + (size_t)mid * KVL_WIRE_KEY_BYTES);
+        if (id == region)
+            return m->keys + (size_t)mid * KVL_WIRE_KEY_BYTES + 8;
+        if (id < region)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return NULL;
 }
 
 void kvl_dec_piece(const kvl_msg_chunk *m, uint32_t i, kvl_wire_piece *p)

@@ -34,6 +34,8 @@ static void xfer_free(kvl_xfer *x)
     free(x->segs);
     free(x->local_ptr);
     free(x->held);
+    free(x->keys);
+    free(x->key_used);
     free(x->notify);
     free(x->cstate);
     free(x->attempt);
@@ -101,8 +103,52 @@ static const kvl_region_info *find_remote(kvl_peer *p, uint64_t id)
 /* Checks the remote side of every segment against the peer's region table,
  * refreshing the table once if a region is unknown (registered after our
  * handshake). */
-static kvl_err check_remote(kvl_agent *a, kvl_peer *p, int op, const kvl_segment *segs,
-                            size_t n)
+int kvl_region_key_cmp(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = ((const kvl_rkey_entry *)b)->id;
+    return x < y ? -1 : x > y;
+}
+
+/* Copies the access key of every remote region the segments name into x
+ * (sorted by id, each once): chunk frames carry them. */
+static kvl_err take_keys(kvl_peer *p, kvl_xfer *x, int op, const kvl_segment *segs, size_t n)
+{
+    x->keys = calloc(n, sizeof *x->keys);
+    if (!x->keys)
+        return kvl_fail(KVL_ERR_NOMEM, "submit: out of memory for access keys");
+    for (size_t i = 0; i < n; i++)
+        x->keys[i].id = op == KVL_OP_PUSH ? segs[i].dst_region : segs[i].src_region;
+    qsort(x->keys, n, sizeof *x->keys, kvl_region_key_cmp); /* id is the first member */
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++)
+        if (i == 0 || x->keys[i].id != x->keys[k - 1].id)
+            x->keys[k++] = x->keys[i];
+    x->n_keys = k;
+    x->key_used = calloc(k, sizeof *x->key_used);
+    if (!x->key_used)
+        return kvl_fail(KVL_ERR_NOMEM, "submit: out of memory for access keys");
+    kvl_err e = KVL_OK;
+    pthread_mutex_lock(&p->mu);
+    for (size_t i = 0, j = 0; i < k && !e; i++) {
+        while (j < p->n_keys && p->keys[j].id < x->keys[i].id)
+            j++;
+        if (j < p->n_keys && p->keys[j].id == x->keys[i].id) {
+            memcpy(x->keys[i].key, p->keys[j].key, KVL_KEY_BYTES);
+            continue;
+        }
+        const kvl_region_info *r = find_remote(p, x->keys[i].id);
+        e = kvl_fail(KVL_ERR_ACCESS_DENIED,
+                     "peer '%s' region %llu '%s': no access key.  A region's owner hands its "
+                     "key out in its metadata: pass metadata the peer made after it "
+                     "registered the region to add_peer() again",
+                     p->name, (unsigned long long)x->keys[i].id, r ? r->name : "");
+    }
+    pthread_mutex_unlock(&p->mu);
+    return e;
+}
+
+static kvl_err check_remote(kvl_agent *a, kvl_peer *p, int op, kvl_xfer *x,
+                            const kvl_segment *segs, size_t n)
 {
     uint32_t need = op == KVL_OP_PUSH ? KVL_REMOTE_WRITE : KVL_REMOTE_READ;
     const char *side = op == KVL_OP_PUSH ? "dst" : "src";
@@ -139,7 +185,7 @@ static kvl_err check_remote(kvl_agent *a, kvl_peer *p, int op, const kvl_segment
         }
         pthread_mutex_unlock(&p->mu);
         if (!refresh)
-            return e;
+            return e ? e : take_keys(p, x, op, segs, n);
         kvl_err re = kvl_peer_refresh(p, a->cfg.connect_timeout_ms);
         if (re)
             return re;
@@ -256,7 +302,7 @@ kvl_err kvl_xfer_submit(kvl_agent *a, kvl_peer *p, int op, const kvl_segment *se
         }
         x->local_ptr[i] = r->base + off;
     }
-    if ((e = check_remote(a, p, op, segs, n_segs)))
+    if ((e = check_remote(a, p, op, x, segs, n_segs)))
         goto fail;
     if ((e = alloc_state(x)))
         goto fail;

@@ -280,14 +280,21 @@ class Agent:
         Raises:
             ClosedError: the agent is closed.
         """
-        with self._using():
-            pass
+        with self._using() as a:
+            # the access key of every exposed region: whoever holds this
+            # metadata may write / read them (docs/security.md)
+            keys = {
+                str(r.id): _native.region_key(a, r.id).hex()
+                for r in self._regions.snapshot()
+                if r.remote_read or r.remote_write
+            }
         return json.dumps(
             {
                 "kvlink": METADATA_VERSION,
                 "name": self.name,
                 "instance": f"{self.instance_id:016x}",
                 "addrs": [[h, p] for h, p in self.addresses],
+                "keys": keys,
             }
         ).encode()
 
@@ -311,13 +318,21 @@ class Agent:
         with self._using() as a:
             known = _native.peer_find(a, md["name"], missing_ok=True) is not None
             if not known:
-                _native.peer_connect(a, md["name"], md["instance"], md["addrs"])
+                p = _native.peer_connect(a, md["name"], md["instance"], md["addrs"])
+                self._take_keys(p, md)
         if known:
             # a restarted agent of that name replaces the old peer, which is
             # then freed: no other call may hold the old one meanwhile
             with self._alone() as a:
-                _native.peer_connect(a, md["name"], md["instance"], md["addrs"])
+                p = _native.peer_connect(a, md["name"], md["instance"], md["addrs"])
+                self._take_keys(p, md)
         return str(md["name"])
+
+    @staticmethod
+    def _take_keys(p: Any, md: dict[str, Any]) -> None:
+        """The access keys of the peer's exposed regions, from its metadata."""
+        for rid, key in md["keys"].items():
+            _native.peer_set_key(p, md["name"], rid, key)
 
     def remove_peer(self, peer: str) -> None:
         """Forgets ``peer``: its running transfers fail with
@@ -739,4 +754,23 @@ def _parse_metadata(metadata: bytes | str | dict[str, Any]) -> dict[str, Any]:
         instance = int(md.get("instance", "0"), 16)
     except (TypeError, ValueError):
         raise InvalidArgumentError("metadata: 'instance' is not a hex id") from None
-    return {"name": name, "addrs": [(h, p) for h, p in addrs], "instance": instance}
+    raw_keys = md.get("keys", {})
+    keys: dict[int, bytes] = {}
+    try:
+        if not isinstance(raw_keys, dict):
+            raise ValueError
+        for rid, key in raw_keys.items():
+            keys[int(rid)] = bytes.fromhex(key)
+            if len(keys[int(rid)]) != 16 or int(rid) <= 0:
+                raise ValueError
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(
+            "metadata: 'keys' must map region ids to 32 hex digits (16-byte access keys), "
+            f"got {raw_keys!r:.80}"
+        ) from None
+    return {
+        "name": name,
+        "addrs": [(h, p) for h, p in addrs],
+        "instance": instance,
+        "keys": keys,
+    }

@@ -227,6 +227,18 @@ def region_deregister(a: Handle, rid: int) -> None:
     check(lib.kvl_region_deregister(a, rid))
 
 
+def region_key(a: Handle, rid: int) -> bytes:
+    """kvl_region_key: the access key of an exposed region (16 bytes).
+
+    Raises:
+        RemoteAccessError: the region is not exposed to peers.
+        UnknownRegionError: no such region.
+    """
+    key = ffi.new("uint8_t[16]")
+    check(lib.kvl_region_key(a, rid, key))
+    return bytes(ffi.buffer(key))
+
+
 def buffer_address(obj: Any) -> tuple[int, Any]:
     """The address of a buffer-protocol object, and the cdata keeping the view alive."""
     cdata = ffi.from_buffer("char[]", obj, require_writable=False)
@@ -248,6 +260,11 @@ def peer_connect(a: Handle, name: str, instance: int, addrs: Sequence[tuple[str,
     out = ffi.new("kvl_peer **")
     check(lib.kvl_peer_connect(a, name.encode(), instance, harr, parr, len(addrs), out), peer=name)
     return out[0]
+
+
+def peer_set_key(p: Handle, name: str, rid: int, key: bytes) -> None:
+    """kvl_peer_set_key: the access key of the peer's region ``rid``."""
+    check(lib.kvl_peer_set_key(p, rid, key), peer=name)
 
 
 def peer_remove(a: Handle, name: str) -> None:

@@ -113,10 +113,16 @@ def end(xfer: int, status: int = 0, msg: bytes = b"") -> bytes:
     return frame(END, struct.pack("<QIIIH", xfer, 0, 0, status, len(msg)) + msg)
 
 
-def data(xfer: int, chunk: int, attempt: int, region: int, n: int) -> bytes:
-    """A DATA header for one piece [0, n) of region; the payload and trailer follow."""
+def data(xfer: int, chunk: int, attempt: int, region: int, n: int, key: bytes) -> bytes:
+    """A DATA header for one piece [0, n) of region, with the region's access key; the
+    payload and trailer follow."""
     body = struct.pack("<QIII", xfer, chunk, attempt, 1) + struct.pack("<QQQ", region, 0, n)
-    return frame(DATA, body, n)
+    return frame(DATA, body + struct.pack("<IQ", 1, region) + key, n)
+
+
+def key_of(metadata: bytes, region: int) -> bytes:
+    """The access key of ``region`` from its owner's metadata."""
+    return bytes.fromhex(json.loads(metadata)["keys"][str(region)])
 
 
 def recv_exact(s: socket.socket, n: int) -> bytes:
@@ -190,6 +196,7 @@ class ScriptedReceiver:
         self.name = name
         self.instance = 0x5C817ED0000001
         self.region = (1, nbytes, 2, region)  # id, size, rights (bit 1: remote_write), name
+        self.key = os.urandom(16)  # its access key, handed out in the metadata
         self.data_seen = threading.Event()  # set by the first DATA frame
         self._lock = threading.Lock()  # guards everything below and every send
         self._released = False
@@ -212,6 +219,7 @@ class ScriptedReceiver:
                 "name": self.name,
                 "instance": f"{self.instance:016x}",
                 "addrs": [list(a) for a in self.addresses],
+                "keys": {str(self.region[0]): self.key.hex()},
             }
         ).encode()
 

@@ -318,6 +318,12 @@ kvl_err kvl_region_register(kvl_agent *agent, void *ptr, uint64_t len,
                             uint32_t rights, uint32_t mem, const char *name,
                             uint64_t *id);
 
+/* The access key of an exposed region (remote_read or remote_write): a
+ * random 16 bytes made at registration that every DATA / READ_REQ piece
+ * naming the region must carry.  Hand it to peers in the metadata only.
+ * KVL_ERR_ACCESS_DENIED for a region not exposed.  Thread-safe. */
+kvl_err kvl_region_key(kvl_agent *agent, uint64_t id, uint8_t key[16]);
+
 /* Removes a region.  Fails with KVL_ERR_BUSY while a transfer or a frame in
  * flight still uses it (nothing is removed then).  Thread-safe. */
 kvl_err kvl_region_deregister(kvl_agent *agent, uint64_t id);
@@ -349,6 +355,11 @@ kvl_err kvl_peer_remove(kvl_agent *agent, const char *name);
 
 /* Looks a connected peer up by name.  Thread-safe, does not block. */
 kvl_err kvl_peer_find(kvl_agent *agent, const char *name, kvl_peer **out);
+
+/* Records the access key of the peer's region id (from the peer's
+ * metadata), replacing an older one.  Transfers naming a region whose key
+ * is unknown are refused at submit.  Thread-safe. */
+kvl_err kvl_peer_set_key(kvl_peer *peer, uint64_t id, const uint8_t key[16]);
 
 /* Copies up to cap of the peer's exposed regions (as of the last handshake
  * or refresh) into out; *n gets the total count.  Thread-safe. */

@@ -73,8 +73,9 @@ class Pair:
         cfg = {"transfer_timeout_s": self.wait_s, **self.base, **config}
         b = ",".join(self.tb.address("b", i) for i in links)
         a = ",".join(self.tb.address("a", i) for i in links)
-        md = self.rx.call("agent", name=f"rx-{label}", nics=b, config=cfg)["metadata"]
-        self.rx.call("register", agent=f"rx-{label}", key="dst", remote_write=True, name="kv")
+        self.rx.call("agent", name=f"rx-{label}", nics=b, config=cfg)
+        md = self.rx.call("register", agent=f"rx-{label}", key="dst", remote_write=True,
+                          name="kv")["metadata"]  # fmt: skip
         self.tx.call("agent", name=f"tx-{label}", nics=a, config=cfg)
         self.tx.call("register", agent=f"tx-{label}", key="src")
         self.tx.call("add_peer", agent=f"tx-{label}", metadata=md)

@@ -92,9 +92,7 @@ class Channel:
         while b"\n" not in self._buf:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise WorkerTimeout(
-                    f"{self.tag}: no answer in {answer_s:.0f} s{self.context()}"
-                )
+                raise WorkerTimeout(f"{self.tag}: no answer in {answer_s:.0f} s{self.context()}")
             r, _, _ = select.select([self._rfd], [], [], left)
             if r:
                 try:

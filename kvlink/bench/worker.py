@@ -125,7 +125,8 @@ class Agents:
         r = a.register(self.bufs[key], remote_read=remote_read, remote_write=remote_write,
                        name=name)  # fmt: skip
         self.regions[key] = r
-        return {"region": r.id}
+        # the metadata now carries the new region's access key: peers need this one
+        return {"region": r.id, "metadata": a.metadata().decode()}
 
     def deregister(self, key: str, agent: str | None = None) -> dict[str, Any]:
         self._agent(agent)[1].deregister(self.regions.pop(key))
@@ -425,7 +426,7 @@ class Worker(ChildProcess):
             env={**os.environ, **(env or {})},
         )
         super().__init__(tag, p, err)
-        self.metadata = b""
+        self._named = name is not None
         self.addresses: list[tuple[str, int]] = []
         if name is not None:
             try:
@@ -434,8 +435,15 @@ class Worker(ChildProcess):
             except WorkerError:
                 self.close()
                 raise
-            self.metadata = rep["metadata"].encode()
             self.addresses = [(str(h), int(p)) for h, p in rep["addresses"]]
+
+    @property
+    def metadata(self) -> bytes:
+        """The first agent's metadata as of now: it carries the access keys of the regions
+        registered so far (asked of the child each time)."""
+        if not self._named:
+            raise WorkerError(f"worker {self.tag!r} made no agent of its own")
+        return str(self.call("hello")["metadata"]).encode()
 
 
 def main() -> int:

@@ -120,25 +120,55 @@ def common(p: argparse.ArgumentParser) -> None:
         help="exact chunk sizes to sweep (auto,4MiB,64MiB); auto is the planner's own choice "
         f"{_quick_note('chunk')}",
     )  # fmt: skip
-    p.add_argument("--op", choices=["push", "pull"], default="push",
-                   help="push (write to the far side) or pull (read from it) (default: push)")
-    p.add_argument("--mem", choices=["host", "cuda"], default="host",
-                   help="memory to move (default: host; cuda needs the UCX transport)")
-    p.add_argument("--iters", type=int_range(1), default=None,
-                   help=f"timed transfers per configuration {_quick_note('iters')}")
-    p.add_argument("--warmup", type=int_range(0), default=None,
-                   help=f"untimed transfers before them {_quick_note('warmup')}")
-    p.add_argument("--concurrency", type=int_range(1), default=1,
-                   help="transfers in flight at once (default: 1)")
+    p.add_argument(
+        "--op",
+        choices=["push", "pull"],
+        default="push",
+        help="push (write to the far side) or pull (read from it) (default: push)",
+    )
+    p.add_argument(
+        "--mem",
+        choices=["host", "cuda"],
+        default="host",
+        help="memory to move (default: host; cuda needs the UCX transport)",
+    )
+    p.add_argument(
+        "--iters",
+        type=int_range(1),
+        default=None,
+        help=f"timed transfers per configuration {_quick_note('iters')}",
+    )
+    p.add_argument(
+        "--warmup",
+        type=int_range(0),
+        default=None,
+        help=f"untimed transfers before them {_quick_note('warmup')}",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=int_range(1),
+        default=1,
+        help="transfers in flight at once (default: 1)",
+    )
     p.add_argument("--layers", type=int_range(1), default=1,
                    help="split each transfer into this many layers; >1 measures the time to "
                    "the first layer (default: 1)")  # fmt: skip
-    p.add_argument("--no-verify", action="store_true",
-                   help="skip the byte check after each configuration (default: check)")
-    p.add_argument("--json", action="store_true",
-                   help="one JSON object per result line, gbps in GB/s (default: a table)")
-    p.add_argument("--csv", metavar="FILE", default=None,
-                   help="also write the results as CSV, gbps in GB/s (default: none)")
+    p.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip the byte check after each configuration (default: check)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object per result line, gbps in GB/s (default: a table)",
+    )
+    p.add_argument(
+        "--csv",
+        metavar="FILE",
+        default=None,
+        help="also write the results as CSV, gbps in GB/s (default: none)",
+    )
     p.add_argument("--plot", metavar="FILE.png", default=None,
                    help="also plot GB/s vs size (or chunk size); needs the plot extra: "
                    "pip install kvlink[plot] (default: none)")  # fmt: skip
@@ -150,9 +180,12 @@ def common(p: argparse.ArgumentParser) -> None:
         help="bench/peers of a kvlink checkout, with the peers installed by its setup.sh "
         "(default: $KVLINK_PEERS_DIR, else found from the checkout or the current directory)",
     )  # fmt: skip
-    p.add_argument("--quick", action="store_true",
-                   help="a tiny run for smoke tests: changes the defaults of --size, --chunk, "
-                   "--iters, --warmup and --paths, never a flag given explicitly (default: off)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a tiny run for smoke tests: changes the defaults of --size, --chunk, "
+        "--iters, --warmup and --paths, never a flag given explicitly (default: off)",
+    )
 
 
 def build_parser(prog: str = "kvlink-bench") -> argparse.ArgumentParser:
@@ -166,8 +199,12 @@ def build_parser(prog: str = "kvlink-bench") -> argparse.ArgumentParser:
     lo = sub.add_parser("loopback", help="two processes on this machine",
                         description="kvlink between two processes over N loopback paths; "
                         "throughput in GB/s (1e9 bytes/s).")  # fmt: skip
-    lo.add_argument("--paths", type=int_range(1, MAX_PATHS), default=None,
-                    help=f"loopback paths, 1 to {MAX_PATHS} {_quick_note('paths')}")
+    lo.add_argument(
+        "--paths",
+        type=int_range(1, MAX_PATHS),
+        default=None,
+        help=f"loopback paths, 1 to {MAX_PATHS} {_quick_note('paths')}",
+    )
     common(lo)
     tb = sub.add_parser(
         "testbed", help="across the emulated multi-NIC testbed (root)",
@@ -188,8 +225,9 @@ def build_parser(prog: str = "kvlink-bench") -> argparse.ArgumentParser:
     tb.add_argument("--subnet-base", type=int_range(0, 511), default=None,
                     help="third octet of link 0's subnet 198.18.X.0/24 of a testbed built for "
                     "the run (default: 0)")  # fmt: skip
-    tb.add_argument("--tag", default="bench",
-                    help="testbed tag: reused as it is if it is up (default: bench)")
+    tb.add_argument(
+        "--tag", default="bench", help="testbed tag: reused as it is if it is up (default: bench)"
+    )
     common(tb)
     sv = sub.add_parser("serve", help="the target side",
                         description="The target side: registers --size bytes and serves "
@@ -200,13 +238,19 @@ def build_parser(prog: str = "kvlink-bench") -> argparse.ArgumentParser:
     sv.add_argument("--size", type=_size, default=1 << 30,
                     help="bytes to register: the largest run --size x --concurrency "
                     "(default: 1GiB)")  # fmt: skip
-    sv.add_argument("--bootstrap", default="0.0.0.0:18515",
-                    help="host:port for run to reach (default: 0.0.0.0:18515)")
+    sv.add_argument(
+        "--bootstrap",
+        default="0.0.0.0:18515",
+        help="host:port for run to reach (default: 0.0.0.0:18515)",
+    )
     rn = sub.add_parser("run", help="the initiator side",
                         description="The initiator side: connects to `kvlink-bench serve` and "
                         "measures; throughput in GB/s (1e9 bytes/s).")  # fmt: skip
-    rn.add_argument("--connect", required=True,
-                    help="serve's bootstrap host:port, as serve prints it (required)")
+    rn.add_argument(
+        "--connect",
+        required=True,
+        help="serve's bootstrap host:port, as serve prints it (required)",
+    )
     rn.add_argument("--nics", default="auto",
                     help="NICs: auto, loopback:N or names/addresses, comma-separated "
                     "(default: auto)")  # fmt: skip

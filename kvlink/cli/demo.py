@@ -179,16 +179,27 @@ def sender(args: argparse.Namespace) -> int:
 
 
 def build_parser(prog: str = "kvlink-bench demo") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--paths", type=int_range(1, MAX_PATHS), default=4,
-                   help=f"loopback paths, 1 to {MAX_PATHS} (default: 4)")
-    p.add_argument("--layers", type=int_range(1), default=32,
-                   help="layers of the KV cache (default: 32)")
-    p.add_argument("--blocks", type=int_range(1), default=512,
-                   help="KV blocks per layer (default: 512)")
-    p.add_argument("--block-kib", type=int_range(1), default=32,
-                   help="KiB per block per K/V plane (default: 32)")
+    p = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--paths",
+        type=int_range(1, MAX_PATHS),
+        default=4,
+        help=f"loopback paths, 1 to {MAX_PATHS} (default: 4)",
+    )
+    p.add_argument(
+        "--layers", type=int_range(1), default=32, help="layers of the KV cache (default: 32)"
+    )
+    p.add_argument(
+        "--blocks", type=int_range(1), default=512, help="KV blocks per layer (default: 512)"
+    )
+    p.add_argument(
+        "--block-kib",
+        type=int_range(1),
+        default=32,
+        help="KiB per block per K/V plane (default: 32)",
+    )
     p.add_argument("--timeout", type=_positive_s, default=60.0,
                    help="seconds any one step may take before the demo fails with the reason "
                    "(default: 60)")  # fmt: skip

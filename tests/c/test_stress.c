@@ -48,6 +48,9 @@ static void connect_to(int from, int to, const char *name)
     }
     CHECKF(kvl_peer_connect(sides[from].a, name, 0, hp, ports, n, &peer_of[from]) == KVL_OK,
            "%s", kvl_last_error());
+    uint8_t key[16]; /* what the metadata would carry */
+    CHECK(kvl_region_key(sides[to].a, sides[to].region, key) == KVL_OK);
+    CHECK(kvl_peer_set_key(peer_of[from], sides[to].region, key) == KVL_OK);
 }
 
 typedef struct job {

@@ -108,12 +108,16 @@ static kvl_err run_decoder(dec_kind k, const uint8_t *src, size_t len)
         if (e == KVL_OK) {
             CHECK(m.n_pieces >= 1 && m.n_pieces <= KVL_MAX_PIECES);
             if (CHECK(m.pieces >= body &&
-                      m.pieces + (size_t)m.n_pieces * KVL_WIRE_PIECE_BYTES == end)) {
+                      m.pieces + (size_t)m.n_pieces * KVL_WIRE_PIECE_BYTES < end)) {
                 for (uint32_t i = 0; i < m.n_pieces; i++) {
                     kvl_wire_piece p;
                     kvl_dec_piece(&m, i, &p);
+                    (void)kvl_dec_key_for(&m, p.region);
                 }
             }
+            CHECK(m.n_keys >= 1 && m.n_keys <= m.n_pieces);
+            CHECK(m.keys == m.pieces + (size_t)m.n_pieces * KVL_WIRE_PIECE_BYTES + 4 &&
+                  m.keys + (size_t)m.n_keys * KVL_WIRE_KEY_BYTES == end);
         }
         break;
     }
@@ -574,14 +578,27 @@ static void test_chunk(void)
             kvl_wire_piece p = {i + 1, (uint64_t)i << 33, (uint64_t)i * 7 + 1};
             kvl_enc_piece(&f.b, &p);
         }
+        uint32_t nk = counts[c] < 3 ? counts[c] : 3; /* keys of regions 1..nk */
+        kvl_enc_keys(&f.b, nk);
+        for (uint32_t k = 1; k <= nk; k++) {
+            uint8_t key[KVL_KEY_BYTES];
+            memset(key, (int)k, sizeof key);
+            kvl_enc_key(&f.b, k, key);
+        }
         frame_done(&f, c & 1 ? KVL_F_READ_REQ : KVL_F_DATA, c & 1 ? 0 : 4096);
-        CHECK(f.len == 20 + (size_t)counts[c] * KVL_WIRE_PIECE_BYTES);
+        CHECK(f.len == 20 + (size_t)counts[c] * KVL_WIRE_PIECE_BYTES + 4 +
+                           (size_t)nk * KVL_WIRE_KEY_BYTES);
         uint8_t *body = dup_exact(f.body, f.len);
         kvl_msg_chunk out;
         if (CHECKF(kvl_dec_chunk(body, f.len, &out) == KVL_OK, "%u pieces: %s", counts[c],
                    kvl_last_error())) {
             CHECK(out.xfer == 0xabcdef0123ull && out.chunk == c * 1000 && out.attempt == c);
-            CHECK(out.n_pieces == counts[c]);
+            CHECK(out.n_pieces == counts[c] && out.n_keys == nk);
+            for (uint32_t k = 1; k <= nk; k++) {
+                const uint8_t *key = kvl_dec_key_for(&out, k);
+                CHECK(key && key[0] == k && key[KVL_KEY_BYTES - 1] == k);
+            }
+            CHECK(kvl_dec_key_for(&out, nk + 1) == NULL && kvl_dec_key_for(&out, 0) == NULL);
             for (uint32_t i = 0; i < out.n_pieces; i++) {
                 kvl_wire_piece p;
                 kvl_dec_piece(&out, i, &p);
@@ -622,6 +639,24 @@ static void test_chunk(void)
     uint32_t two = 2;
     memcpy(b + 16, &two, 4);
     EXPECT_PROTOCOL(D_CHUNK, b, 20 + KVL_WIRE_PIECE_BYTES, "chunk with 2 pieces, 1 present");
+    /* keys: 1..n_pieces of them, ids strictly ascending */
+    uint32_t one = 1;
+    memcpy(b + 16, &one, 4);
+    size_t at = 20 + KVL_WIRE_PIECE_BYTES;
+    EXPECT_PROTOCOL(D_CHUNK, b, at + 4, "chunk with 0 keys");
+    memcpy(b + at, &two, 4);
+    EXPECT_PROTOCOL(D_CHUNK, b, at + 4 + 2 * KVL_WIRE_KEY_BYTES, "more keys than pieces");
+    memcpy(b + 16, &two, 4);
+    at = 20 + 2 * KVL_WIRE_PIECE_BYTES;
+    memset(b + 20, 0, 2 * KVL_WIRE_PIECE_BYTES);
+    memcpy(b + at, &two, 4);
+    uint64_t id = 5;
+    memcpy(b + at + 4, &id, 8);
+    memcpy(b + at + 4 + KVL_WIRE_KEY_BYTES, &id, 8);
+    EXPECT_PROTOCOL(D_CHUNK, b, at + 4 + 2 * KVL_WIRE_KEY_BYTES, "the same key id twice");
+    id = 6;
+    memcpy(b + at + 4 + KVL_WIRE_KEY_BYTES, &id, 8);
+    CHECK(run_decoder(D_CHUNK, b, at + 4 + 2 * KVL_WIRE_KEY_BYTES) == KVL_OK);
     free(b);
 }
 

@@ -95,7 +95,8 @@ def test_pull_without_remote_read(pair):
     tx, _ = pair
     dst = np.zeros(MiB, np.uint8)
     tx.register(dst)
-    with pytest.raises(kvlink.RemoteAccessError, match="remote_read=True"):
+    # a region exposed to nobody is not even listed to peers
+    with pytest.raises(kvlink.UnknownRegionError, match="no region 'none'"):
         tx.pull("rx", src="none", dst=dst)
     with pytest.raises(kvlink.RemoteAccessError, match="remote_read=True"):
         tx.pull("rx", src="w", dst=dst)  # writable is not readable
@@ -107,9 +108,11 @@ def test_push_without_remote_write(pair):
     src = np.ones(MiB, np.uint8)
     tx.register(src)
     before = {k: rx.call("digest", key=k)["digest"] for k in ("r", "none")}
+    with pytest.raises(kvlink.RemoteAccessError, match="remote_write=True"):
+        tx.push("rx", src=src, dst="r")
+    with pytest.raises(kvlink.UnknownRegionError, match="no region 'none'"):
+        tx.push("rx", src=src, dst="none")  # exposed to nobody: not listed
     for key in ("r", "none"):
-        with pytest.raises(kvlink.RemoteAccessError, match="remote_write=True"):
-            tx.push("rx", src=src, dst=key)
         unchanged(rx, key, before[key])
 
 

@@ -23,6 +23,7 @@ from tests.wire_client import (
     data,
     end,
     frame,
+    key_of,
     recv_frame,
     recv_until,
 )
@@ -41,15 +42,16 @@ def test_late_corrupt_loser_never_lands(make_agent):
     rx = make_agent("rx-dup", nics="loopback:2")
     dst = np.zeros(L, np.uint8)
     rid = rx.register(dst, remote_write=True).id
+    key = key_of(rx.metadata(), rid)
     (h0, p0), (h1, p1) = rx.addresses
     ctrl, d0, d1 = connect((h0, p0), 0, 0), connect((h0, p0), 1, 0), connect((h1, p1), 1, 1)
     try:
         good = bytes([0x11]) * L
         # copy 1 (slow path): header and half of its payload arrive
-        d0.sendall(announce(7, 2 * L, 2) + data(7, 0, 1, rid, L) + good[: L // 2])
+        d0.sendall(announce(7, 2 * L, 2) + data(7, 0, 1, rid, L, key) + good[: L // 2])
         # copy 2 (the hedge) overtakes it and is verified
         d1.sendall(
-            announce(7, 2 * L, 2) + data(7, 0, 2, rid, L) + good + struct.pack("<I", crc(good))
+            announce(7, 2 * L, 2) + data(7, 0, 2, rid, L, key) + good + struct.pack("<I", crc(good))
         )
         assert ack(d1) == (0, 2, 0)
         ctrl.sendall(frame(F_NOTIFY, struct.pack("<QII", 7, 1, 4) + b"done"))
@@ -63,7 +65,7 @@ def test_late_corrupt_loser_never_lands(make_agent):
         # after END even a brand-new copy of that transfer is drained
         ctrl.sendall(end(7) + frame(F_PING, struct.pack("<Q", 1)))
         recv_until(ctrl, F_PONG)  # END processed (same connection, in order)
-        d1.sendall(data(7, 1, 9, rid, L) + good + struct.pack("<I", crc(good)))
+        d1.sendall(data(7, 1, 9, rid, L, key) + good + struct.pack("<I", crc(good)))
         assert ack(d1)[2] == SUPERSEDED
         assert (dst == 0xEE).all()
     finally:
@@ -75,12 +77,13 @@ def test_newer_copy_takes_over_and_older_stops_writing(make_agent):
     rx = make_agent("rx-dup2", nics="loopback:2")
     dst = np.zeros(L, np.uint8)
     rid = rx.register(dst, remote_write=True).id
+    key = key_of(rx.metadata(), rid)
     (h0, p0), (h1, p1) = rx.addresses
     d0, d1 = connect((h0, p0), 1, 0), connect((h1, p1), 1, 1)
     try:
         good = bytes(range(256)) * (L // 256)
-        d0.sendall(announce(8, L, 1) + data(8, 0, 1, rid, L) + good[: L // 4])  # a quarter in
-        d1.sendall(announce(8, L, 1) + data(8, 0, 2, rid, L) + good[: L // 2])  # newer copy
+        d0.sendall(announce(8, L, 1) + data(8, 0, 1, rid, L, key) + good[: L // 4])  # a quarter in
+        d1.sendall(announce(8, L, 1) + data(8, 0, 2, rid, L, key) + good[: L // 2])  # newer copy
         time.sleep(0.2)  # let the receiver read the newer header before the garbage
         d0.sendall(bytes([0x33]) * (3 * L // 4) + struct.pack("<I", 0))  # old copy: garbage
         # SUPERSEDED; CHECKSUM only if the receiver had not seen the newer

@@ -108,18 +108,21 @@ def test_data_without_announce_is_refused_and_huge_chunk_index_is_harmless(make_
     rx = make_agent("rx")
     dst = np.zeros(MiB, np.uint8)
     rid = rx.register(dst, remote_write=True).id
+    key = wc.key_of(rx.metadata(), rid)
     s = wc.connect(rx.addresses[0], wc.DATA_CONN, 0, "raw", 99)
     try:
         payload = b"\x01" * 64
         for chunk in (0, 1 << 31):
-            s.sendall(wc.data(5, chunk, 1, rid, 64) + payload + struct.pack("<I", wc.crc(payload)))
+            s.sendall(
+                wc.data(5, chunk, 1, rid, 64, key) + payload + struct.pack("<I", wc.crc(payload))
+            )
             _, got_chunk, _, status = struct.unpack_from("<QIII", wc.recv_until(s, wc.ACK))
             assert (got_chunk, status) == (chunk, kvlink.ErrorCode.PROTOCOL)
         # announced: accepted; a chunk outside the announced count: refused
-        s.sendall(wc.announce(6, 64, 1) + wc.data(6, 0, 1, rid, 64) + payload)
+        s.sendall(wc.announce(6, 64, 1) + wc.data(6, 0, 1, rid, 64, key) + payload)
         s.sendall(struct.pack("<I", wc.crc(payload)))
         assert struct.unpack_from("<QIII", wc.recv_until(s, wc.ACK))[3] == 0
-        s.sendall(wc.data(6, 1, 1, rid, 64) + payload + struct.pack("<I", wc.crc(payload)))
+        s.sendall(wc.data(6, 1, 1, rid, 64, key) + payload + struct.pack("<I", wc.crc(payload)))
         assert struct.unpack_from("<QIII", wc.recv_until(s, wc.ACK))[3] == kvlink.ErrorCode.PROTOCOL
     finally:
         s.close()

@@ -175,7 +175,8 @@ def test_prepare_then_push(pair):
     notes = p.rx.call("notifications", wait_s=5)["notifications"]
     assert [n["op"] for n in notes] == ["PREPARE"]
     assert json.loads(bytes.fromhex(notes[0]["tag"]))["nbytes"] == 32 * MiB
-    p.rx.call("alloc", key="kv", nbytes=32 * MiB, remote_write=True, name="kv")
+    md = p.rx.call("alloc", key="kv", nbytes=32 * MiB, remote_write=True, name="kv")["metadata"]
+    p.tx.call("add_peer", metadata=md)  # the receiver hands back the new region's access key
     p.wait(p.push())
     assert p.verified()
 

@@ -367,23 +367,31 @@ static kvl_err check_config(const kvl_config *cfg)
                         "config.secret must be %d..%d bytes (got %zu): use a random one, e.g. "
                         "`openssl rand -hex 32`",
                         KVL_SECRET_MIN, KVL_SECRET_MAX, cfg->secret_len);
-    for (size_t i = 0; !cfg->secret_len && !cfg->allow_unauthenticated && i < cfg->n_addrs; i++) {
-        struct in_addr ia;
-        inet_pton(AF_INET, cfg->addrs[i], &ia);
-        if ((ntohl(ia.s_addr) >> 24) != 127)
-            return kvl_fail(KVL_ERR_INVALID_ARG,
-                            "agent '%s' would listen on %s without a secret: any process that "
-                            "reaches it could write its remote_write regions.  Give every agent "
-                            "the same cluster secret (Config(secret=...), KVLINK_SECRET or "
-                            "KVLINK_SECRET_FILE), or pass allow_unauthenticated=True on a "
-                            "trusted network",
-                            cfg->name, cfg->addrs[i]);
-    }
     if (!cfg->connect_timeout_ms || !cfg->monitor_interval_ms || !cfg->max_attempts ||
         !cfg->window_chunks || !cfg->stall_factor || !cfg->probe_backoff_max_ms)
         return kvl_fail(KVL_ERR_INVALID_ARG,
                         "config: connect_timeout_ms, monitor_interval_ms, max_attempts, "
                         "window_chunks, stall_factor and probe_backoff_max_ms must be positive");
+    return KVL_OK;
+}
+
+/* Without a secret, anyone who reaches a listener may write its
+ * remote_write regions: only loopback unless the user said otherwise. */
+static kvl_err check_exposure(const kvl_config *cfg)
+{
+    for (size_t i = 0; !cfg->secret_len && !cfg->allow_unauthenticated && i < cfg->n_addrs; i++) {
+        struct in_addr ia;
+        inet_pton(AF_INET, cfg->addrs[i], &ia);
+        if ((ntohl(ia.s_addr) >> 24) != 127)
+            return kvl_fail(KVL_ERR_INVALID_ARG,
+                            "agent '%s' would listen on %s without a secret, and any process "
+                            "that reaches it could write its remote_write regions. Give every "
+                            "agent the same cluster secret (Config(secret=...), or the "
+                            "environment: KVLINK_SECRET or KVLINK_SECRET_FILE), or on a trusted "
+                            "network allow it (allow_unauthenticated=True, or "
+                            "KVLINK_ALLOW_UNAUTHENTICATED=1); docs/security.md",
+                            cfg->name, cfg->addrs[i]);
+    }
     return KVL_OK;
 }
 
@@ -479,6 +487,11 @@ kvl_err kvl_agent_create(const kvl_config *cfg, kvl_agent **out)
             agent_free(a);
             return e;
         }
+    }
+    /* after listen, so an address this host lacks is reported as such first */
+    if ((e = check_exposure(cfg))) {
+        agent_free(a);
+        return e;
     }
     kvl_monitor_init(a);
     if (kvl_prober_start(a) != KVL_OK) {

@@ -89,10 +89,10 @@ static kvl_err answer_challenge(kvl_agent *a, kvl_peer *p, kvl_ep *ep, const kvl
     explicit_bzero(&au, sizeof au);
     if (!proven)
         return kvl_fail(KVL_ERR_AUTH,
-                        "the agent at %s (answering as '%s') could not prove it holds the "
-                        "cluster secret of '%s': the two hold different secrets, or something "
-                        "else answers there",
-                        where, ch.name, p->name);
+                        "the agent at %s (answering as '%s') could not prove it holds this "
+                        "agent's ('%s') cluster secret: the two were given different secrets, "
+                        "or something else answers there",
+                        where, ch.name, a->name);
     if (e)
         return kvl_fail(KVL_ERR_UNREACHABLE, "handshake with peer '%s' at %s: %s", p->name,
                         where, kvl_last_error());

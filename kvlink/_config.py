@@ -181,18 +181,31 @@ class Config:
         Raises:
             ConfigError: unknown keys, unreadable file or invalid values.
         """
-        values: dict[str, Any] = {}
-        values.update(_from_env(os.environ))
+        values: dict[str, Any] = _from_env(os.environ)
+        from_env = set(values)
         if file is not None:
-            values.update(_from_file(Path(file)))
+            from_file = _from_file(Path(file))
+            values.update(from_file)
+            from_env -= set(from_file)
         values.update(overrides)
+        from_env -= set(overrides)
         unknown = sorted(set(values) - set(_FIELDS))
         if unknown:
             hints = "".join(_closest(k, _FIELDS) for k in unknown)
             raise ConfigError(
                 f"unknown config keys {unknown}{hints}; known keys: {sorted(_FIELDS)}"
             )
-        return cls(**values)
+        try:
+            return cls(**values)
+        except ConfigError as exc:
+            # name the variable a user set, not a field name they never typed
+            field_name = str(exc).split(":", 1)[0]
+            var = f"KVLINK_{field_name.upper()}"
+            if field_name in from_env and field_name != "secret":
+                raise ConfigError(
+                    f"{var}={os.environ.get(var)!r} (from the environment): {exc}"
+                ) from None
+            raise
 
 
 SECRET_MIN, SECRET_MAX = 16, 256  # bytes (csrc/internal.h)

@@ -99,6 +99,11 @@ class PagedLayout:
                 ambiguous shape without ``planes``.
             NotRegisteredError: a layer lies outside every registered region.
         """
+        if not hasattr(agent, "_locate"):
+            raise ArgumentTypeError(
+                f"agent: expected the kvlink.Agent the layers are registered with, got "
+                f"{type(agent).__name__}"
+            )
         if hasattr(layers, "shape"):  # one array holding every layer
             layers = list(layers)
         if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):

@@ -66,18 +66,28 @@ def _size(text: str) -> int:
     return n
 
 
+def _items(text: str, example: str) -> list[str]:
+    items = [t.strip() for t in text.split(",")]
+    if not any(items) or not all(items):
+        raise argparse.ArgumentTypeError(f"{text!r}: an empty item; write e.g. {example}")
+    return items
+
+
 def size_list(text: str) -> list[int]:
-    items = [t for t in text.split(",") if t.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError(f"no size in {text!r}; write e.g. 16MiB,1GiB")
-    return [_size(t) for t in items]
+    return [_size(t) for t in _items(text, "16MiB,1GiB")]
+
+
+CHUNK_MIN, CHUNK_MAX = 4096, 1 << 30  # Config.chunk_bytes' range
 
 
 def chunk_list(text: str) -> list[int]:
-    items = [t for t in text.split(",") if t.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError(f"no chunk size in {text!r}; write e.g. auto,4MiB")
-    return [0 if t.strip() == "auto" else _size(t) for t in items]
+    out = []
+    for t in _items(text, "auto,4MiB"):
+        n = 0 if t == "auto" else _size(t)
+        if n and not CHUNK_MIN <= n <= CHUNK_MAX:
+            raise argparse.ArgumentTypeError(f"{t!r}: a chunk must be 4KiB..1GiB (or auto)")
+        out.append(n)
+    return out
 
 
 def int_range(lo: int, hi: int | None = None) -> Callable[[str], int]:
@@ -226,7 +236,10 @@ def build_parser(prog: str = "kvlink-bench") -> argparse.ArgumentParser:
                     help="third octet of link 0's subnet 198.18.X.0/24 of a testbed built for "
                     "the run (default: 0)")  # fmt: skip
     tb.add_argument(
-        "--tag", default="bench", help="testbed tag: reused as it is if it is up (default: bench)"
+        "--tag",
+        default="tb",
+        help="testbed tag: reused as it is if it is up, as `kvlink testbed up` leaves it "
+        "(default: tb)",
     )
     common(tb)
     sv = sub.add_parser("serve", help="the target side",

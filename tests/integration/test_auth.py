@@ -112,9 +112,16 @@ def test_the_documented_proof_is_accepted(make_agent):
     assert [(n.peer, n.tag) for n in got] == [("client", b"hello")]
 
 
-def test_without_a_secret_only_loopback_is_served():
+def test_without_a_secret_only_loopback_is_served(make_agent, caplog):
+    caplog.set_level(logging.WARNING, logger="kvlink")
     with pytest.raises(kvlink.InvalidArgumentError, match="allow_unauthenticated"):
-        kvlink.Agent("open", kvlink.Config(nics=["198.18.0.1"]))
+        kvlink.Agent("open", kvlink.Config(nics=["0.0.0.0"]))  # every interface
+    # an address this host lacks is reported as that, not as a missing secret
+    with pytest.raises(kvlink.KvlinkError, match=r"cannot listen on 198\.18\.255\.254"):
+        kvlink.Agent("absent", kvlink.Config(nics=["198.18.255.254"]))
+    a = make_agent("trusted", nics=["0.0.0.0"], allow_unauthenticated=True)
+    a.close()
+    assert any("without authentication" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize("secret", ["short", b"x" * 257, 12345])

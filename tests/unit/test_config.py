@@ -50,6 +50,11 @@ def test_bad_env_and_file_are_named(tmp_path, monkeypatch):
     monkeypatch.setenv("KVLINK_CHUNK_BYTES", "lots")
     with pytest.raises(kvlink.ConfigError, match="KVLINK_CHUNK_BYTES"):
         kvlink.Config.load()
+    # a value that parses but is out of range names the variable too
+    monkeypatch.setenv("KVLINK_CHUNK_BYTES", "7")
+    with pytest.raises(kvlink.ConfigError, match=r"KVLINK_CHUNK_BYTES='7' .*outside"):
+        kvlink.Config.load()
+    kvlink.Config.load(chunk_bytes=4096, min_chunk_bytes=4096)  # an explicit value wins
     monkeypatch.delenv("KVLINK_CHUNK_BYTES")
     bad = tmp_path / "bad.json"
     bad.write_text("{nope")

@@ -114,6 +114,8 @@ def test_from_tensors_rejects_wrong_shapes(make_agent):
         kv.PagedLayout.from_tensors(a, list(cache), planes=3)
     with pytest.raises(kvlink.NotRegisteredError, match=r"layers\[0\]"):
         kv.PagedLayout.from_tensors(a, [np.zeros((2, 8, 16), np.uint8)], planes=2)
+    with pytest.raises(kvlink.ArgumentTypeError, match=r"agent: expected the kvlink\.Agent"):
+        kv.PagedLayout.from_tensors(None, list(cache), planes=2)
     with pytest.raises(kvlink.InvalidArgumentError, match="offsets: 1 entries for 2 layers"):
         kv.PagedLayout(regions=(1, 2), offsets=(0,), num_blocks=4, block_bytes=8)
 

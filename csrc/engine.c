@@ -367,6 +367,8 @@ static kvl_err check_config(const kvl_config *cfg)
                         "config.secret must be %d..%d bytes (got %zu): use a random one, e.g. "
                         "`openssl rand -hex 32`",
                         KVL_SECRET_MIN, KVL_SECRET_MAX, cfg->secret_len);
+    if (!cfg->max_connections)
+        return kvl_fail(KVL_ERR_INVALID_ARG, "config.max_connections must be positive");
     if (!cfg->connect_timeout_ms || !cfg->monitor_interval_ms || !cfg->max_attempts ||
         !cfg->window_chunks || !cfg->stall_factor || !cfg->probe_backoff_max_ms)
         return kvl_fail(KVL_ERR_INVALID_ARG,

@@ -23,6 +23,11 @@
 #define KVL_SECRET_MAX 256        /* bytes of the cluster secret */
 #define KVL_SECRET_MIN 16
 #define KVL_HANDSHAKE_BODY_MAX (4u << 20) /* HELLO_ACK's region table: 8192 x ~350 bytes */
+#define KVL_PREAUTH_BODY_MAX 256u /* a frame body before the handshake ends (HELLO, AUTH) */
+#define KVL_MAX_ANSWERS_QUEUED 4096 /* frames queued to a peer that does not read them */
+#define KVL_PARTIAL_FRAME_TIMEOUTS 6 /* x connect_timeout: a started frame's bytes stop coming */
+#define KVL_MAX_CONNS_PER_PEER (4 * (KVL_MAX_PATHS + 1)) /* inbound, one peer name */
+#define KVL_MAX_PEER_NAMES 4096   /* inbound peer names remembered */
 #define KVL_LOG_MAX 1024         /* log records kept for the application (log.c) */
 #define KVL_MAX_CHUNK (1ull << 30)
 #define KVL_MAX_XFER_CHUNKS 65536 /* chunks per transfer: bounds ANNOUNCE to 512 KiB */
@@ -461,7 +466,10 @@ struct kvl_agent {
     kvl_conn *conns;           /* every live connection */
     kvl_conn *dead;            /* closed this iteration; freed at its end */
     kvl_xfer *all_xfers;
-    kvl_inbound *inbound;
+    kvl_inbound *inbound;      /* inbound peers by name (proto.c), at most KVL_MAX_PEER_NAMES */
+    uint32_t n_inbound;
+    uint32_t n_conns_in;       /* accepted connections alive (bounded: cfg.max_connections) */
+    uint64_t t_refused_log_ns; /* last "too many connections" log record */
     struct kvl_rx_xfer *rx_xfers; /* chunk ownership of inbound pushes (inbound.c) */
     struct kvl_rx_xfer *rx_buckets[KVL_RX_BUCKETS]; /* the same entries by (instance, xfer) */
     uint64_t rx_seed;          /* secret hash seed: senders cannot aim at one bucket */

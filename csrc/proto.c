@@ -25,6 +25,7 @@ struct kvl_conn {
     kvl_msg_hello hello;   /* inbound, while auth_wait: the HELLO to admit once proven */
     uint8_t nonce_s[KVL_NONCE_BYTES]; /* inbound, while auth_wait: our challenge */
     int outbound;
+    int accepted;          /* counted in a->n_conns_in */
     kvl_peer *peer;        /* outbound: the peer and path this serves */
     int path;
     char peer_name[KVL_NAME_MAX]; /* inbound: from HELLO */
@@ -66,7 +67,31 @@ kvl_conn *kvl_conn_new(kvl_agent *a, kvl_ep *ep)
     return c;
 }
 
-kvl_conn *kvl_proto_accepted(kvl_agent *a, kvl_ep *ep) { return kvl_conn_new(a, ep); }
+kvl_conn *kvl_proto_accepted(kvl_agent *a, kvl_ep *ep)
+{
+    if (a->n_conns_in >= a->cfg.max_connections) {
+        uint64_t now = kvl_now_ns();
+        if (now - a->t_refused_log_ns > 1000000000ull) { /* one record a second at most */
+            a->t_refused_log_ns = now;
+            kvl_log(a, KVL_LOG_WARNING, NULL, -1,
+                    "agent '%s' holds %u accepted connections (max_connections): new ones are "
+                    "closed at once",
+                    a->name, a->n_conns_in);
+        }
+        return NULL;
+    }
+    kvl_conn *c = kvl_conn_new(a, ep);
+    if (c) {
+        c->accepted = 1;
+        a->n_conns_in++;
+    }
+    return c;
+}
+
+uint32_t kvl_proto_max_body(const kvl_conn *c)
+{
+    return c->handshaken ? KVL_MAX_BODY : KVL_PREAUTH_BODY_MAX;
+}
 
 kvl_conn *kvl_conn_adopt(kvl_agent *a, kvl_ep *ep)
 {
@@ -136,6 +161,16 @@ void kvl_proto_release(kvl_agent *a, kvl_tp_hold *h)
 
 static int send_frame(kvl_conn *c, kvl_tp_frame *f)
 {
+    if (!c->dead && c->accepted && tp(c)->queued(c->ep) >= KVL_MAX_ANSWERS_QUEUED) {
+        /* answers (ACK, READ_RESP, REGIONS, PONG) pile up: the peer sends
+         * requests and does not read what they bring back */
+        char why[160];
+        snprintf(why, sizeof why,
+                 "'%s' does not read its answers: %d frames queued to it (connection closed)",
+                 c->peer_name[0] ? c->peer_name : "an unnamed peer", KVL_MAX_ANSWERS_QUEUED);
+        kvl_log(c->a, KVL_LOG_WARNING, c->peer_name[0] ? c->peer_name : NULL, -1, "%s", why);
+        kvl_conn_fail(c, KVL_ERR_PROTOCOL, why);
+    }
     if (c->dead) {
         kvl_proto_release(c->a, &f->hold);
         free(f->payload);
@@ -449,6 +484,31 @@ static void on_auth(kvl_conn *c)
     admit(c, &c->hello);
 }
 
+/* A record for inbound peer `name`; at KVL_MAX_PEER_NAMES one whose
+ * connections are all gone makes room.  NULL when none can. */
+static kvl_inbound *inbound_new(kvl_agent *a, const char *name)
+{
+    if (a->n_inbound >= KVL_MAX_PEER_NAMES) {
+        kvl_inbound **pp = &a->inbound;
+        while (*pp && (*pp)->conns > 0)
+            pp = &(*pp)->next;
+        if (!*pp)
+            return NULL;
+        kvl_inbound *old = *pp;
+        *pp = old->next;
+        free(old);
+        a->n_inbound--;
+    }
+    kvl_inbound *ib = calloc(1, sizeof *ib);
+    if (!ib)
+        return NULL;
+    strcpy(ib->name, name);
+    ib->next = a->inbound;
+    a->inbound = ib;
+    a->n_inbound++;
+    return ib;
+}
+
 /* Who the HELLO says it is is settled (proven, with a secret): take it in
  * or refuse it, and answer with HELLO_ACK. */
 static void admit(kvl_conn *c, const kvl_msg_hello *hello)
@@ -477,17 +537,16 @@ static void admit(kvl_conn *c, const kvl_msg_hello *hello)
                  "agent '%s' already has a live peer named '%s' (instance %016llx); agent "
                  "names must be unique: rename one of them",
                  a->name, m.name, (unsigned long long)ib->instance);
+    } else if (ib && ib->conns >= KVL_MAX_CONNS_PER_PEER) {
+        status = KVL_ERR_BUSY;
+        snprintf(msg, sizeof msg, "agent '%s' holds %d connections from '%s' already", a->name,
+                 ib->conns, m.name);
+    } else if (!ib && !(ib = inbound_new(a, m.name))) {
+        status = KVL_ERR_BUSY;
+        snprintf(msg, sizeof msg,
+                 "agent '%s' has live connections from %d peer names: no room for '%s'",
+                 a->name, KVL_MAX_PEER_NAMES, m.name);
     } else {
-        if (!ib) {
-            ib = calloc(1, sizeof *ib);
-            if (!ib) {
-                kvl_conn_fail(c, KVL_ERR_NOMEM, "out of memory");
-                return;
-            }
-            strcpy(ib->name, m.name);
-            ib->next = a->inbound;
-            a->inbound = ib;
-        }
         ib->instance = m.instance;
         ib->conns++;
         c->ib = ib;
@@ -908,6 +967,8 @@ static void conn_close(kvl_conn *c, int abortive, kvl_err err, const char *why)
     tp(c)->close(c->ep, abortive);
     if (c->ib)
         c->ib->conns--;
+    if (c->accepted)
+        a->n_conns_in--;
     if (c->outbound) {
         kvl_notify_conn_lost(c->peer, c);
         if (c->path >= 0) {
@@ -947,8 +1008,13 @@ void kvl_conn_expire(kvl_agent *a, uint64_t now)
     uint64_t limit = (uint64_t)a->cfg.connect_timeout_ms * 1000000ull;
     for (kvl_conn *c = a->conns, *next; c; c = next) {
         next = c->next;
+        uint64_t since = c->dead || !c->accepted ? 0 : tp(c)->rx_partial_since(c->ep);
         if (!c->handshaken && now - c->t_open_ns > limit)
             kvl_conn_fail(c, KVL_ERR_TIMEOUT, "no HELLO within the handshake timeout");
+        else if (since && now - since > KVL_PARTIAL_FRAME_TIMEOUTS * limit)
+            kvl_conn_fail(c, KVL_ERR_TIMEOUT,
+                          "a frame started arriving and no more of it came for 6 x "
+                          "connect_timeout");
     }
 }
 

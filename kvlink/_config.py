@@ -107,6 +107,11 @@ class Config:
     # Without a secret an agent listens on loopback addresses only; True
     # allows other addresses (a trusted, isolated network), with a warning.
     allow_unauthenticated: bool = False
+    # Accepted connections alive at once, from all peers together: each peer
+    # opens one control connection plus one per path, so 16384 serves ~1800
+    # peers with 8 paths each.  More are closed at accept (and logged); keep
+    # it below the process's file-descriptor limit (ulimit -n).
+    max_connections: int = 16384
 
     def __post_init__(self) -> None:
         nics = self.nics
@@ -141,6 +146,7 @@ class Config:
         _float_range("connect_timeout_s", self.connect_timeout_s, 0.001, 3600.0)
         _float_range("transfer_timeout_s", self.transfer_timeout_s, 0.0, 7 * 86400.0)
         _float_range("close_linger_s", self.close_linger_s, 0.0, 60.0)
+        _int_range("max_connections", self.max_connections, 1, 1 << 20)
         if self.secret is not None:
             _check_secret("secret", self.secret)
         if not isinstance(self.allow_unauthenticated, bool):

@@ -154,6 +154,7 @@ def agent_create(name: str, addrs: Sequence[str], cfg: Config) -> Handle:
         c.secret = keep[-1]
         c.secret_len = len(secret)
     c.allow_unauthenticated = int(cfg.allow_unauthenticated)
+    c.max_connections = cfg.max_connections
     out = ffi.new("kvl_agent **")
     check(lib.kvl_agent_create(c, out))
     return out[0]

@@ -111,6 +111,8 @@ typedef struct kvl_config {
                                     connection then proves both ends hold it (docs/security.md) */
     size_t secret_len;
     int32_t allow_unauthenticated; /* 1: listen on non-loopback addresses without a secret */
+    uint32_t max_connections;    /* accepted connections alive at once, from all peers (each
+                                    peer opens 1 + its paths); more are closed at accept */
 } kvl_config;
 
 /* One contiguous byte range.  Region ids are those of the side that owns the

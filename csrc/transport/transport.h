@@ -113,6 +113,11 @@ typedef struct kvl_transport_ops {
     void (*drop_unstarted)(kvl_ep *ep);
     /* 1 while frames wait to go out. */
     int (*has_output)(const kvl_ep *ep);
+    /* Frames queued and not yet fully sent. */
+    size_t (*queued)(const kvl_ep *ep);
+    /* When the last byte of a frame that has started arriving came in
+     * (CLOCK_MONOTONIC ns); 0 between frames. */
+    uint64_t (*rx_partial_since)(const kvl_ep *ep);
     /* Stops reading ep; it closes once its queued frames have left. */
     void (*refuse)(kvl_ep *ep);
     /* The path's state as the transport sees it; -1 if unavailable. */
@@ -137,6 +142,9 @@ extern const kvl_transport_ops kvl_tcp_ops;
 /* A listener accepted ep: the core's connection for it, or NULL (then the
  * transport closes it). */
 kvl_conn *kvl_proto_accepted(kvl_agent *a, kvl_ep *ep);
+/* The largest body the core takes on c now: small until the handshake is
+ * over.  The transport refuses a header announcing more (on_error). */
+uint32_t kvl_proto_max_body(const kvl_conn *c);
 /* A frame's header (decoded and bounds-checked: kvl_hdr_decode) and body
  * arrived.  For a frame with a payload the core has set the sink before it
  * returns.  The core may close the connection from here. */

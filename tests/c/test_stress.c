@@ -27,6 +27,7 @@ static kvl_agent *make_agent(const char *name)
     const char *addrs[] = {"127.0.0.1", "127.0.0.2"};
     kvl_config c = {.name = name, .addrs = addrs, .n_addrs = 2, .chunk_bytes = 1u << 20,
                     .min_chunk_bytes = 256u << 10, .connect_timeout_ms = 5000,
+                    .max_connections = 1024,
                     .monitor_interval_ms = 100, .max_attempts = 4, .stall_factor = 4,
                     .probe_backoff_max_ms = 2000, .hedge = 1, .window_chunks = 2,
                     .window_bytes = 4u << 20, .close_linger_ms = 2000};

@@ -8,8 +8,13 @@ import logging
 import os
 import resource
 import socket
+import struct
+import time
 
 import numpy as np
+
+import kvlink
+from tests import wire_client as wc
 
 MiB = 1 << 20
 
@@ -59,4 +64,109 @@ def test_out_of_descriptors_sheds_connections_and_keeps_serving(make_agent, capl
     tx.add_peer(victim.metadata())
     tx.push("victim", src=src, dst="kv").wait(timeout_s=30)
     assert np.array_equal(kv, src)
-    assert any("out of file descriptors" in r.getMessage() for r in caplog.records)
+    assert _logged(caplog, "out of file descriptors")
+
+
+def _closed_by_agent(s: socket.socket, within_s: float) -> bool:
+    """True once the agent has closed s (EOF or reset) within ``within_s``."""
+    s.settimeout(within_s)
+    try:
+        while s.recv(65536):
+            pass
+    except (ConnectionResetError, BrokenPipeError):
+        pass
+    except TimeoutError:
+        return False
+    return True
+
+
+def test_a_body_over_the_preauth_limit_is_refused_unread(make_agent):
+    """Before the handshake ends a body is at most 256 bytes: a header that
+    announces 64 KiB is refused on the spot, not buffered."""
+    victim = make_agent("victim", connect_timeout_s=10)
+    with socket.create_connection(victim.addresses[0], timeout=5) as s:
+        s.sendall(struct.pack("<IBBHIIQ", wc.MAGIC, wc.VERSION, wc.HELLO, 0, 65536, 0, 0))
+        assert _closed_by_agent(s, within_s=5)
+
+
+def test_a_peer_that_does_not_read_its_answers_is_cut(make_agent, caplog):
+    caplog.set_level(logging.WARNING, logger="kvlink")
+    victim = make_agent("victim")
+    for i in range(64):  # a region table of some size, answered to every REGIONS_REQ
+        victim.register(np.zeros(4096, np.uint8), name=f"r{i}", remote_read=True)
+    s = wc.connect(victim.addresses[0], wc.CONTROL, 0, "reader", 5)
+    try:
+        s.settimeout(10)
+        req = wc.frame(wc.REGIONS_REQ, b"")
+        try:
+            for _ in range(20):  # ~6.5 MiB of answers per round, never read
+                s.sendall(req * 1000)
+        except (ConnectionResetError, BrokenPipeError):
+            pass
+    finally:
+        s.close()
+    assert _logged(caplog, "does not read its answers")
+    _still_serves(make_agent, victim)
+
+
+def test_connections_over_max_connections_are_closed_at_accept(make_agent, caplog):
+    caplog.set_level(logging.WARNING, logger="kvlink")
+    victim = make_agent("victim", max_connections=6)
+    held = [socket.create_connection(victim.addresses[0], timeout=5) for _ in range(6)]
+    try:
+        extra = socket.create_connection(victim.addresses[0], timeout=5)
+        assert _closed_by_agent(extra, within_s=3)
+        extra.close()
+    finally:
+        for s in held:
+            s.close()
+    assert _logged(caplog, "max_connections")
+    _still_serves(make_agent, victim)  # the count went down with the closes
+
+
+def test_one_peer_name_has_a_bounded_number_of_connections(make_agent):
+    victim = make_agent("victim")
+    limit = 4 * (64 + 1)
+    socks = [wc.connect(victim.addresses[0], wc.DATA_CONN, 0, "greedy", 9) for _ in range(limit)]
+    try:
+        with socket.create_connection(victim.addresses[0], timeout=5) as s:
+            s.sendall(wc.hello("greedy", 9, wc.DATA_CONN, 0))
+            t, body = wc.recv_frame(s)
+        assert t == wc.HELLO_ACK
+        assert struct.unpack_from("<I", body)[0] == kvlink.ErrorCode.BUSY
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_a_frame_that_stops_arriving_is_cut(make_agent):
+    victim = make_agent("victim", connect_timeout_s=0.5)
+    s = wc.connect(victim.addresses[0], wc.DATA_CONN, 0, "slow", 3)
+    try:
+        body = struct.pack("<QIII", 1, 0, 1, 1)
+        s.sendall(wc.frame(wc.DATA, body + bytes(48), 64)[:40])  # header and a bit of body
+        assert _closed_by_agent(s, within_s=10)  # 6 x connect_timeout_s, checked each tick
+    finally:
+        s.close()
+
+
+def _logged(caplog, text: str, within_s: float = 10) -> bool:
+    """Whether a "kvlink" record containing ``text`` arrives (records are drained from the
+    C core by a thread, so they come a little after the fact)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if any(text in r.getMessage() for r in caplog.records):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _still_serves(make_agent, victim) -> None:
+    dst = np.zeros(MiB, np.uint8)
+    victim.register(dst, remote_write=True, name=f"kv{id(dst)}")
+    tx = make_agent(f"tx{id(dst)}")
+    src = np.full(MiB, 3, np.uint8)
+    tx.register(src)
+    tx.add_peer(victim.metadata())
+    tx.push(victim.name, src=src, dst=f"kv{id(dst)}").wait(timeout_s=30)
+    assert np.array_equal(dst, src)

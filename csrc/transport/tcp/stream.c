@@ -85,11 +85,20 @@ static int tcp_send(kvl_ep *ep, kvl_tp_frame *f)
     else
         ep->sq = o;
     ep->sq_tail = o;
+    ep->sq_len++;
     watch(ep, 1);
     return 0;
 }
 
 static int tcp_has_output(const kvl_ep *ep) { return !ep->dead && ep->sq != NULL; }
+
+static size_t tcp_queued(const kvl_ep *ep) { return ep->sq_len; }
+
+static uint64_t tcp_rx_partial_since(const kvl_ep *ep)
+{
+    int partial = ep->rs != RS_HDR || ep->hdr_got > 0;
+    return partial && !ep->dead && !ep->refused ? ep->t_rx_ns : 0;
+}
 
 static void tcp_drop_unstarted(kvl_ep *ep)
 {
@@ -99,6 +108,7 @@ static void tcp_drop_unstarted(kvl_ep *ep)
         kvl_out *o = *pp;
         if (o->f.is_chunk && o->head_sent == 0) {
             *pp = o->next;
+            ep->sq_len--;
             out_free(ep, o);
         } else {
             ep->sq_tail = o;
@@ -117,6 +127,7 @@ static int tcp_cancel(kvl_ep *ep, uint64_t xid, uint32_t chunk, uint32_t attempt
             continue;
         if (o->head_sent == 0) { /* not started: it simply never goes out */
             *pp = o->next;
+            ep->sq_len--;
             if (ep->sq_tail == o)
                 ep->sq_tail = prev;
             out_free(ep, o);
@@ -242,6 +253,7 @@ static void ep_write(kvl_ep *ep)
                 continue;
         }
         ep->sq = o->next;
+        ep->sq_len--;
         if (!ep->sq)
             ep->sq_tail = NULL;
         out_free(ep, o);
@@ -373,6 +385,13 @@ static int on_header(kvl_ep *ep)
         return -1;
     }
     ep->got_frame = 1;
+    if (ep->h.body_len > kvl_proto_max_body(ep->c)) {
+        char why[96];
+        snprintf(why, sizeof why, "a frame body of %u bytes where at most %u are taken",
+                 ep->h.body_len, kvl_proto_max_body(ep->c));
+        kvl_proto_on_error(ep->c, KVL_ERR_PROTOCOL, why);
+        return -1;
+    }
     if (ep->h.body_len > ep->body_cap) {
         uint8_t *nb = realloc(ep->body, ep->h.body_len);
         if (!nb) {
@@ -424,6 +443,7 @@ static void ep_read(kvl_ep *ep)
             return;
         }
         budget = (size_t)n >= budget ? 0 : budget - (size_t)n;
+        ep->t_rx_ns = kvl_now_ns();
         switch (ep->rs) {
         case RS_HDR:
             ep->hdr_got += (size_t)n;
@@ -580,6 +600,7 @@ static void tcp_close(kvl_ep *ep, int abortive)
         out_free(ep, o);
     }
     ep->sq_tail = NULL;
+    ep->sq_len = 0;
 }
 
 static void tcp_free(kvl_ep *ep)
@@ -634,6 +655,8 @@ const kvl_transport_ops kvl_tcp_ops = {
     .cancel = tcp_cancel,
     .drop_unstarted = tcp_drop_unstarted,
     .has_output = tcp_has_output,
+    .queued = tcp_queued,
+    .rx_partial_since = tcp_rx_partial_since,
     .refuse = tcp_refuse,
     .sample = tcp_sample_ep,
     .bytes_sent = tcp_bytes_sent,

@@ -22,6 +22,8 @@ struct kvl_ep {
     int got_frame;         /* a valid header arrived (the version was right) */
     /* send */
     struct kvl_out *sq, *sq_tail;
+    size_t sq_len;         /* frames in sq */
+    uint64_t t_rx_ns;      /* the last byte received (a partial frame's progress) */
     uint64_t tx_payload, rx_payload;
     /* receive */
     int rs;

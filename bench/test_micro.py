@@ -361,3 +361,45 @@ def test_inbound_poll_300_handles(
             f"inbound: done + layers_done() of 300 handles: {us:6.1f} us "
             f"({us / 300 * 1e3:5.0f} ns per handle, median)"
         )
+
+
+# ---- the handshake: what authentication costs -------------------------------------------
+
+
+@pytest.mark.benchmark(group="handshake")
+def test_handshake_with_and_without_secret(benchmark: Any, bench_report: list[str]) -> None:
+    """``add_peer`` of a loopback:4 peer (a control connection and 4 data paths, connected
+    at once) between agents without a secret and between agents sharing one (the
+    HMAC-SHA256 challenge-response adds a round trip per connection).  Rounds alternate the
+    two pairs, so the machine's drift hits both alike; each round removes the peer again.
+    The figure is the ratio of the medians (docs/BENCHMARKS.md, security)."""
+    rounds, warmup = 40, 3
+    secret = "micro-benchmark-secret-0123456789"
+    with ExitStack() as stack:
+        pairs = {}
+        for auth in (False, True):
+            cfg = kvlink.Config(nics="loopback:4", secret=secret if auth else None)
+            rx = stack.enter_context(kvlink.Agent(f"micro-hs-rx-{auth:d}", cfg))
+            tx = stack.enter_context(kvlink.Agent(f"micro-hs-tx-{auth:d}", cfg))
+            pairs[auth] = (tx, rx.name, rx.metadata())
+        times: dict[bool, list[float]] = {False: [], True: []}
+
+        def one_round() -> None:
+            for auth in (len(times[True]) % 2 == 0, len(times[True]) % 2 == 1):
+                tx, name, md = pairs[auth]
+                t0 = time.perf_counter()
+                tx.add_peer(md)
+                times[auth].append(time.perf_counter() - t0)
+                tx.remove_peer(name)
+            time.sleep(0.02)  # the removed connections close before the next round
+
+        benchmark.pedantic(one_round, rounds=rounds, warmup_rounds=warmup)
+    plain = float(np.median(times[False][warmup:])) * 1e3
+    authed = float(np.median(times[True][warmup:])) * 1e3
+    benchmark.extra_info.update(
+        add_peer_ms_plain=round(plain, 3), add_peer_ms_secret=round(authed, 3)
+    )
+    bench_report.append(
+        f"add_peer, loopback:4 (5 connections), median of {rounds} alternating rounds: "
+        f"no secret {plain:.2f} ms, with a secret {authed:.2f} ms ({authed / plain:.2f}x)"
+    )

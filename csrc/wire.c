@@ -330,13 +330,26 @@ kvl_err kvl_dec_hello_ack(const uint8_t *body, size_t len, kvl_msg_hello_ack *m)
     if (m->n_regions > KVL_MAX_REGIONS)
         r.bad = 1;
     m->regions = r.bad ? NULL : body + r.off;
-    /* every record: 88 fixed bytes, a u16 key length, the key */
+    /* every record: 88 fixed bytes, a u16 key length, the key; ids strictly
+     * ascending (the initiator binary-searches), known rights and memory */
+    uint64_t prev = 0;
     for (uint32_t i = 0; i < m->n_regions && !r.bad; i++) {
-        take(&r, KVL_WIRE_REGION_BYTES - 2);
+        const uint8_t *rec = take(&r, KVL_WIRE_REGION_BYTES - 2);
         uint16_t klen = get_u16(&r);
         if (klen > KVL_MAX_RKEY)
             r.bad = 1;
         take(&r, klen);
+        if (r.bad)
+            break;
+        uint64_t id = ld_u64(rec);
+        uint32_t rights = ld_u32(rec + 16), mem = ld_u32(rec + 20);
+        if (id <= prev || (rights & ~(uint32_t)(KVL_REMOTE_READ | KVL_REMOTE_WRITE)) ||
+            mem > KVL_MEM_CUDA)
+            return kvl_fail(KVL_ERR_PROTOCOL,
+                            "region table entry %u: id %llu (after %llu), rights %#x, memory "
+                            "type %u: ids must ascend, rights and memory types be known",
+                            i, (unsigned long long)id, (unsigned long long)prev, rights, mem);
+        prev = id;
     }
     return finish(&r, "HELLO_ACK/REGIONS");
 }

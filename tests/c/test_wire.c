@@ -544,6 +544,25 @@ static void test_hello_ack(void)
     memcpy(b + 16, &over, 4);
     EXPECT_PROTOCOL(D_HELLO_ACK, b, big, "HELLO_ACK with KVL_MAX_REGIONS+1 regions");
     memcpy(b + 16, &at, 4);
+    for (uint64_t i = 0; i < KVL_MAX_REGIONS; i++) { /* ids 1, 2, ...: ascending */
+        uint64_t id = i + 1;
+        memcpy(b + FIX + i * KVL_WIRE_REGION_BYTES, &id, 8);
+    }
+    CHECK(run_decoder(D_HELLO_ACK, b, big - KVL_WIRE_REGION_BYTES) == KVL_OK);
+    /* ids out of order, unknown rights bits or memory types are refused */
+    uint64_t id3 = 3;
+    memcpy(b + FIX + 2 * KVL_WIRE_REGION_BYTES, &id3, 8);
+    memcpy(b + FIX + 3 * KVL_WIRE_REGION_BYTES, &id3, 8);
+    EXPECT_PROTOCOL(D_HELLO_ACK, b, big - KVL_WIRE_REGION_BYTES, "region ids not ascending");
+    uint64_t id4 = 4;
+    memcpy(b + FIX + 3 * KVL_WIRE_REGION_BYTES, &id4, 8);
+    uint32_t bad_rights = 4, bad_mem = 2, zero = 0;
+    memcpy(b + FIX + 16, &bad_rights, 4);
+    EXPECT_PROTOCOL(D_HELLO_ACK, b, big - KVL_WIRE_REGION_BYTES, "region rights bit 2");
+    memcpy(b + FIX + 16, &zero, 4);
+    memcpy(b + FIX + 20, &bad_mem, 4);
+    EXPECT_PROTOCOL(D_HELLO_ACK, b, big - KVL_WIRE_REGION_BYTES, "region memory type 2");
+    memcpy(b + FIX + 20, &zero, 4);
     CHECK(run_decoder(D_HELLO_ACK, b, big - KVL_WIRE_REGION_BYTES) == KVL_OK);
     /* a remote key over the cap, with the bytes really there */
     uint32_t one = 1;

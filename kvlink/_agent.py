@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from . import _native, _nics
-from ._args import bool_arg, timeout_arg
+from ._args import bool_arg, int_error, timeout_arg
 from ._config import Config
 from ._errors import (
     ArgumentTypeError,
@@ -61,7 +61,9 @@ class Agent:
     """
 
     def __init__(self, name: str, config: Config | None = None, **overrides: Any) -> None:
-        if not isinstance(name, str) or not 0 < len(name.encode()) < 64:
+        if not isinstance(name, str):
+            raise ArgumentTypeError(f"name: expected 1..63 bytes of text (a str), got {name!r}")
+        if not 0 < len(name.encode()) < 64:
             raise InvalidArgumentError(f"name: expected 1..63 bytes of text, got {name!r}")
         if config is not None and not isinstance(config, Config):
             raise ArgumentTypeError(
@@ -396,7 +398,7 @@ class Agent:
         if nbytes is not None and (
             isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0
         ):
-            raise InvalidArgumentError(f"nbytes: expected a non-negative int, got {nbytes!r}")
+            raise int_error("nbytes", nbytes, "a non-negative int")
         timeout = timeout_arg(timeout_s, none_ok=False)
         tag = _prepare_tag(nbytes, layout)
         deadline = time.monotonic() + (timeout or 0.0)
@@ -534,11 +536,11 @@ class Agent:
             raise InvalidArgumentError("src and dst are required unless segments= is given")
         for arg, v in (("src_offset", src_offset), ("dst_offset", dst_offset)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise InvalidArgumentError(f"{arg}: expected a non-negative int, got {v!r}")
+                raise int_error(arg, v, "a non-negative int")
         if nbytes is not None and (
             isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0
         ):
-            raise InvalidArgumentError(f"nbytes: expected a positive int, got {nbytes!r}")
+            raise int_error("nbytes", nbytes, "a positive int")
         local_arg, remote_arg = ("src", "dst") if op == Op.PUSH else ("dst", "src")
         local_obj, remote_obj = (src, dst) if op == Op.PUSH else (dst, src)
         local_off, remote_off = (
@@ -662,7 +664,7 @@ class Agent:
 
 def _peer_name(peer: Any) -> str:
     if not isinstance(peer, str):
-        raise InvalidArgumentError(f"peer: expected the peer's name, got {peer!r}")
+        raise ArgumentTypeError(f"peer: expected the peer's name (a str), got {peer!r}")
     return peer
 
 
@@ -719,6 +721,11 @@ def _refuse_overlapping_destinations(segs: np.ndarray[Any, Any]) -> None:
 
 
 def _parse_metadata(metadata: bytes | str | dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(metadata, (bytes, str, dict)):
+        raise ArgumentTypeError(
+            f"metadata: expected the bytes of the peer's agent.metadata(), got "
+            f"{type(metadata).__name__}"
+        )
     try:
         md = json.loads(metadata) if isinstance(metadata, (bytes, str)) else dict(metadata)
     except (ValueError, TypeError) as exc:

@@ -41,3 +41,12 @@ def timeout_arg(value: Any, name: str = "timeout_s", *, none_ok: bool = True) ->
             f"{name}: {value} is not a duration; pass 0 or more seconds (0 polls once)"
         )
     return float(value)
+
+
+def int_error(name: str, value: Any, expected: str) -> InvalidArgumentError:
+    """The error for an int argument ``value`` that is not ``expected``: ArgumentTypeError
+    when it is not an int at all (bool included), InvalidArgumentError when it is out of
+    range."""
+    wrong_type = isinstance(value, bool) or not isinstance(value, int)
+    cls = ArgumentTypeError if wrong_type else InvalidArgumentError
+    return cls(f"{name}: expected {expected}, got {value!r}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from . import _native
+from ._args import int_error
 from ._errors import InvalidArgumentError, KvlinkError, error_for
 from ._types import ChunkEvent, Op, TransferInfo, TransferState
 
@@ -16,7 +17,7 @@ def check_layer(layer: object, layers: int | None = None) -> int:
         InvalidArgumentError: anything else, naming the valid range.
     """
     if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
-        raise InvalidArgumentError(f"layer: expected a non-negative int, got {layer!r}")
+        raise int_error("layer", layer, "a non-negative int")
     if layers is not None and layer >= layers:
         raise InvalidArgumentError(
             f"layer: expected an int in 0..{layers - 1} (the push's layers), got {layer!r}"

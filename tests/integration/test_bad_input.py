@@ -462,3 +462,30 @@ def test_bench_cli_refuses_a_non_boolean_setting():
     )  # fmt: skip
     assert out.returncode == 2
     assert "KVLINK_HEDGE: 'maybe' is not a boolean" in out.stderr
+
+
+def test_arguments_of_the_wrong_type_raise_argument_type_error(make_agent):
+    """A value of the wrong type is an ArgumentTypeError (also an InvalidArgumentError and a
+    TypeError); a value of the right type out of range is an InvalidArgumentError."""
+    with pytest.raises(kvlink.ArgumentTypeError, match="name"):
+        kvlink.Agent(123)  # type: ignore[arg-type]
+    a = make_agent("types-a")
+    b = make_agent("types-b")
+    dst = np.zeros(4096, np.uint8)
+    b.register(dst, remote_write=True, name="kv")
+    src = np.ones(4096, np.uint8)
+    a.register(src)
+    with pytest.raises(kvlink.ArgumentTypeError, match="metadata"):
+        a.add_peer(123)  # type: ignore[arg-type]
+    a.add_peer(b.metadata())
+    with pytest.raises(kvlink.ArgumentTypeError, match="nbytes"):
+        a.push("types-b", src=src, dst="kv", nbytes="10")  # type: ignore[arg-type]
+    with pytest.raises(kvlink.InvalidArgumentError, match="nbytes") as ei:
+        a.push("types-b", src=src, dst="kv", nbytes=0)
+    assert not isinstance(ei.value, kvlink.ArgumentTypeError)
+    h = a.push("types-b", src=src, dst="kv")
+    h.wait(timeout_s=10)
+    with pytest.raises(kvlink.ArgumentTypeError, match="layer"):
+        h.wait_layer("0")  # type: ignore[arg-type]
+    with pytest.raises(kvlink.ArgumentTypeError, match="peer"):
+        a.remove_peer(5)  # type: ignore[arg-type]

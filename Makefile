@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.kvlink-deps
 
-.PHONY: all build demo sysdeps test test-c test-py lint bench clean
+.PHONY: all build demo sysdeps test test-c test-py lint bench fuzz hostile clean
 
 all: build
 
@@ -27,9 +27,10 @@ build: kvlink/_kvlink_c.abi3.so
 demo: build
 	$(VENV)/bin/kvlink-bench demo
 
-# C tests under ASan/UBSan, then the threaded ones (two whole agents
-# included) under ThreadSanitizer.
-test-c:
+# C tests under ASan/UBSan (with a bounded libFuzzer run over the frame decoders and a bounded
+# hostile-client run against a live agent: tests/c/Makefile), then the threaded ones (two
+# whole agents included) under ThreadSanitizer.  sysdeps: clang for the fuzzer.
+test-c: sysdeps
 	$(MAKE) -C tests/c test
 	$(MAKE) -C tests/c tsan
 
@@ -47,6 +48,13 @@ lint: build
 	$(VENV)/bin/mypy
 
 test: test-c test-py lint
+
+# Longer attack runs than make test's: FUZZ_SECONDS / HOSTILE_SECONDS (default 300 each).
+fuzz: sysdeps
+	$(MAKE) -C tests/c fuzz hostile
+
+hostile:
+	$(MAKE) -C tests/c hostile
 
 bench: build
 	$(PY) bench/loopback.py --size 1GiB --iters 3

@@ -424,6 +424,7 @@ static void agent_free(kvl_agent *a)
     pthread_mutex_destroy(&a->log_mu);
     pthread_cond_destroy(&a->log_cv);
     explicit_bzero(a->secret, sizeof a->secret);
+    explicit_bzero(a->token_seed, sizeof a->token_seed);
     free(a);
 }
 
@@ -469,8 +470,12 @@ kvl_err kvl_agent_create(const kvl_config *cfg, kvl_agent **out)
     }
     if (getrandom(&a->instance, sizeof a->instance, 0) != sizeof a->instance)
         a->instance = kvl_now_ns() ^ ((uint64_t)getpid() << 32);
-    if (getrandom(&a->rx_seed, sizeof a->rx_seed, 0) != sizeof a->rx_seed)
-        a->rx_seed = kvl_now_ns() * 0x9e3779b97f4a7c15ull;
+    if (getrandom(&a->rx_seed, sizeof a->rx_seed, 0) != sizeof a->rx_seed ||
+        getrandom(a->token_seed, sizeof a->token_seed, 0) != sizeof a->token_seed) {
+        e = kvl_fail_errno("agent_create: getrandom");
+        agent_free(a);
+        return e;
+    }
     a->epfd = epoll_create1(EPOLL_CLOEXEC);
     a->wakefd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (a->epfd < 0 || a->wakefd < 0) {

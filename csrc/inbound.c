@@ -36,17 +36,35 @@
 #define IDLE_KEEP_NS (300ull * 1000000000ull) /* a sender that vanished without END */
 #define END_GRACE_NS (2000ull * 1000000ull)   /* after the sender's deadline: its END is due */
 #define MAX_ENTRIES 16384                     /* transfers (live and tombstones) per agent */
-#define MAX_LIVE_CHUNKS (1u << 20)            /* chunks of all announced, unended pushes */
+#define MAX_LIVE_CHUNKS (1u << 18)            /* chunks of all announced, unended pushes */
+#define MAX_LIVE_LAYERS (1u << 20)            /* their layers (5 bytes each per push) */
+#define EVICT_IDLE_NS (1000ull * 1000000ull)  /* out of room: an announced push this idle goes */
+#define EVICT_ENDED_NS (5000ull * 1000000ull) /* ...then a tombstone this old */
 #define QUEUE_MAX 1024                        /* handles waiting for kvl_inbound_next */
 #define QUEUE_KEEP_NS (60ull * 1000000000ull) /* a finished handle nobody took is dropped */
 
 enum { LAYER_PENDING = 0, LAYER_DONE = 1 };
 
+/* What kvl_inxfer_info reports, held without kvl_inbound_info's inline
+ * tag and message arrays: a handle costs what its push announced (16384 of
+ * the public struct would be 75 MiB a sender could make us hold). */
+typedef struct inx_info {
+    uint64_t xfer_id;
+    char peer[64];
+    uint32_t state, err;
+    uint64_t bytes_total, bytes_done;
+    uint32_t chunks_total, chunks_done, layers, layers_ready;
+    uint64_t t_announce_ns, t_first_byte_ns, t_done_ns;
+    uint32_t tag_len;
+    uint8_t *tag;              /* tag_len bytes; never changes */
+    char *message;             /* the error text once FAILED, else NULL */
+} inx_info;
+
 struct kvl_inxfer {
     atomic_int refs;           /* the engine's entry, and the queue's or the caller's */
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    kvl_inbound_info info;     /* under mu */
+    inx_info info;             /* under mu */
     uint32_t *layer_left;      /* chunks not yet verified per layer; under mu */
     uint8_t *layer_done;       /* under mu */
     uint32_t *chunk_lf, *chunk_ll; /* the announced map; immutable */
@@ -67,6 +85,8 @@ static void inx_free(kvl_inxfer *t)
     free(t->chunk_lf);
     free(t->chunk_ll);
     free(t->events);
+    free(t->info.tag);
+    free(t->info.message);
     free(t);
 }
 
@@ -89,7 +109,9 @@ static kvl_inxfer *inx_new(const char *peer, const kvl_msg_announce *m, uint64_t
     t->chunk_lf = malloc(m->n_chunks * sizeof *t->chunk_lf);
     t->chunk_ll = malloc(m->n_chunks * sizeof *t->chunk_ll);
     t->events = calloc(m->n_chunks, sizeof *t->events);
-    if (!t->layer_left || !t->layer_done || !t->chunk_lf || !t->chunk_ll || !t->events) {
+    t->info.tag = malloc(m->tag_len ? m->tag_len : 1);
+    if (!t->layer_left || !t->layer_done || !t->chunk_lf || !t->chunk_ll || !t->events ||
+        !t->info.tag) {
         inx_free(t);
         return NULL;
     }
@@ -100,7 +122,7 @@ static kvl_inxfer *inx_new(const char *peer, const kvl_msg_announce *m, uint64_t
     }
     for (uint32_t l = 0; l < m->n_layers; l++)
         t->layer_done[l] = t->layer_left[l] ? LAYER_PENDING : LAYER_DONE;
-    kvl_inbound_info *in = &t->info;
+    inx_info *in = &t->info;
     in->xfer_id = m->xfer;
     snprintf(in->peer, sizeof in->peer, "%s", peer);
     in->state = KVL_XFER_RUNNING;
@@ -132,7 +154,7 @@ static void inx_chunk_done(kvl_inxfer *t, uint32_t ci, uint32_t path, uint64_t b
             ev->layer_count = l - ev->layer_first + 1;
         }
     }
-    kvl_inbound_info *in = &t->info;
+    inx_info *in = &t->info;
     while (in->layers_ready < in->layers && t->layer_done[in->layers_ready] == LAYER_DONE)
         in->layers_ready++;
     in->bytes_done += bytes;
@@ -153,10 +175,14 @@ static void inx_fail(kvl_inxfer *t, kvl_err err, const char *fmt, ...)
 {
     pthread_mutex_lock(&t->mu);
     if (t->info.state == KVL_XFER_RUNNING) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(t->info.message, sizeof t->info.message, fmt, ap);
-        va_end(ap);
+        size_t cap = sizeof ((kvl_inbound_info *)0)->message;
+        t->info.message = malloc(cap);
+        if (t->info.message) {
+            va_list ap;
+            va_start(ap, fmt);
+            vsnprintf(t->info.message, cap, fmt, ap);
+            va_end(ap);
+        }
         t->info.state = KVL_XFER_FAILED;
         t->info.err = (uint32_t)err;
         t->info.t_done_ns = kvl_now_ns();
@@ -261,19 +287,79 @@ static kvl_rx_xfer *entry_new(kvl_agent *a, uint64_t instance, uint64_t xfer)
     return r;
 }
 
+static void drop_handle(kvl_rx_xfer *r)
+{
+    kvl_inxfer_release(r->h);
+    r->h = NULL;
+}
+
+/* Unlinks r (at *pp in a->rx_xfers) and frees it; a handle still held
+ * fails with err and why. */
+static void entry_drop(kvl_agent *a, kvl_rx_xfer **pp, kvl_err err, const char *why)
+{
+    kvl_rx_xfer *r = *pp;
+    *pp = r->next;
+    unhash(a, r);
+    if (r->h) {
+        inx_fail(r->h, err, "%s", why);
+        drop_handle(r);
+    }
+    if (r->chunks) {
+        a->rx_chunks_live -= r->n;
+        a->rx_layers_live -= r->n_layers;
+    }
+    free(r->chunks);
+    free(r);
+    a->n_rx_xfers--;
+}
+
+static int fits(const kvl_agent *a, uint32_t n_chunks, uint32_t n_layers, int new_entry)
+{
+    return a->rx_chunks_live + n_chunks <= MAX_LIVE_CHUNKS &&
+           a->rx_layers_live + n_layers <= MAX_LIVE_LAYERS &&
+           (!new_entry || a->n_rx_xfers < MAX_ENTRIES);
+}
+
+/* Out of room for a new push: senders that announce and then go quiet
+ * (a flood of ANNOUNCE frames, or a sender that died) must not lock out
+ * the pushes that are moving.  Drops announced pushes that placed nothing
+ * for EVICT_IDLE_NS, then tombstones older than EVICT_ENDED_NS, until the
+ * new one fits.  Returns whether it does. */
+static int make_room(kvl_agent *a, const kvl_rx_xfer *keep, uint32_t n_chunks,
+                     uint32_t n_layers, int new_entry, uint64_t now)
+{
+    for (int pass = 0; pass < 2 && !fits(a, n_chunks, n_layers, new_entry); pass++) {
+        for (kvl_rx_xfer **pp = &a->rx_xfers; *pp && !fits(a, n_chunks, n_layers, new_entry);) {
+            kvl_rx_xfer *r = *pp;
+            uint64_t idle = now - r->t_last_ns;
+            int drop = r != keep && !r->refs &&
+                       (pass == 0 ? !r->ended && idle > EVICT_IDLE_NS
+                                  : r->ended && idle > EVICT_ENDED_NS);
+            if (drop)
+                entry_drop(a, pp, KVL_ERR_NOMEM,
+                           "dropped: nothing arrived for it while the agent ran out of room "
+                           "for inbound pushes");
+            else
+                pp = &r->next;
+        }
+    }
+    return fits(a, n_chunks, n_layers, new_entry);
+}
+
 kvl_err kvl_rx_announce(kvl_agent *a, uint64_t instance, const char *peer,
                         const kvl_msg_announce *m)
 {
     kvl_rx_xfer *r = find(a, instance, m->xfer);
     if (r && (r->chunks || r->ended))
         return KVL_OK; /* announced on another connection already, or over */
-    if (a->rx_chunks_live + m->n_chunks > MAX_LIVE_CHUNKS)
-        return kvl_fail(KVL_ERR_NOMEM, "agent '%s' tracks %u chunks of inbound pushes already",
-                        a->name, a->rx_chunks_live);
-    if (!r && !(r = entry_new(a, instance, m->xfer)))
-        return kvl_fail(KVL_ERR_NOMEM, "agent '%s' holds %d inbound transfers already", a->name,
-                        MAX_ENTRIES);
     uint64_t now = kvl_now_ns();
+    if (!make_room(a, r, m->n_chunks, m->n_layers, !r, now))
+        return kvl_fail(KVL_ERR_NOMEM,
+                        "agent '%s' tracks %u inbound pushes (%u chunks, %u layers), all of "
+                        "them active",
+                        a->name, a->n_rx_xfers, a->rx_chunks_live, a->rx_layers_live);
+    if (!r && !(r = entry_new(a, instance, m->xfer)))
+        return kvl_fail(KVL_ERR_NOMEM, "out of memory for an inbound transfer");
     r->t_last_ns = now;
     r->chunks = calloc(m->n_chunks, sizeof *r->chunks);
     r->h = r->chunks ? inx_new(peer, m, now) : NULL;
@@ -283,7 +369,9 @@ kvl_err kvl_rx_announce(kvl_agent *a, uint64_t instance, const char *peer,
         return kvl_fail(KVL_ERR_NOMEM, "out of memory for an inbound transfer");
     }
     r->n = m->n_chunks;
+    r->n_layers = m->n_layers;
     a->rx_chunks_live += r->n;
+    a->rx_layers_live += r->n_layers;
     r->deadline_ns = m->timeout_ms ? now + (uint64_t)m->timeout_ms * 1000000ull : 0;
     queue_put(a, r->h, now);
     return KVL_OK;
@@ -334,18 +422,14 @@ void kvl_rx_done(kvl_rx_xfer *r, uint32_t chunk, uint32_t attempt, int verified,
     r->refs--;
 }
 
-static void drop_handle(kvl_rx_xfer *r)
-{
-    kvl_inxfer_release(r->h);
-    r->h = NULL;
-}
-
 /* No copy of r's chunks may land from now on (END, or the sender's
  * deadline passed without one). */
 static void tombstone(kvl_agent *a, kvl_rx_xfer *r)
 {
-    if (r->chunks)
+    if (r->chunks) {
         a->rx_chunks_live -= r->n;
+        a->rx_layers_live -= r->n_layers;
+    }
     r->ended = 1;
     free(r->chunks);
     r->chunks = NULL;
@@ -389,23 +473,24 @@ void kvl_rx_expire(kvl_agent *a, uint64_t now)
         }
         uint64_t keep = r->ended ? ENDED_KEEP_NS : IDLE_KEEP_NS;
         if (!r->refs && now - r->t_last_ns > keep) {
-            *pp = r->next;
-            unhash(a, r);
-            if (r->h) {
-                inx_fail(r->h, KVL_ERR_CONN_LOST, "the sender went silent for %llu s",
-                         (unsigned long long)(keep / 1000000000ull));
-                drop_handle(r);
-            }
-            if (r->chunks)
-                a->rx_chunks_live -= r->n;
-            free(r->chunks);
-            free(r);
-            a->n_rx_xfers--;
+            entry_drop(a, pp, KVL_ERR_CONN_LOST, "the sender went silent for 300 s");
         } else {
             pp = &r->next;
         }
     }
     queue_expire(a, now);
+}
+
+void kvl_rx_forget_instance(kvl_agent *a, uint64_t instance)
+{
+    kvl_rx_xfer **pp = &a->rx_xfers;
+    while (*pp) {
+        kvl_rx_xfer *r = *pp;
+        if (r->instance != instance || r->refs) /* a copy still placing keeps it */
+            pp = &r->next;
+        else
+            entry_drop(a, pp, KVL_ERR_CONN_LOST, "the sender's session ended: it reconnected anew");
+    }
 }
 
 void kvl_rx_free_all(kvl_agent *a)
@@ -423,6 +508,7 @@ void kvl_rx_free_all(kvl_agent *a)
     memset(a->rx_buckets, 0, sizeof a->rx_buckets);
     a->n_rx_xfers = 0;
     a->rx_chunks_live = 0;
+    a->rx_layers_live = 0;
     while (a->inq_head) {
         kvl_inxfer *t = a->inq_head;
         a->inq_head = t->qnext;
@@ -509,7 +595,8 @@ static kvl_err inx_outcome(kvl_inxfer *t)
     if (t->info.state == KVL_XFER_DONE)
         return KVL_OK;
     return kvl_fail((kvl_err)t->info.err, "inbound push %llu from '%s': %s",
-                    (unsigned long long)t->info.xfer_id, t->info.peer, t->info.message);
+                    (unsigned long long)t->info.xfer_id, t->info.peer,
+                    t->info.message ? t->info.message : "failed (out of memory for why)");
 }
 
 static kvl_err inx_timeout(kvl_inxfer *t, uint32_t timeout_ms, const char *what)
@@ -568,7 +655,23 @@ kvl_err kvl_inxfer_info(kvl_inxfer *t, kvl_inbound_info *out)
 {
     kvl_clear_error();
     pthread_mutex_lock(&t->mu);
-    *out = t->info;
+    const inx_info *in = &t->info;
+    out->xfer_id = in->xfer_id;
+    memcpy(out->peer, in->peer, sizeof out->peer);
+    out->state = in->state;
+    out->err = in->err;
+    out->bytes_total = in->bytes_total;
+    out->bytes_done = in->bytes_done;
+    out->chunks_total = in->chunks_total;
+    out->chunks_done = in->chunks_done;
+    out->layers = in->layers;
+    out->layers_ready = in->layers_ready;
+    out->t_announce_ns = in->t_announce_ns;
+    out->t_first_byte_ns = in->t_first_byte_ns;
+    out->t_done_ns = in->t_done_ns;
+    out->tag_len = in->tag_len;
+    memcpy(out->tag, in->tag, in->tag_len);
+    snprintf(out->message, sizeof out->message, "%s", in->message ? in->message : "");
     pthread_mutex_unlock(&t->mu);
     return KVL_OK;
 }

@@ -111,6 +111,7 @@ typedef struct kvl_wire_piece {
 
 #define KVL_NONCE_BYTES 16
 #define KVL_MAC_BYTES 32        /* HMAC-SHA256 */
+#define KVL_TOKEN_BYTES 16
 enum { KVL_HELLO_AUTH = 1 };     /* hello flags: the initiator holds a secret */
 
 typedef struct kvl_msg_hello {
@@ -120,6 +121,8 @@ typedef struct kvl_msg_hello {
     char name[KVL_NAME_MAX];
     uint8_t flags;  /* KVL_HELLO_AUTH */
     uint8_t nonce[KVL_NONCE_BYTES]; /* the initiator's challenge (with KVL_HELLO_AUTH) */
+    uint8_t token[KVL_TOKEN_BYTES]; /* the initiator's session with this listener: random,
+                                       the same on every connection of one kvl_peer */
 } kvl_msg_hello;
 
 /* CHALLENGE: the listener's nonce and its proof (kvl_auth_mac, server side). */
@@ -326,6 +329,7 @@ struct kvl_peer {
     kvl_conn *ctrl;
     kvl_ep *ctrl_ep;           /* control endpoint until adoption */
     kvl_path ctrl_path;        /* where the control connection goes, and its probe state */
+    uint8_t token[KVL_TOKEN_BYTES]; /* our session with this peer: in every HELLO */
     kvl_path paths[KVL_MAX_PATHS];
     uint32_t n_paths;
     int adopted;               /* engine has taken the connections over */
@@ -410,6 +414,7 @@ enum { KVL_CHUNK_PENDING = 0, KVL_CHUNK_INFLIGHT = 1, KVL_CHUNK_DONE = 2 };
 typedef struct kvl_inbound {
     char name[KVL_NAME_MAX];
     uint64_t instance;
+    uint8_t token[KVL_TOKEN_BYTES]; /* the session its live connections belong to */
     int conns;
     struct kvl_inbound *next;
 } kvl_inbound;
@@ -473,8 +478,10 @@ struct kvl_agent {
     struct kvl_rx_xfer *rx_xfers; /* chunk ownership of inbound pushes (inbound.c) */
     struct kvl_rx_xfer *rx_buckets[KVL_RX_BUCKETS]; /* the same entries by (instance, xfer) */
     uint64_t rx_seed;          /* secret hash seed: senders cannot aim at one bucket */
+    uint8_t token_seed[16];    /* secret: our session token with each peer (peer.c) */
     uint32_t n_rx_xfers;
     uint32_t rx_chunks_live;   /* chunks of announced pushes not yet ended (bounded) */
+    uint32_t rx_layers_live;   /* and their layers (bounded) */
     pthread_mutex_t inq_mu;    /* handles of inbound pushes nobody took yet */
     pthread_cond_t inq_cv;
     kvl_inxfer *inq_head;
@@ -674,6 +681,7 @@ typedef struct kvl_rx_xfer {
     uint64_t instance, xfer;  /* the sender agent instance and its transfer id */
     kvl_rx_chunk *chunks;     /* NULL until announced, and again once ended */
     uint32_t n;               /* announced chunk count */
+    uint32_t n_layers;        /* announced layer count */
     int ended;                /* the sender said END: every late copy is drained */
     int refs;                 /* connections placing bytes for it right now */
     uint64_t t_last_ns;
@@ -701,6 +709,9 @@ void kvl_rx_done(kvl_rx_xfer *r, uint32_t chunk, uint32_t attempt, int verified,
 /* END: the sender finished the push (m->status says how). */
 void kvl_rx_end(kvl_agent *a, uint64_t instance, const kvl_msg_status *m);
 void kvl_rx_expire(kvl_agent *a, uint64_t now);
+/* A new session of sender `instance` began: what an earlier one (or a
+ * client that claimed its instance) left is dropped, handles failed. */
+void kvl_rx_forget_instance(kvl_agent *a, uint64_t instance);
 void kvl_rx_free_all(kvl_agent *a);
 
 /* ---- sha256.c ---- */

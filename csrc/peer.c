@@ -108,6 +108,7 @@ static kvl_err handshake(kvl_agent *a, kvl_peer *p, kvl_ep *ep, int kind, uint16
     kvl_msg_hello m = {.instance = a->instance, .kind = (uint8_t)kind, .path = path,
                        .flags = a->secret_len ? KVL_HELLO_AUTH : 0};
     strcpy(m.name, a->name);
+    memcpy(m.token, p->token, sizeof m.token);
     if (a->secret_len && kvl_auth_nonce(m.nonce))
         return KVL_ERR_SYSTEM;
     kvl_buf b = {0};
@@ -402,6 +403,14 @@ kvl_err kvl_peer_connect(kvl_agent *a, const char *name, uint64_t instance,
     p->agent = a;
     strcpy(p->name, name);
     p->instance = instance;
+    /* the session token: the same on every connection to this name, also
+     * after remove_peer + add_peer, and unguessable without this agent's seed */
+    kvl_hmac tm;
+    uint8_t mac[KVL_MAC_BYTES];
+    kvl_hmac_init(&tm, a->token_seed, sizeof a->token_seed);
+    kvl_hmac_update(&tm, name, strlen(name));
+    kvl_hmac_final(&tm, mac);
+    memcpy(p->token, mac, sizeof p->token);
     pthread_mutex_init(&p->mu, NULL);
     kvl_cond_init(&p->cv);
 

@@ -537,6 +537,16 @@ static void admit(kvl_conn *c, const kvl_msg_hello *hello)
                  "agent '%s' already has a live peer named '%s' (instance %016llx); agent "
                  "names must be unique: rename one of them",
                  a->name, m.name, (unsigned long long)ib->instance);
+    } else if (ib && ib->conns > 0 && !kvl_ct_equal(ib->token, m.token, KVL_TOKEN_BYTES)) {
+        /* the instance id is public (metadata); the session token is not: a
+         * connection may join the live ones only from the same session */
+        status = KVL_ERR_DUPLICATE_NAME;
+        snprintf(msg, sizeof msg,
+                 "agent '%s' has live connections from '%s' in another session: a second "
+                 "process is using that agent's name and instance",
+                 a->name, m.name);
+        kvl_log(a, KVL_LOG_WARNING, NULL, -1, "refused a connection claiming to be '%s': %s",
+                m.name, msg);
     } else if (ib && ib->conns >= KVL_MAX_CONNS_PER_PEER) {
         status = KVL_ERR_BUSY;
         snprintf(msg, sizeof msg, "agent '%s' holds %d connections from '%s' already", a->name,
@@ -547,6 +557,12 @@ static void admit(kvl_conn *c, const kvl_msg_hello *hello)
                  "agent '%s' has live connections from %d peer names: no room for '%s'",
                  a->name, KVL_MAX_PEER_NAMES, m.name);
     } else {
+        if (ib->conns == 0 && !kvl_ct_equal(ib->token, m.token, KVL_TOKEN_BYTES)) {
+            /* a new session: what an earlier one of this instance left (or a
+             * client that claimed it) must not touch this one's pushes */
+            kvl_rx_forget_instance(a, m.instance);
+            memcpy(ib->token, m.token, KVL_TOKEN_BYTES);
+        }
         ib->instance = m.instance;
         ib->conns++;
         c->ib = ib;

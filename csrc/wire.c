@@ -229,6 +229,7 @@ void kvl_enc_hello(kvl_buf *b, const kvl_msg_hello *m)
     put_str(b, m->name, KVL_NAME_MAX - 1);
     put_bytes(b, &m->flags, 1);
     put_bytes(b, m->nonce, KVL_NONCE_BYTES);
+    put_bytes(b, m->token, KVL_TOKEN_BYTES);
 }
 
 kvl_err kvl_dec_hello(const uint8_t *body, size_t len, kvl_msg_hello *m)
@@ -239,9 +240,11 @@ kvl_err kvl_dec_hello(const uint8_t *body, size_t len, kvl_msg_hello *m)
     m->path = get_u16(&r);
     get_str(&r, m->name, sizeof m->name);
     m->flags = get_u8(&r);
-    const uint8_t *nonce = take(&r, KVL_NONCE_BYTES);
-    if (nonce)
+    const uint8_t *nonce = take(&r, KVL_NONCE_BYTES), *token = take(&r, KVL_TOKEN_BYTES);
+    if (nonce && token) {
         memcpy(m->nonce, nonce, KVL_NONCE_BYTES);
+        memcpy(m->token, token, KVL_TOKEN_BYTES);
+    }
     kvl_err e = finish(&r, "HELLO");
     if (e)
         return e;

@@ -16,20 +16,35 @@ import shutil
 import subprocess
 import sys
 
-# tool -> the Debian/Ubuntu package that provides it
+# tool -> the Debian/Ubuntu packages that provide it (space-separated)
 TOOLS: dict[str, str] = {
     "ip": "iproute2",  # network namespaces, veths, addresses (tests/testbed)
     "tc": "iproute2",  # tbf shaping (tests/testbed)
     "iperf3": "iperf3",  # competing traffic and rate checks on the testbed
     "setpriv": "util-linux",  # dropping root in the "not root" test
+    # libFuzzer over the frame decoders (make -C tests/c fuzz-short); the runtime is apart
+    "clang": "clang libclang-rt-dev",
 }
+# the smallest libFuzzer program: clang links it only with the runtime installed
+_FUZZ_PROBE = b"int LLVMFuzzerTestOneInput(const char *d, unsigned long n) { return 0; }\n"
 # Non-root PATHs often lack the sbin directories, where ip and tc live.
 _SBIN = "/usr/local/sbin:/usr/sbin:/sbin"
 
 
 def find_tool(name: str) -> str | None:
-    """Path of system tool ``name``, or None when it is not installed."""
-    return shutil.which(name) or shutil.which(name, path=_SBIN)
+    """Path of system tool ``name``, or None when it is not installed (or, for clang, when
+    it cannot link a libFuzzer program: the compiler and its runtime are separate packages)."""
+    path = shutil.which(name) or shutil.which(name, path=_SBIN)
+    if path is not None and name == "clang":
+        probe = subprocess.run(
+            [path, "-fsanitize=fuzzer,address,undefined", "-x", "c", "-", "-o", os.devnull],
+            input=_FUZZ_PROBE,
+            capture_output=True,
+            check=False,
+        )
+        if probe.returncode != 0:
+            return None
+    return path
 
 
 def missing() -> list[str]:
@@ -37,9 +52,13 @@ def missing() -> list[str]:
     return [name for name in TOOLS if find_tool(name) is None]
 
 
+def _packages(names: list[str]) -> list[str]:
+    return sorted({pkg for n in names for pkg in TOOLS[n].split()})
+
+
 def install_hint(names: list[str]) -> str:
     """What a user runs to get ``names``."""
-    packages = " ".join(sorted({TOOLS[n] for n in names}))
+    packages = " ".join(_packages(names))
     return f"run `make sysdeps` as root, or `apt-get install -y {packages}`"
 
 
@@ -52,7 +71,7 @@ def main() -> int:
     gone = missing()
     if not gone:
         return 0
-    packages = sorted({TOOLS[n] for n in gone})
+    packages = _packages(gone)
     apt = shutil.which("apt-get")
     if os.geteuid() == 0 and apt is not None:
         print(f"sysdeps: installing {' '.join(packages)} (for {', '.join(gone)})", flush=True)

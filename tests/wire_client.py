@@ -33,14 +33,26 @@ def frame(ftype: int, body: bytes, payload_len: int = 0) -> bytes:
     return hdr + body
 
 
+def session_token(name: str, instance: int) -> bytes:
+    """The session token this client presents for (name, instance): the same on every
+    connection it makes, so several of them join one session as a real agent's do."""
+    return hashlib.sha256(f"{name}/{instance}".encode()).digest()[:16]
+
+
 def hello(
-    name: str, instance: int, kind: int = CONTROL, path: int = 0, nonce: bytes | None = None
+    name: str,
+    instance: int,
+    kind: int = CONTROL,
+    path: int = 0,
+    nonce: bytes | None = None,
+    token: bytes | None = None,
 ) -> bytes:
     """HELLO; with ``nonce`` (16 bytes) it asks for the challenge-response."""
     raw = name.encode()
     flags = HELLO_AUTH if nonce is not None else 0
     body = struct.pack("<QBHH", instance, kind, path, len(raw)) + raw
-    return frame(HELLO, body + bytes([flags]) + (nonce or bytes(16)))
+    tok = token if token is not None else session_token(name, instance)
+    return frame(HELLO, body + bytes([flags]) + (nonce or bytes(16)) + tok)
 
 
 def _u8str(s: str) -> bytes:

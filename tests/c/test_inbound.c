@@ -163,6 +163,25 @@ static void test_bounds(void)
     for (uint64_t x = 100; x < 100 + 20000 && !refused; x++)
         refused = announce(a, x, 1, "") != KVL_OK;
     CHECK(refused && a->n_rx_xfers == 16384);
+    /* pushes announced and then quiet for over a second make room for a new
+     * one (an ANNOUNCE flood must not lock out pushes that move); the one
+     * dropped fails its handle */
+    kvl_rx_xfer *quiet = a->rx_xfers;
+    for (kvl_rx_xfer *r = a->rx_xfers; r; r = r->next)
+        r->t_last_ns -= 2000000000ull;
+    kvl_rx_xfer *busy = NULL; /* one with a copy placing stays, however quiet */
+    uint32_t st = 0;
+    CHECK(kvl_rx_claim(a, 7, 100, 0, 1, &busy, &st) == 1);
+    busy->t_last_ns -= 2000000000ull;
+    CHECK(announce(a, 50000, 1, "") == KVL_OK);
+    CHECK(a->n_rx_xfers == 16384);
+    int busy_kept = 0, quiet_kept = 0;
+    for (kvl_rx_xfer *r = a->rx_xfers; r; r = r->next) {
+        busy_kept |= r == busy;
+        quiet_kept |= r == quiet;
+    }
+    CHECK(busy_kept && !quiet_kept);
+    kvl_rx_done(busy, 0, 1, 1, 0, 1000);
     agent_free(a);
 }
 

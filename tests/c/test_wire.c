@@ -393,7 +393,7 @@ static void test_hello(void)
         kvl_frame_start(&f.b);
         kvl_enc_hello(&f.b, &in);
         frame_done(&f, KVL_F_HELLO, 0);
-        CHECK(f.len == 8 + 1 + 2 + 2 + cases[i].name_len + 1 + KVL_NONCE_BYTES);
+        CHECK(f.len == 8 + 1 + 2 + 2 + cases[i].name_len + 1 + KVL_NONCE_BYTES + KVL_TOKEN_BYTES);
         kvl_msg_hello out;
         uint8_t *body = dup_exact(f.body, f.len);
         if (CHECKF(kvl_dec_hello(body, f.len, &out) == KVL_OK, "case %zu: %s", i,
@@ -427,8 +427,8 @@ static void test_hello(void)
     }
 
     /* Hand-built bodies: u64 instance, u8 kind, u16 path, u16 name_len,
-     * name, u8 flags, 16-byte nonce (T bytes after the name). */
-    enum { T = 1 + KVL_NONCE_BYTES };
+     * name, u8 flags, 16-byte nonce, 16-byte token (T bytes after the name). */
+    enum { T = 1 + KVL_NONCE_BYTES + KVL_TOKEN_BYTES };
     uint8_t b[8 + 1 + 2 + 2 + 80 + T];
     memset(b, 0, sizeof b);
     b[8] = KVL_CONN_CONTROL;
@@ -449,6 +449,7 @@ static void test_hello(void)
     b[14] = 0;
     /* no flags and nonce (a version 2 HELLO) */
     EXPECT_PROTOCOL(D_HELLO, b, 14, "HELLO without flags and nonce");
+    EXPECT_PROTOCOL(D_HELLO, b, 14 + 1 + KVL_NONCE_BYTES, "HELLO without its token");
     /* name length field larger than the body */
     b[11] = 2 + T;
     EXPECT_PROTOCOL(D_HELLO, b, 14 + T, "HELLO name_len one past the body");

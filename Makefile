@@ -10,6 +10,7 @@ STAMP  := $(VENV)/.kvlink-deps
 all: build
 
 $(STAMP): pyproject.toml
+	@$(PYTHON) tests/sysdeps.py --venv
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel cffi
 	# torch 2.13.0 CPU comes from the local wheel folder (PIP_FIND_LINKS) where present

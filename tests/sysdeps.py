@@ -62,6 +62,35 @@ def install_hint(names: list[str]) -> str:
     return f"run `make sysdeps` as root, or `apt-get install -y {packages}`"
 
 
+def ensure_venv() -> int:
+    """`python3 -m venv` needs ensurepip, which Debian ships apart (python3-venv): install it
+    where we can, so `make` works on a machine with only Python, a C compiler and make.
+    Returns non-zero, saying what to install, when venv cannot work."""
+    try:
+        import ensurepip  # noqa: F401
+        import venv  # noqa: F401
+
+        return 0
+    except ImportError:
+        pass
+    apt = shutil.which("apt-get")
+    version = f"python3.{sys.version_info.minor}-venv"
+    if os.geteuid() == 0 and apt is not None:
+        print(f"sysdeps: installing python3-venv {version} (for `python3 -m venv`)", flush=True)
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        subprocess.run([apt, "update", "-qq"], env=env, check=False)
+        for pkgs in (["python3-venv", version], ["python3-venv"]):
+            argv = [apt, "install", "-y", "-qq", "--no-install-recommends", *pkgs]
+            if subprocess.run(argv, env=env, check=False).returncode == 0:
+                return 0
+    print(
+        f"sysdeps: `python3 -m venv` does not work here (no ensurepip); install python3-venv "
+        f"(`apt-get install -y python3-venv {version}` as root) and run make again",
+        file=sys.stderr,
+    )
+    return 1
+
+
 def main() -> int:
     """Install what is missing where we can; otherwise say what the tests will skip.
 
@@ -96,4 +125,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(ensure_venv() if sys.argv[1:] == ["--venv"] else main())

@@ -160,7 +160,7 @@ static kvl_err handshake(kvl_agent *a, kvl_peer *p, kvl_ep *ep, int kind, uint16
         free(body);
         return kvl_fail(KVL_ERR_AUTH,
                         "the agent at %s accepted us without authentication: it holds no "
-                        "cluster secret.  Give every agent the same secret (KVLINK_SECRET)",
+                        "cluster secret. Give every agent the same secret (KVLINK_SECRET)",
                         where);
     }
     if (strcmp(ack.name, p->name) != 0) {

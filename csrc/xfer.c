@@ -138,7 +138,7 @@ static kvl_err take_keys(kvl_peer *p, kvl_xfer *x, int op, const kvl_segment *se
         }
         const kvl_region_info *r = find_remote(p, x->keys[i].id);
         e = kvl_fail(KVL_ERR_ACCESS_DENIED,
-                     "peer '%s' region %llu '%s': no access key.  A region's owner hands its "
+                     "peer '%s' region %llu '%s': no access key. A region's owner hands its "
                      "key out in its metadata: pass metadata the peer made after it "
                      "registered the region to add_peer() again",
                      p->name, (unsigned long long)x->keys[i].id, r ? r->name : "");

@@ -34,6 +34,17 @@ def _interfaces() -> dict[str, list[str]]:
     return out
 
 
+def _hint(item: str) -> str:
+    """What a user who wrote ``item`` most likely meant."""
+    if item == "loopback":
+        return " (for loopback paths write 'loopback:N', N paths on 127.0.0.1..N)"
+    if ":" in item:
+        return " (IPv6 is not supported: kvlink paths are IPv4)"
+    if item.replace(".", "").isdigit():
+        return " (it is not a valid IPv4 address either)"
+    return ""
+
+
 def resolve(nics: str | tuple[str, ...]) -> list[str]:
     """Addresses for a NIC selection (see :class:`~kvlink.Config`).
 
@@ -68,7 +79,7 @@ def resolve(nics: str | tuple[str, ...]) -> list[str]:
         if item not in known:
             raise ConfigError(
                 f"nics: no up interface named {item!r} with an IPv4 address; "
-                f"this host has {sorted(known)}"
+                f"this host has {sorted(known)}{_hint(item)}"
             )
         out.append(known[item][0])
     if len(out) > MAX_PATHS:

@@ -194,7 +194,8 @@ def common(p: argparse.ArgumentParser) -> None:
         "--quick",
         action="store_true",
         help="a tiny run for smoke tests: changes the defaults of --size, --chunk, "
-        "--iters, --warmup and --paths, never a flag given explicitly (default: off)",
+        "--iters and --warmup (and --paths for loopback), never a flag given explicitly "
+        "(default: off)",
     )
 
 
@@ -231,7 +232,7 @@ def build_parser(prog: str = "kvlink-bench") -> argparse.ArgumentParser:
                     "(default: 2gbit)")  # fmt: skip
     tb.add_argument("--rates", default=None,
                     help="per-link rates instead of --rate, e.g. 2gbit,2gbit,1gbit,500mbit "
-                    "(default: none)")  # fmt: skip
+                    "(default: not given: every link at --rate)")  # fmt: skip
     tb.add_argument("--subnet-base", type=int_range(0, 511), default=None,
                     help="third octet of link 0's subnet 198.18.X.0/24 of a testbed built for "
                     "the run (default: 0)")  # fmt: skip
@@ -615,6 +616,14 @@ def cmd_run(args: argparse.Namespace, rep: Reporter) -> int:
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "kvlink-bench") -> int:
+    try:
+        return _main(argv, prog)
+    except KeyboardInterrupt:  # children and testbeds are cleaned up on the way out
+        print(f"\n{prog}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Sequence[str] | None, prog: str) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["demo"]:
         from . import demo

@@ -15,6 +15,14 @@ COMMANDS = ("testbed", "bench")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # what was set up is undone on the way out
+        print("\nkvlink: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # The command's own parser sees everything after its name, --help included, so
     # `kvlink testbed up --help` shows `up`'s help, not this one.

@@ -157,3 +157,12 @@ def test_nics_are_checked_when_the_config_is_made():
     ]:
         with pytest.raises(kvlink.ConfigError, match=match):
             kvlink.Config(nics=bad)
+
+
+@pytest.mark.parametrize(
+    ("nics", "hint"),
+    [("loopback", "loopback:N"), ("::1", "IPv6"), ("999.1.1.1", "not a valid IPv4")],
+)
+def test_a_nic_that_looks_like_something_else_gets_a_hint(nics, hint):
+    with pytest.raises(kvlink.ConfigError, match=hint):
+        kvlink.Config(nics=nics)

@@ -329,6 +329,8 @@ static void *engine_main(void *arg)
             for (kvl_peer *p = a->eng_peers; p; p = p->eng_next)
                 kvl_notify_resend(p, now);
             kvl_conn_expire(a, now);
+            for (size_t i = 0; i < a->n_addrs; i++)
+                a->tp->tick(a->listeners[i], now);
             kvl_engine_snapshot_paths(a);
             a->next_tick_ns = now + interval;
         }

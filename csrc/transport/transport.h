@@ -120,6 +120,9 @@ typedef struct kvl_transport_ops {
     uint64_t (*rx_partial_since)(const kvl_ep *ep);
     /* Stops reading ep; it closes once its queued frames have left. */
     void (*refuse)(kvl_ep *ep);
+    /* Engine thread, every monitor tick, for each listener: a listener that
+     * stopped accepting after an error (out of kernel memory, ...) resumes. */
+    void (*tick)(kvl_ep *listener, uint64_t now);
     /* The path's state as the transport sees it; -1 if unavailable. */
     int (*sample)(const kvl_ep *ep, kvl_tp_sample *out);
     /* Payload bytes sent / received over ep. */

@@ -528,6 +528,30 @@ static int shed_one(kvl_ep *l, int err)
     return 1;
 }
 
+#define LISTEN_PAUSE_NS (100ull * 1000000ull)
+
+/* accept() failed for a reason retrying at once would not cure (out of
+ * kernel memory, a descriptor the spare could not free, ...): stop
+ * listening until tcp_tick resumes it, instead of firing again at once. */
+static void pause_listener(kvl_ep *l, int err)
+{
+    uint64_t now = kvl_now_ns();
+    if (kvl_engine_rewatch(l->a, l->fd, l, 0) == 0)
+        l->paused_until_ns = now + LISTEN_PAUSE_NS;
+    if (now - l->t_shed_log_ns > 1000000000ull) {
+        l->t_shed_log_ns = now;
+        kvl_log(l->a, KVL_LOG_ERROR, NULL, -1,
+                "accepting a connection failed (%s): not accepting for 100 ms", strerror(err));
+    }
+}
+
+static void tcp_tick(kvl_ep *ep, uint64_t now)
+{
+    if (ep && ep->listener && !ep->dead && ep->paused_until_ns && now >= ep->paused_until_ns &&
+        kvl_engine_rewatch(ep->a, ep->fd, ep, EPOLLIN) == 0)
+        ep->paused_until_ns = 0;
+}
+
 static void accept_all(kvl_ep *l)
 {
     kvl_agent *a = l->a;
@@ -537,8 +561,12 @@ static void accept_all(kvl_ep *l)
             continue;
         if (fd < 0 && (errno == EMFILE || errno == ENFILE) && shed_one(l, errno))
             continue;
+        if (fd < 0 && errno != EAGAIN && errno != EWOULDBLOCK) {
+            pause_listener(l, errno); /* the connection stays queued: no busy loop on it */
+            return;
+        }
         if (fd < 0)
-            return; /* EAGAIN: all taken (anything else: retried on the next event) */
+            return; /* EAGAIN: all taken */
         kvl_ep *ep = kvl_tcp_tune(fd, a->cfg.sock_buf_bytes) == KVL_OK
                          ? kvl_tcp_ep_new(a, fd, 0)
                          : NULL;
@@ -658,6 +686,7 @@ const kvl_transport_ops kvl_tcp_ops = {
     .queued = tcp_queued,
     .rx_partial_since = tcp_rx_partial_since,
     .refuse = tcp_refuse,
+    .tick = tcp_tick,
     .sample = tcp_sample_ep,
     .bytes_sent = tcp_bytes_sent,
     .bytes_recv = tcp_bytes_recv,

@@ -15,6 +15,7 @@ struct kvl_ep {
     int listener;
     int spare;             /* listener: a descriptor held back for EMFILE (accept_all) */
     uint64_t shed, t_shed_log_ns; /* listener: connections shed at the fd limit */
+    uint64_t paused_until_ns;  /* listener: not accepting after an error until then */
     int dead;              /* closed: no I/O, waiting to be freed */
     int refused;           /* read no more; close once the queue is out */
     int watched;           /* in the engine's event loop */

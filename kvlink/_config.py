@@ -317,6 +317,9 @@ def _coerce(name: str, var: str, raw: str) -> Any:
     return raw
 
 
+_WARNED: set[str] = set()  # misspelled KVLINK_* variables already warned about
+
+
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
     """Config values from ``KVLINK_<FIELD>`` variables; warns about other
     ``KVLINK_*`` names, which are most likely typos."""
@@ -325,7 +328,8 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
     for var, raw in env.items():
         if var in variables:
             out[variables[var]] = _coerce(variables[var], var, raw)
-        elif var.startswith("KVLINK_") and var not in OTHER_ENV_VARS:
+        elif var.startswith("KVLINK_") and var not in OTHER_ENV_VARS and var not in _WARNED:
+            _WARNED.add(var)  # once per process: every Config.load reads the environment
             known = [*variables, *sorted(OTHER_ENV_VARS)]
             warnings.warn(
                 f"{var} is not a kvlink setting and is ignored{_closest(var, known)}; "

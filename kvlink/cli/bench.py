@@ -30,6 +30,7 @@ import os
 import statistics
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -335,6 +336,12 @@ def check_environment() -> str | None:
     return None
 
 
+def _child_env() -> dict[str, str]:
+    """A child's environment: this one (the run's secret included), without the warnings
+    this process has shown already."""
+    return {**os.environ, "PYTHONWARNINGS": "ignore::UserWarning"}
+
+
 def _child_failed(proc: subprocess.Popen[str], what: str) -> RuntimeError:
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(5)
@@ -349,7 +356,8 @@ def spawn_serve(prefix: list[str], nics: str, nbytes: int, host: str) -> Iterato
     """`kvlink-bench serve` in a child process; yields its bootstrap endpoint."""
     cmd = [*prefix, sys.executable, "-m", "kvlink.cli.bench", "serve", "--nics", nics,
            "--size", str(nbytes), "--bootstrap", f"{host}:0"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_child_env())  # fmt: skip
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
@@ -381,7 +389,8 @@ def run_remote(
     ]  # fmt: skip
     if args.no_verify:
         argv.append("--no-verify")
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_child_env())  # fmt: skip
     rows = []
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -615,7 +624,18 @@ def cmd_run(args: argparse.Namespace, rep: Reporter) -> int:
     return 0
 
 
+def quiet_warnings(prog: str) -> None:
+    """A CLI shows a library warning (a misspelled KVLINK_* variable) as one line naming the
+    tool, not with the library's source line."""
+
+    def one_line(message: Warning | str, *_: Any, **__: Any) -> str:
+        return f"{prog}: warning: {message}\n"
+
+    warnings.formatwarning = one_line
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "kvlink-bench") -> int:
+    quiet_warnings(prog)
     try:
         return _main(argv, prog)
     except KeyboardInterrupt:  # children and testbeds are cleaned up on the way out

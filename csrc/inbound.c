@@ -67,7 +67,8 @@ struct kvl_inxfer {
     inx_info info;             /* under mu */
     uint32_t *layer_left;      /* chunks not yet verified per layer; under mu */
     uint8_t *layer_done;       /* under mu */
-    uint32_t *chunk_lf, *chunk_ll; /* the announced map; immutable */
+    uint32_t *chunk_lf, *chunk_ll; /* the announced map (freed with the arrays above when a
+                                      push fails before its handle is taken) */
     kvl_chunk_event *events;   /* under mu */
     uint32_t n_events, ev_read;
     uint64_t t_queued_ns;      /* inq_mu */
@@ -287,8 +288,37 @@ static kvl_rx_xfer *entry_new(kvl_agent *a, uint64_t instance, uint64_t xfer)
     return r;
 }
 
-static void drop_handle(kvl_rx_xfer *r)
+/* A push that failed before the application took its handle keeps only
+ * what reports the failure: its per-chunk and per-layer arrays go now, so
+ * handles waiting in the queue cost their tag, not their push's size. */
+static void inx_shrink_if_queued(kvl_agent *a, kvl_inxfer *t)
 {
+    pthread_mutex_lock(&a->inq_mu);
+    int queued = 0;
+    for (kvl_inxfer *q = a->inq_head; q && !queued; q = q->qnext)
+        queued = q == t;
+    if (queued) {
+        pthread_mutex_lock(&t->mu);
+        if (t->info.state == KVL_XFER_FAILED) {
+            free(t->layer_left);
+            free(t->layer_done);
+            free(t->chunk_lf);
+            free(t->chunk_ll);
+            free(t->events);
+            t->layer_left = NULL;
+            t->layer_done = NULL;
+            t->chunk_lf = t->chunk_ll = NULL;
+            t->events = NULL;
+            t->n_events = t->ev_read = 0;
+        }
+        pthread_mutex_unlock(&t->mu);
+    }
+    pthread_mutex_unlock(&a->inq_mu);
+}
+
+static void drop_handle(kvl_agent *a, kvl_rx_xfer *r)
+{
+    inx_shrink_if_queued(a, r->h);
     kvl_inxfer_release(r->h);
     r->h = NULL;
 }
@@ -302,7 +332,7 @@ static void entry_drop(kvl_agent *a, kvl_rx_xfer **pp, kvl_err err, const char *
     unhash(a, r);
     if (r->h) {
         inx_fail(r->h, err, "%s", why);
-        drop_handle(r);
+        drop_handle(a, r);
     }
     if (r->chunks) {
         a->rx_chunks_live -= r->n;
@@ -414,6 +444,7 @@ int kvl_rx_owns(const kvl_rx_xfer *r, uint32_t chunk, uint32_t attempt)
 void kvl_rx_done(kvl_rx_xfer *r, uint32_t chunk, uint32_t attempt, int verified, uint32_t path,
                  uint64_t bytes)
 {
+    r->t_last_ns = kvl_now_ns(); /* a copy just ended: the push is moving */
     if (verified && kvl_rx_owns(r, chunk, attempt)) {
         r->chunks[chunk].settled = 1;
         if (r->h)
@@ -450,7 +481,7 @@ void kvl_rx_end(kvl_agent *a, uint64_t instance, const kvl_msg_status *m)
         else
             inx_fail(r->h, KVL_ERR_PROTOCOL,
                      "the sender ended the push before every chunk was verified here");
-        drop_handle(r);
+        drop_handle(a, r);
     }
     tombstone(a, r);
 }
@@ -467,7 +498,7 @@ void kvl_rx_expire(kvl_agent *a, uint64_t now)
                 inx_fail(r->h, KVL_ERR_DEADLINE,
                          "push %llu from this sender passed its deadline without finishing",
                          (unsigned long long)r->xfer);
-                drop_handle(r);
+                drop_handle(a, r);
             }
             tombstone(a, r);
         }
@@ -481,12 +512,12 @@ void kvl_rx_expire(kvl_agent *a, uint64_t now)
     queue_expire(a, now);
 }
 
-void kvl_rx_forget_instance(kvl_agent *a, uint64_t instance)
+void kvl_rx_forget_sender(kvl_agent *a, uint64_t sender)
 {
     kvl_rx_xfer **pp = &a->rx_xfers;
     while (*pp) {
         kvl_rx_xfer *r = *pp;
-        if (r->instance != instance || r->refs) /* a copy still placing keeps it */
+        if (r->instance != sender || r->refs) /* a copy still placing keeps it */
             pp = &r->next;
         else
             entry_drop(a, pp, KVL_ERR_CONN_LOST, "the sender's session ended: it reconnected anew");
@@ -500,7 +531,7 @@ void kvl_rx_free_all(kvl_agent *a)
         a->rx_xfers = r->next;
         if (r->h) {
             inx_fail(r->h, KVL_ERR_CLOSED, "the agent was closed while the push arrived");
-            drop_handle(r);
+            drop_handle(a, r);
         }
         free(r->chunks);
         free(r);
@@ -580,7 +611,7 @@ static int inx_finished(void *obj, uint32_t unused)
 static int inx_layer_ready(void *obj, uint32_t layer)
 {
     kvl_inxfer *t = obj;
-    return t->layer_done[layer] == LAYER_DONE || t->info.state != KVL_XFER_RUNNING;
+    return t->info.state != KVL_XFER_RUNNING || t->layer_done[layer] == LAYER_DONE;
 }
 
 static int inx_event_ready(void *obj, uint32_t unused)
@@ -629,7 +660,7 @@ kvl_err kvl_inxfer_wait_layer(kvl_inxfer *t, uint32_t layer, uint32_t timeout_ms
     if (inx_wait(t, inx_layer_ready, layer, timeout_ms))
         e = inx_timeout(t, timeout_ms, "layer not complete");
     else
-        e = t->layer_done[layer] == LAYER_DONE ? KVL_OK : inx_outcome(t);
+        e = t->layer_done && t->layer_done[layer] == LAYER_DONE ? KVL_OK : inx_outcome(t);
     pthread_mutex_unlock(&t->mu);
     return e;
 }
@@ -694,7 +725,7 @@ kvl_err kvl_inxfer_layer_done(kvl_inxfer *t, uint32_t layer, int *done)
         return kvl_fail(KVL_ERR_INVALID_ARG, "layer %u: the push has layers 0..%u", layer,
                         t->info.layers - 1);
     pthread_mutex_lock(&t->mu);
-    *done = t->layer_done[layer] == LAYER_DONE;
+    *done = t->layer_done && t->layer_done[layer] == LAYER_DONE; /* NULL: failed, shrunk */
     pthread_mutex_unlock(&t->mu);
     return KVL_OK;
 }

@@ -25,8 +25,10 @@
 #define KVL_HANDSHAKE_BODY_MAX (4u << 20) /* HELLO_ACK's region table: 8192 x ~350 bytes */
 #define KVL_PREAUTH_BODY_MAX 256u /* a frame body before the handshake ends (HELLO, AUTH) */
 #define KVL_MAX_ANSWERS_QUEUED 4096 /* frames queued to a peer that does not read them */
+#define KVL_MAX_ANSWER_BYTES (16u << 20) /* ...or their headers and bodies */
 #define KVL_PARTIAL_FRAME_TIMEOUTS 6 /* x connect_timeout: a started frame's bytes stop coming */
 #define KVL_MAX_CONNS_PER_PEER (4 * (KVL_MAX_PATHS + 1)) /* inbound, one peer name */
+#define KVL_MAX_PREAUTH 256       /* accepted connections still in their handshake */
 #define KVL_MAX_PEER_NAMES 4096   /* inbound peer names remembered */
 #define KVL_LOG_MAX 1024         /* log records kept for the application (log.c) */
 #define KVL_MAX_CHUNK (1ull << 30)
@@ -415,6 +417,8 @@ typedef struct kvl_inbound {
     char name[KVL_NAME_MAX];
     uint64_t instance;
     uint8_t token[KVL_TOKEN_BYTES]; /* the session its live connections belong to */
+    uint64_t sender;           /* that session's key for inbound state: a hash of the name,
+                                  instance and token (another name or token: other pushes) */
     int conns;
     struct kvl_inbound *next;
 } kvl_inbound;
@@ -474,7 +478,10 @@ struct kvl_agent {
     kvl_inbound *inbound;      /* inbound peers by name (proto.c), at most KVL_MAX_PEER_NAMES */
     uint32_t n_inbound;
     uint32_t n_conns_in;       /* accepted connections alive (bounded: cfg.max_connections) */
+    uint32_t n_preauth;        /* ...of them still in their handshake (KVL_MAX_PREAUTH) */
     uint64_t t_refused_log_ns; /* last "too many connections" log record */
+    uint64_t loglim_t_ns;      /* kvl_log_limited's window (engine) */
+    uint32_t loglim_n, loglim_dropped;
     struct kvl_rx_xfer *rx_xfers; /* chunk ownership of inbound pushes (inbound.c) */
     struct kvl_rx_xfer *rx_buckets[KVL_RX_BUCKETS]; /* the same entries by (instance, xfer) */
     uint64_t rx_seed;          /* secret hash seed: senders cannot aim at one bucket */
@@ -678,7 +685,7 @@ typedef struct kvl_rx_chunk {
     uint8_t settled;  /* a copy was verified in place */
 } kvl_rx_chunk;
 typedef struct kvl_rx_xfer {
-    uint64_t instance, xfer;  /* the sender agent instance and its transfer id */
+    uint64_t instance, xfer;  /* the sender session (kvl_inbound.sender) and its transfer id */
     kvl_rx_chunk *chunks;     /* NULL until announced, and again once ended */
     uint32_t n;               /* announced chunk count */
     uint32_t n_layers;        /* announced layer count */
@@ -709,9 +716,9 @@ void kvl_rx_done(kvl_rx_xfer *r, uint32_t chunk, uint32_t attempt, int verified,
 /* END: the sender finished the push (m->status says how). */
 void kvl_rx_end(kvl_agent *a, uint64_t instance, const kvl_msg_status *m);
 void kvl_rx_expire(kvl_agent *a, uint64_t now);
-/* A new session of sender `instance` began: what an earlier one (or a
- * client that claimed its instance) left is dropped, handles failed. */
-void kvl_rx_forget_instance(kvl_agent *a, uint64_t instance);
+/* Sender session `sender` (kvl_inbound.sender) is over: what it left is
+ * dropped, handles failed. */
+void kvl_rx_forget_sender(kvl_agent *a, uint64_t sender);
 void kvl_rx_free_all(kvl_agent *a);
 
 /* ---- sha256.c ---- */
@@ -756,6 +763,11 @@ kvl_err kvl_auth_nonce(uint8_t out[KVL_NONCE_BYTES]);
 /* Queues a record for the application's logger (any thread).  path -1: none. */
 void kvl_log(kvl_agent *a, int level, const char *peer, int path, const char *fmt, ...)
     __attribute__((format(printf, 5, 6)));
+
+/* Engine thread: kvl_log for what a peer's frames cause (refused
+ * handshakes, wrong keys): at most 10 records a second, then a count. */
+void kvl_log_limited(kvl_agent *a, int level, const char *peer, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
 
 /* ---- path.c: the path state machine ---- */
 /* Moves pa (a data path of p, or &p->ctrl_path) to state, logging why;

@@ -11,6 +11,8 @@
 
 #include "internal.h"
 
+#define LOG_LIMIT_PER_S 10 /* records a peer's misbehaviour may cause a second */
+
 void kvl_log(kvl_agent *a, int level, const char *peer, int path, const char *fmt, ...)
 {
     kvl_log_record r = {.level = (uint32_t)level, .path = path, .t_ns = kvl_now_ns()};
@@ -29,6 +31,29 @@ void kvl_log(kvl_agent *a, int level, const char *peer, int path, const char *fm
     a->log_count++;
     pthread_cond_signal(&a->log_cv);
     pthread_mutex_unlock(&a->log_mu);
+}
+
+void kvl_log_limited(kvl_agent *a, int level, const char *peer, const char *fmt, ...)
+{
+    uint64_t now = kvl_now_ns();
+    if (now - a->loglim_t_ns > 1000000000ull) { /* a new one-second window */
+        if (a->loglim_dropped)
+            kvl_log(a, level, NULL, -1, "%u more records like the ones above were not logged",
+                    a->loglim_dropped);
+        a->loglim_t_ns = now;
+        a->loglim_n = a->loglim_dropped = 0;
+    }
+    if (a->loglim_n >= LOG_LIMIT_PER_S) {
+        a->loglim_dropped++;
+        return;
+    }
+    a->loglim_n++;
+    char msg[sizeof ((kvl_log_record *)0)->msg];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    kvl_log(a, level, peer, -1, "%s", msg);
 }
 
 kvl_err kvl_next_log(kvl_agent *a, uint32_t timeout_ms, kvl_log_record *out)

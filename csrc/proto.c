@@ -67,8 +67,36 @@ kvl_conn *kvl_conn_new(kvl_agent *a, kvl_ep *ep)
     return c;
 }
 
+/* An accepted connection answered its HELLO (admitted or refused): it no
+ * longer counts among those still in their handshake. */
+static void handshake_over(kvl_conn *c)
+{
+    if (c->accepted && !c->handshaken)
+        c->a->n_preauth--;
+    c->handshaken = 1;
+}
+
+/* The connection that has been in its handshake longest, if any. */
+static kvl_conn *oldest_preauth(kvl_agent *a)
+{
+    kvl_conn *old = NULL;
+    for (kvl_conn *c = a->conns; c; c = c->next)
+        if (c->accepted && !c->handshaken && !c->dead && (!old || c->t_open_ns < old->t_open_ns))
+            old = c;
+    return old;
+}
+
 kvl_conn *kvl_proto_accepted(kvl_agent *a, kvl_ep *ep)
 {
+    /* connections that never finish a handshake cost anyone nothing to open:
+     * past a small share (or the total), the oldest of them makes room, so
+     * they cannot keep a legitimate peer out */
+    if (a->n_preauth >= KVL_MAX_PREAUTH || a->n_conns_in >= a->cfg.max_connections) {
+        kvl_conn *old = oldest_preauth(a);
+        if (old)
+            kvl_conn_fail(old, KVL_ERR_TIMEOUT,
+                          "closed before its handshake ended: too many connections in theirs");
+    }
     if (a->n_conns_in >= a->cfg.max_connections) {
         uint64_t now = kvl_now_ns();
         if (now - a->t_refused_log_ns > 1000000000ull) { /* one record a second at most */
@@ -84,6 +112,7 @@ kvl_conn *kvl_proto_accepted(kvl_agent *a, kvl_ep *ep)
     if (c) {
         c->accepted = 1;
         a->n_conns_in++;
+        a->n_preauth++;
     }
     return c;
 }
@@ -161,13 +190,16 @@ void kvl_proto_release(kvl_agent *a, kvl_tp_hold *h)
 
 static int send_frame(kvl_conn *c, kvl_tp_frame *f)
 {
-    if (!c->dead && c->accepted && tp(c)->queued(c->ep) >= KVL_MAX_ANSWERS_QUEUED) {
+    size_t qbytes = 0;
+    size_t qframes = c->dead || !c->accepted ? 0 : tp(c)->queued(c->ep, &qbytes);
+    if (qframes >= KVL_MAX_ANSWERS_QUEUED || qbytes >= KVL_MAX_ANSWER_BYTES) {
         /* answers (ACK, READ_RESP, REGIONS, PONG) pile up: the peer sends
          * requests and does not read what they bring back */
-        char why[160];
+        char why[192];
         snprintf(why, sizeof why,
-                 "'%s' does not read its answers: %d frames queued to it (connection closed)",
-                 c->peer_name[0] ? c->peer_name : "an unnamed peer", KVL_MAX_ANSWERS_QUEUED);
+                 "'%s' does not read its answers: %zu frames, %zu bytes queued to it "
+                 "(connection closed)",
+                 c->peer_name[0] ? c->peer_name : "an unnamed peer", qframes, qbytes);
         kvl_log(c->a, KVL_LOG_WARNING, c->peer_name[0] ? c->peer_name : NULL, -1, "%s", why);
         kvl_conn_fail(c, KVL_ERR_PROTOCOL, why);
     }
@@ -326,13 +358,14 @@ static int resolve_pieces(kvl_conn *c, const kvl_msg_chunk *m, uint32_t need,
                                             what, &r);
             const uint8_t *key = e ? NULL : kvl_dec_key_for(m, p.region);
             if (!e && (!key || !kvl_ct_equal(key, r->key, KVL_KEY_BYTES))) {
-                kvl_regions_release(&c->a->regions, r);
+                /* the message first: once released, r may be deregistered and freed */
                 e = kvl_fail(KVL_ERR_ACCESS_DENIED,
                              "%s: region %llu '%s': the access key is %s (the sender's "
                              "metadata of this agent is stale, or it never had it)",
                              what, (unsigned long long)p.region, r->name,
                              key ? "wrong" : "missing");
-                kvl_log(c->a, KVL_LOG_WARNING, c->peer_name, -1, "%s", kvl_last_error());
+                kvl_regions_release(&c->a->regions, r);
+                kvl_log_limited(c->a, KVL_LOG_WARNING, c->peer_name, "%s", kvl_last_error());
             }
             if (e || prefs_push(c, r)) {
                 if (!e)
@@ -391,7 +424,7 @@ static void send_region_table(kvl_conn *c, uint8_t type, uint32_t status, const 
 static void refuse_hello(kvl_conn *c, const kvl_msg_hello *m, uint32_t status, const char *why)
 {
     c->kind = m->kind;
-    c->handshaken = 1; /* answered: the handshake timeout no longer applies */
+    handshake_over(c); /* answered: the handshake timeout no longer applies */
     send_region_table(c, KVL_F_HELLO_ACK, status, why);
     tp(c)->refuse(c->ep);
 }
@@ -424,7 +457,7 @@ static void on_hello(kvl_conn *c)
                                : "agent '%s' has no secret to check the one '%s' holds: give "
                                  "every agent the same cluster secret (KVLINK_SECRET)",
                  a->name, m.name);
-        kvl_log(a, KVL_LOG_WARNING, NULL, -1, "refused a connection claiming to be '%s': %s",
+        kvl_log_limited(a, KVL_LOG_WARNING, NULL, "refused a connection claiming to be '%s': %s",
                 m.name, why);
         refuse_hello(c, &m, KVL_ERR_AUTH, why);
         return;
@@ -476,12 +509,30 @@ static void on_auth(kvl_conn *c)
                  a->name, c->hello.name);
     explicit_bzero(want, sizeof want);
     if (why[0]) {
-        kvl_log(a, KVL_LOG_WARNING, NULL, -1, "refused a connection claiming to be '%s': %s",
+        kvl_log_limited(a, KVL_LOG_WARNING, NULL, "refused a connection claiming to be '%s': %s",
                 c->hello.name, why);
         refuse_hello(c, &c->hello, KVL_ERR_AUTH, why);
         return;
     }
     admit(c, &c->hello);
+}
+
+/* The key of one sender session in the inbound tables (pushes, chunk
+ * ownership, END, notification de-duplication): a client that claims a
+ * sender's public name and instance without its session token, or its
+ * instance under another name, gets another key and touches nothing of it. */
+static uint64_t sender_key(const char *name, uint64_t instance, const uint8_t *token)
+{
+    kvl_sha256 h;
+    uint8_t d[KVL_SHA256_BYTES];
+    kvl_sha256_init(&h);
+    kvl_sha256_update(&h, name, strlen(name) + 1);
+    kvl_sha256_update(&h, &instance, sizeof instance);
+    kvl_sha256_update(&h, token, KVL_TOKEN_BYTES);
+    kvl_sha256_final(&h, d);
+    uint64_t k;
+    memcpy(&k, d, sizeof k);
+    return k ? k : 1; /* 0: no session */
 }
 
 /* A record for inbound peer `name`; at KVL_MAX_PEER_NAMES one whose
@@ -516,7 +567,7 @@ static void admit(kvl_conn *c, const kvl_msg_hello *hello)
     kvl_msg_hello m = *hello;
     c->kind = m.kind;
     c->rx_path = m.path;
-    c->handshaken = 1;
+    handshake_over(c);
     strcpy(c->peer_name, m.name);
     kvl_agent *a = c->a;
     char msg[256] = "";
@@ -545,7 +596,7 @@ static void admit(kvl_conn *c, const kvl_msg_hello *hello)
                  "agent '%s' has live connections from '%s' in another session: a second "
                  "process is using that agent's name and instance",
                  a->name, m.name);
-        kvl_log(a, KVL_LOG_WARNING, NULL, -1, "refused a connection claiming to be '%s': %s",
+        kvl_log_limited(a, KVL_LOG_WARNING, NULL, "refused a connection claiming to be '%s': %s",
                 m.name, msg);
     } else if (ib && ib->conns >= KVL_MAX_CONNS_PER_PEER) {
         status = KVL_ERR_BUSY;
@@ -557,11 +608,13 @@ static void admit(kvl_conn *c, const kvl_msg_hello *hello)
                  "agent '%s' has live connections from %d peer names: no room for '%s'",
                  a->name, KVL_MAX_PEER_NAMES, m.name);
     } else {
-        if (ib->conns == 0 && !kvl_ct_equal(ib->token, m.token, KVL_TOKEN_BYTES)) {
-            /* a new session: what an earlier one of this instance left (or a
-             * client that claimed it) must not touch this one's pushes */
-            kvl_rx_forget_instance(a, m.instance);
+        if (ib->conns == 0 && (!ib->sender || ib->instance != m.instance ||
+                               !kvl_ct_equal(ib->token, m.token, KVL_TOKEN_BYTES))) {
+            /* a new session of this name: its own earlier one is over */
+            if (ib->sender)
+                kvl_rx_forget_sender(a, ib->sender);
             memcpy(ib->token, m.token, KVL_TOKEN_BYTES);
+            ib->sender = sender_key(m.name, m.instance, m.token);
         }
         ib->instance = m.instance;
         ib->conns++;
@@ -596,7 +649,7 @@ static void on_data(kvl_conn *c)
     }
     if (resolve_pieces(c, &m, KVL_REMOTE_WRITE, &c->pst, &total) == 0) {
         uint32_t drain_status = KVL_OK;
-        uint64_t instance = c->ib ? c->ib->instance : 0;
+        uint64_t instance = c->ib ? c->ib->sender : 0;
         if (!kvl_rx_claim(c->a, instance, m.xfer, m.chunk, m.attempt, &c->rx, &drain_status)) {
             /* another copy owns or already verified this chunk: drain ours */
             release_prefs(c);
@@ -739,7 +792,7 @@ static void on_notify(kvl_conn *c)
         kvl_conn_fail(c, KVL_ERR_PROTOCOL, kvl_last_error());
         return;
     }
-    if (kvl_notify_inbound(c->a, c->peer_name, c->ib ? c->ib->instance : 0, &m) && m.xfer) {
+    if (kvl_notify_inbound(c->a, c->peer_name, c->ib ? c->ib->sender : 0, &m) && m.xfer) {
         kvl_buf b = {0};
         kvl_frame_start(&b);
         kvl_enc_token(&b, m.xfer);
@@ -802,7 +855,7 @@ static void on_end(kvl_conn *c)
         kvl_conn_fail(c, KVL_ERR_PROTOCOL, kvl_last_error());
         return;
     }
-    kvl_rx_end(c->a, c->ib ? c->ib->instance : 0, &m);
+    kvl_rx_end(c->a, c->ib ? c->ib->sender : 0, &m);
 }
 
 static void on_announce(kvl_conn *c)
@@ -814,7 +867,7 @@ static void on_announce(kvl_conn *c)
     }
     /* out of room: its DATA frames are then refused, which fails the push
      * on the sender with that reason */
-    kvl_rx_announce(c->a, c->ib ? c->ib->instance : 0, c->peer_name, &m);
+    kvl_rx_announce(c->a, c->ib ? c->ib->sender : 0, c->peer_name, &m);
 }
 
 static void on_pong(kvl_conn *c)
@@ -953,7 +1006,7 @@ void kvl_proto_on_version(kvl_conn *c, const char *why)
     }
     /* tell the initiator why before hanging up: HandshakeError there, not a
      * bare connection reset */
-    c->handshaken = 1;
+    handshake_over(c);
     c->kind = KVL_CONN_DATA;
     send_region_table(c, KVL_F_HELLO_ACK, KVL_ERR_HANDSHAKE, why);
     tp(c)->refuse(c->ep);
@@ -985,6 +1038,8 @@ static void conn_close(kvl_conn *c, int abortive, kvl_err err, const char *why)
         c->ib->conns--;
     if (c->accepted)
         a->n_conns_in--;
+    if (c->accepted && !c->handshaken)
+        a->n_preauth--;
     if (c->outbound) {
         kvl_notify_conn_lost(c->peer, c);
         if (c->path >= 0) {
@@ -1024,7 +1079,7 @@ void kvl_conn_expire(kvl_agent *a, uint64_t now)
     uint64_t limit = (uint64_t)a->cfg.connect_timeout_ms * 1000000ull;
     for (kvl_conn *c = a->conns, *next; c; c = next) {
         next = c->next;
-        uint64_t since = c->dead || !c->accepted ? 0 : tp(c)->rx_partial_since(c->ep);
+        uint64_t since = c->dead || !c->accepted ? 0 : tp(c)->rx_partial_since(c->ep, now);
         if (!c->handshaken && now - c->t_open_ns > limit)
             kvl_conn_fail(c, KVL_ERR_TIMEOUT, "no HELLO within the handshake timeout");
         else if (since && now - since > KVL_PARTIAL_FRAME_TIMEOUTS * limit)

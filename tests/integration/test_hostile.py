@@ -112,7 +112,7 @@ def test_a_peer_that_does_not_read_its_answers_is_cut(make_agent, caplog):
 def test_connections_over_max_connections_are_closed_at_accept(make_agent, caplog):
     caplog.set_level(logging.WARNING, logger="kvlink")
     victim = make_agent("victim", max_connections=6)
-    held = [socket.create_connection(victim.addresses[0], timeout=5) for _ in range(6)]
+    held = [wc.connect(victim.addresses[0], wc.DATA_CONN, 0, "many", 8) for _ in range(6)]
     try:
         extra = socket.create_connection(victim.addresses[0], timeout=5)
         assert _closed_by_agent(extra, within_s=3)
@@ -122,6 +122,20 @@ def test_connections_over_max_connections_are_closed_at_accept(make_agent, caplo
             s.close()
     assert _logged(caplog, "max_connections")
     _still_serves(make_agent, victim)  # the count went down with the closes
+
+
+def test_silent_connections_cannot_keep_a_peer_out(make_agent):
+    """Connections that never send a HELLO cost nothing to open: when they fill the
+    agent's connections, the oldest of them makes room for the next one, so a peer still
+    gets in (it used to be closed at accept until the silent ones timed out)."""
+    victim = make_agent("victim", max_connections=6, connect_timeout_s=30)
+    silent = [socket.create_connection(victim.addresses[0], timeout=5) for _ in range(6)]
+    try:
+        _still_serves(make_agent, victim)  # control + 1 data connection of a real peer
+        assert _closed_by_agent(silent[0], within_s=5)  # the oldest silent ones made room
+    finally:
+        for s in silent:
+            s.close()
 
 
 def test_one_peer_name_has_a_bounded_number_of_connections(make_agent):

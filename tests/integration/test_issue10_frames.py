@@ -188,3 +188,53 @@ def test_a_client_declaring_a_peers_instance_cannot_complete_or_fail_its_pushes(
         if not np.array_equal(dst, src):
             failures.append("the push reported success but the destination differs")
     assert failures == [], "\n".join(failures)
+
+
+def test_another_name_with_a_peers_instance_cannot_touch_its_pushes(make_agent):
+    """The same attack as above under another name (so the name's session check does not
+    apply): the client is admitted, but its ANNOUNCE, DATA and END belong to its own session
+    and the real sender's pushes never see them (they used to be END-ed and hang)."""
+    rx = make_agent("rx")
+    dst = np.zeros(MiB, np.uint8)
+    rid = rx.register(dst, name="kv", remote_write=True).id
+    tx = make_agent("tx")
+    src = np.full(MiB, 7, np.uint8)
+    tx.register(src)
+    tx.add_peer(rx.metadata())
+    key = wc.key_of(rx.metadata(), rid)
+    s = wc.connect(rx.addresses[0], wc.DATA_CONN, 0, "evil", _instance(tx))
+    try:
+        s.sendall(wc.announce(1, MiB, 1) + wc.data(1, 0, 1000, rid, 64, key))
+        s.sendall(_with_crc(b"\xee" * 64))
+        s.sendall(b"".join(wc.end(x, 17, b"forged") for x in range(1, 6)))
+        _still_serves(s)
+    finally:
+        s.close()
+    for _ in range(3):  # transfer 1 (whose id the client used), then the ids it ENDed
+        src[:] += 1
+        tx.push("rx", src=src, dst="kv").wait(timeout_s=10)
+        assert np.array_equal(dst, src)
+
+
+def test_ended_pushes_nobody_took_cost_only_their_tags(make_agent):
+    """Handles of pushes that failed (END) before the application took them wait in the
+    queue for 60 s; they used to keep their per-chunk and per-layer arrays (about 2.9 MiB for
+    65536 chunks and layers each): 100 of them held ~290 MiB outside every budget."""
+    rx = make_agent("rx")
+    rx.register(np.zeros(MiB, np.uint8), remote_write=True)
+    s = wc.connect(rx.addresses[0], wc.DATA_CONN, 0, "raw", 99)
+    chunks, tag = 65536, b"t" * 4096
+    try:
+        base = _rss()
+        for xfer in range(1, 101):
+            body = struct.pack("<QQIIII", xfer, chunks, chunks, 65536, 0, len(tag)) + tag
+            last = struct.pack("<II", 65535, 65535)
+            s.sendall(wc.frame(wc.ANNOUNCE, body + struct.pack("<II", 0, 0) * (chunks - 1) + last))
+            s.sendall(wc.end(xfer, 17, b"gone"))
+            if xfer % 10 == 0:
+                _drain(s)
+        _still_serves(s)
+        grown = _rss() - base
+    finally:
+        s.close()
+    assert grown <= 64 * MiB, f"{grown / MiB:.1f} MiB for 100 ended pushes nobody took"

@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -30,6 +31,7 @@
 #define IO_BATCH (2u << 20)  /* bytes per syscall: fewer wakeups, and the crc pass still hits L2 */
 #define IO_BUDGET (8u << 20) /* bytes per readiness event before serving others */
 #define MAX_IOV 64
+#define BODY_KEEP (64u << 10) /* a body buffer larger than this is freed after use */
 
 enum { RS_HDR, RS_BODY, RS_PAYLOAD, RS_TRAILER };
 
@@ -55,6 +57,7 @@ static const uint8_t zeros[256u << 10];
 
 static void out_free(kvl_ep *ep, kvl_out *o)
 {
+    ep->sq_bytes -= o->f.head.len;
     kvl_proto_release(ep->a, &o->f.hold);
     free(o->f.payload);
     kvl_buf_free(&o->f.head);
@@ -80,6 +83,7 @@ static int tcp_send(kvl_ep *ep, kvl_tp_frame *f)
     }
     o->f = *f;
     memset(f, 0, sizeof *f);
+    ep->sq_bytes += o->f.head.len;
     if (ep->sq_tail)
         ep->sq_tail->next = o;
     else
@@ -92,12 +96,24 @@ static int tcp_send(kvl_ep *ep, kvl_tp_frame *f)
 
 static int tcp_has_output(const kvl_ep *ep) { return !ep->dead && ep->sq != NULL; }
 
-static size_t tcp_queued(const kvl_ep *ep) { return ep->sq_len; }
+static size_t tcp_queued(const kvl_ep *ep, size_t *bytes)
+{
+    *bytes = ep->sq_bytes;
+    return ep->sq_len;
+}
 
-static uint64_t tcp_rx_partial_since(const kvl_ep *ep)
+static uint64_t tcp_rx_partial_since(kvl_ep *ep, uint64_t now)
 {
     int partial = ep->rs != RS_HDR || ep->hdr_got > 0;
-    return partial && !ep->dead && !ep->refused ? ep->t_rx_ns : 0;
+    if (!partial || ep->dead || ep->refused)
+        return 0;
+    /* SO_RCVLOWAT holds our wakeup back while a slow sender's bytes gather
+     * in the kernel: those bytes are progress too */
+    int inq = 0;
+    if (ioctl(ep->fd, FIONREAD, &inq) == 0 && inq > ep->inq_seen)
+        ep->t_rx_ns = now;
+    ep->inq_seen = inq > 0 ? inq : 0;
+    return ep->t_rx_ns;
 }
 
 static void tcp_drop_unstarted(kvl_ep *ep)
@@ -391,6 +407,11 @@ static int on_header(kvl_ep *ep)
                  ep->h.body_len, kvl_proto_max_body(ep->c));
         kvl_proto_on_error(ep->c, KVL_ERR_PROTOCOL, why);
         return -1;
+    }
+    if (ep->body_cap > BODY_KEEP && ep->h.body_len <= BODY_KEEP) {
+        free(ep->body); /* one large body (a region table) does not stay held per connection */
+        ep->body = NULL;
+        ep->body_cap = 0;
     }
     if (ep->h.body_len > ep->body_cap) {
         uint8_t *nb = realloc(ep->body, ep->h.body_len);

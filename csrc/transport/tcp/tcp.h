@@ -24,7 +24,9 @@ struct kvl_ep {
     /* send */
     struct kvl_out *sq, *sq_tail;
     size_t sq_len;         /* frames in sq */
+    size_t sq_bytes;       /* their heads (header + body): what queued frames cost us */
     uint64_t t_rx_ns;      /* the last byte received (a partial frame's progress) */
+    int inq_seen;          /* bytes the kernel held for us at the last progress check */
     uint64_t tx_payload, rx_payload;
     /* receive */
     int rs;

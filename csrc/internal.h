@@ -258,7 +258,7 @@ typedef struct kvl_rkey_entry {
     uint64_t id;
     uint8_t key[KVL_KEY_BYTES];
 } kvl_rkey_entry;
-/* bsearch / qsort order of kvl_rkey_entry by id (a key may be a bare uint64_t id). */
+/* bsearch of a bare uint64_t id (a) in kvl_rkey_entry elements sorted by id (b). */
 int kvl_region_key_cmp(const void *a, const void *b);
 
 typedef struct kvl_regions {

@@ -243,6 +243,7 @@ int kvl_conn_send_chunk(kvl_conn *c, kvl_xfer *x, uint32_t ci)
     kvl_frame_start(&f.head);
     kvl_enc_chunk(&f.head, x->id, ci, x->attempt[ci], ch->n_pieces);
     uint32_t n_keys = 0, mark = ++x->key_frames; /* key_used[k] == mark: this frame has key k */
+    uint64_t prev_region = 0;
     for (uint32_t i = 0; i < ch->n_pieces; i++) {
         const kvl_segment *s = &x->segs[pc[i].seg];
         kvl_wire_piece wp = {
@@ -251,6 +252,9 @@ int kvl_conn_send_chunk(kvl_conn *c, kvl_xfer *x, uint32_t ci)
             .len = pc[i].len,
         };
         kvl_enc_piece(&f.head, &wp);
+        if (i && wp.region == prev_region)
+            continue; /* pieces of one region come in runs: its key is marked already */
+        prev_region = wp.region;
         const kvl_rkey_entry *k = bsearch(&wp.region, x->keys, x->n_keys, sizeof *x->keys,
                                           kvl_region_key_cmp);
         if (k && x->key_used[k - x->keys] != mark) {

@@ -109,20 +109,38 @@ int kvl_region_key_cmp(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
+static int by_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
 /* Copies the access key of every remote region the segments name into x
- * (sorted by id, each once): chunk frames carry them. */
+ * (sorted by id, each once): chunk frames carry them.  Segments name few
+ * regions, mostly in runs (a paged KV push: one region, or one per layer),
+ * so only the id of each run is sorted, not one per segment. */
 static kvl_err take_keys(kvl_peer *p, kvl_xfer *x, int op, const kvl_segment *segs, size_t n)
 {
-    x->keys = calloc(n, sizeof *x->keys);
-    if (!x->keys)
-        return kvl_fail(KVL_ERR_NOMEM, "submit: out of memory for access keys");
-    for (size_t i = 0; i < n; i++)
-        x->keys[i].id = op == KVL_OP_PUSH ? segs[i].dst_region : segs[i].src_region;
-    qsort(x->keys, n, sizeof *x->keys, kvl_region_key_cmp); /* id is the first member */
+    uint64_t *ids = malloc(n * sizeof *ids);
     size_t k = 0;
-    for (size_t i = 0; i < n; i++)
-        if (i == 0 || x->keys[i].id != x->keys[k - 1].id)
-            x->keys[k++] = x->keys[i];
+    for (size_t i = 0; ids && i < n; i++) {
+        uint64_t id = op == KVL_OP_PUSH ? segs[i].dst_region : segs[i].src_region;
+        if (k == 0 || ids[k - 1] != id)
+            ids[k++] = id;
+    }
+    if (ids)
+        qsort(ids, k, sizeof *ids, by_u64);
+    x->keys = ids ? calloc(k ? k : 1, sizeof *x->keys) : NULL;
+    if (!x->keys) {
+        free(ids);
+        return kvl_fail(KVL_ERR_NOMEM, "submit: out of memory for access keys");
+    }
+    size_t d = 0;
+    for (size_t i = 0; i < k; i++)
+        if (d == 0 || x->keys[d - 1].id != ids[i])
+            x->keys[d++].id = ids[i];
+    free(ids);
+    k = d;
     x->n_keys = k;
     x->key_used = calloc(k, sizeof *x->key_used);
     if (!x->key_used)

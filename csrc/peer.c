@@ -65,9 +65,10 @@ static kvl_err send_frame(kvl_agent *a, kvl_ep *ep, kvl_buf *b, uint8_t type, ui
  * it; then our AUTH proves we do.  A listener that fails is told so. */
 static kvl_err answer_challenge(kvl_agent *a, kvl_peer *p, kvl_ep *ep, const kvl_msg_hello *m,
                                 const uint8_t *body, uint32_t len, const char *where,
-                                uint64_t deadline)
+                                uint64_t deadline, uint64_t *proven_instance)
 {
     kvl_msg_challenge ch;
+    *proven_instance = 0;
     if (kvl_dec_challenge(body, len, &ch))
         return kvl_fail(KVL_ERR_HANDSHAKE, "handshake with '%s' at %s: %s", p->name, where,
                         kvl_last_error());
@@ -96,6 +97,7 @@ static kvl_err answer_challenge(kvl_agent *a, kvl_peer *p, kvl_ep *ep, const kvl
     if (e)
         return kvl_fail(KVL_ERR_UNREACHABLE, "handshake with peer '%s' at %s: %s", p->name,
                         where, kvl_last_error());
+    *proven_instance = ch.instance;
     return KVL_OK;
 }
 
@@ -120,8 +122,9 @@ static kvl_err handshake(kvl_agent *a, kvl_peer *p, kvl_ep *ep, int kind, uint16
     if (!e)
         e = recv_frame(a, ep, deadline, &h, &body);
     int proven = 0; /* the listener proved it holds our secret */
+    uint64_t proven_instance = 0;
     if (!e && h.type == KVL_F_CHALLENGE && a->secret_len) {
-        e = answer_challenge(a, p, ep, &m, body, h.body_len, where, deadline);
+        e = answer_challenge(a, p, ep, &m, body, h.body_len, where, deadline, &proven_instance);
         proven = e == KVL_OK;
         free(body);
         body = NULL;
@@ -155,6 +158,13 @@ static kvl_err handshake(kvl_agent *a, kvl_peer *p, kvl_ep *ep, int kind, uint16
         free(body);
         kvl_err st = ack.status <= KVL_ERR_MAX ? ack.status : KVL_ERR_HANDSHAKE;
         return kvl_fail(st, "peer at %s refused the connection: %s", where, ack.msg);
+    }
+    if (proven && ack.instance != proven_instance) { /* HELLO_ACK itself is not proven */
+        free(body);
+        return kvl_fail(KVL_ERR_HANDSHAKE,
+                        "the agent at %s proved instance %016llx and then answered as %016llx",
+                        where, (unsigned long long)proven_instance,
+                        (unsigned long long)ack.instance);
     }
     if (a->secret_len && !proven) { /* accepted without proving anything: not one of ours */
         free(body);

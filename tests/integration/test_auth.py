@@ -3,6 +3,7 @@ both ends hold it before anything it carries is trusted (docs/security.md)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import struct
@@ -145,3 +146,42 @@ def test_secret_from_the_environment(make_agent, monkeypatch, tmp_path):
         plain.add_peer(rx.metadata())
     assert "secret" not in repr(kvlink.Config(secret=SECRET)).replace("secret=", "")
     assert SECRET not in repr(kvlink.Config(secret=SECRET))
+
+
+def test_a_listener_must_answer_as_the_instance_it_proved(make_agent):
+    """The HELLO_ACK is not itself proven: a listener (or something between) that proves one
+    instance in CHALLENGE and answers as another is refused."""
+    import json
+    import threading
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+
+    def listener() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            conn.settimeout(10)
+            _, body = wc.recv_frame(conn)  # HELLO
+            inst, kind, path, nlen = struct.unpack_from("<QBHH", body)
+            name = body[13 : 13 + nlen].decode()
+            nonce_c = body[14 + nlen : 30 + nlen]
+            nonce_s = bytes(range(16))
+            mac = wc.auth_mac(SECRET.encode(), True, "fake", 111, name, inst, kind, path,
+                              nonce_c, nonce_s)  # fmt: skip
+            conn.sendall(wc.frame(wc.CHALLENGE, struct.pack("<Q", 111) + wc.sstr("fake")
+                                  + nonce_s + mac))  # fmt: skip
+            wc.recv_frame(conn)  # AUTH
+            ack = struct.pack("<IQ", 0, 222) + wc.sstr("fake") + wc.sstr("") + struct.pack("<I", 0)
+            conn.sendall(wc.frame(wc.HELLO_ACK, ack))
+            with contextlib.suppress(OSError):
+                conn.recv(1)
+
+    t = threading.Thread(target=listener, daemon=True)
+    t.start()
+    tx = make_agent("tx", secret=SECRET)
+    md = json.dumps({"kvlink": 1, "name": "fake", "instance": "0" * 16,
+                     "addrs": [["127.0.0.1", port]]})  # fmt: skip
+    with pytest.raises(kvlink.HandshakeError, match="proved instance"):
+        tx.add_peer(md)
+    srv.close()
+    t.join(timeout=10)

@@ -313,6 +313,7 @@ static void *engine_main(void *arg)
                 ssize_t rc = read(a->wakefd, &v, sizeof v);
                 (void)rc;
                 run_commands(a);
+                a->tp->progress(a);
             } else {
                 a->tp->on_event(evs[i].data.ptr, evs[i].events);
             }
@@ -369,6 +370,9 @@ static kvl_err check_config(const kvl_config *cfg)
                         "config.secret must be %d..%d bytes (got %zu): use a random one, e.g. "
                         "`openssl rand -hex 32`",
                         KVL_SECRET_MIN, KVL_SECRET_MAX, cfg->secret_len);
+    if (cfg->io_threads > KVL_MAX_IO_THREADS)
+        return kvl_fail(KVL_ERR_INVALID_ARG, "config.io_threads must be 0..%d (got %u)",
+                        KVL_MAX_IO_THREADS, cfg->io_threads);
     if (!cfg->max_connections)
         return kvl_fail(KVL_ERR_INVALID_ARG, "config.max_connections must be positive");
     if (!cfg->connect_timeout_ms || !cfg->monitor_interval_ms || !cfg->max_attempts ||
@@ -401,6 +405,7 @@ static kvl_err check_exposure(const kvl_config *cfg)
 
 static void agent_free(kvl_agent *a)
 {
+    a->tp->stop(a); /* every endpoint but the listeners is gone; they never had an I/O thread */
     for (size_t i = 0; a->listeners && i < a->n_addrs; i++)
         if (a->listeners[i]) {
             a->tp->close(a->listeners[i], 0);
@@ -503,6 +508,10 @@ kvl_err kvl_agent_create(const kvl_config *cfg, kvl_agent **out)
         return e;
     }
     kvl_monitor_init(a);
+    if ((e = a->tp->start(a, cfg->io_threads))) {
+        agent_free(a);
+        return e;
+    }
     if (kvl_prober_start(a) != KVL_OK) {
         e = kvl_fail(KVL_ERR_SYSTEM, "agent_create: cannot start the prober thread");
         agent_free(a);

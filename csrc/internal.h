@@ -16,6 +16,7 @@
 
 #define KVL_NAME_MAX 64          /* agent and region names, with the NUL */
 #define KVL_MAX_PATHS 64
+#define KVL_MAX_IO_THREADS 64
 #define KVL_MAX_PIECES 8192      /* pieces per chunk: bounds a frame body to 192 KiB */
 #define KVL_MAX_REGIONS 8192     /* regions per agent: bounds the region table frame */
 #define KVL_MAX_TAG 4096
@@ -456,6 +457,7 @@ struct kvl_agent {
     size_t n_addrs;
     uint64_t instance;
     const kvl_transport_ops *tp;
+    void *tp_state;            /* the transport's own (TCP: its I/O threads) */
     kvl_regions regions;
     int epfd, wakefd;
     kvl_ep **listeners;
@@ -720,6 +722,9 @@ void kvl_rx_expire(kvl_agent *a, uint64_t now);
  * dropped, handles failed. */
 void kvl_rx_forget_sender(kvl_agent *a, uint64_t sender);
 void kvl_rx_free_all(kvl_agent *a);
+/* proto.c: every copy placing a chunk of r stops placing before this
+ * returns (the handle is about to report a failure). */
+void kvl_proto_revoke_rx(kvl_agent *a, kvl_rx_xfer *r);
 
 /* ---- sha256.c ---- */
 #define KVL_SHA256_BYTES 32

@@ -302,6 +302,27 @@ static int dst_reserve(kvl_conn *c, int n)
     return 0;
 }
 
+/* Copies that were placing chunk `chunk` of push entry rx (or pull x) stop
+ * before c's copy places a byte: with I/O threads their bytes may be landing
+ * right now (transport.h, revocation).  Only asked when some copy of the
+ * transfer is placing, so a flood of frames costs no walk. */
+static void revoke_others(kvl_conn *self, kvl_rx_xfer *rx, kvl_xfer *px, uint32_t chunk)
+{
+    for (kvl_conn *c = self->a->conns; c; c = c->next)
+        if (c != self && !c->dead && ((rx && c->rx == rx) || (px && c->px == px)) &&
+            c->pst.chunk == chunk)
+            tp(c)->revoke(c->ep);
+}
+
+void kvl_proto_revoke_rx(kvl_agent *a, kvl_rx_xfer *r)
+{
+    if (!a->cfg.io_threads || !r->refs)
+        return;
+    for (kvl_conn *c = a->conns; c; c = c->next)
+        if (!c->dead && c->rx == r)
+            tp(c)->revoke(c->ep);
+}
+
 static void drain_all(kvl_conn *c)
 {
     c->ndst = 0;
@@ -666,6 +687,8 @@ static void on_data(kvl_conn *c)
             c->rx = NULL;
             drain_all(c);
             c->drained = 1;
+        } else if (c->a->cfg.io_threads && c->rx->refs > 1) {
+            revoke_others(c, c->rx, NULL, m.chunk);
         }
     }
     if (c->pst.status != KVL_OK)
@@ -785,6 +808,8 @@ static void on_read_resp(kvl_conn *c)
         return;
     }
     x->powner[st.chunk] = st.attempt;
+    if (c->a->cfg.io_threads && x->io_refs)
+        revoke_others(c, NULL, x, st.chunk);
     c->px = x;
     x->io_refs++;
 }

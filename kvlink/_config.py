@@ -112,6 +112,12 @@ class Config:
     # peers with 8 paths each.  More are closed at accept (and logged); keep
     # it below the process's file-descriptor limit (ulimit -n).
     max_connections: int = 16384
+    # Threads that move payload bytes and compute their crc32c, beside the
+    # engine thread that schedules (docs/architecture.md, threading model).
+    # "auto": one per path up to half the usable cores (at most 16), and none
+    # on hosts with fewer than 4 cores, where the engine thread of each side
+    # already has a core of its own.  0: all I/O on the engine thread.
+    io_threads: int | str = "auto"
 
     def __post_init__(self) -> None:
         nics = self.nics
@@ -147,6 +153,15 @@ class Config:
         _float_range("transfer_timeout_s", self.transfer_timeout_s, 0.0, 7 * 86400.0)
         _float_range("close_linger_s", self.close_linger_s, 0.0, 60.0)
         _int_range("max_connections", self.max_connections, 1, 1 << 20)
+        io = self.io_threads
+        if isinstance(io, str) and io.strip().isdigit():
+            object.__setattr__(self, "io_threads", int(io))
+        elif isinstance(io, str) and io.strip().lower() == "auto":
+            object.__setattr__(self, "io_threads", "auto")
+        elif isinstance(io, str):
+            raise ConfigError(f"io_threads: expected 'auto' or a count 0..64, got {io!r}")
+        else:
+            _int_range("io_threads", io, 0, 64)
         if self.secret is not None:
             _check_secret("secret", self.secret)
         if not isinstance(self.allow_unauthenticated, bool):
@@ -175,6 +190,16 @@ class Config:
                 raise ConfigError(f"KVLINK_SECRET_FILE {path}: {exc.strerror}") from exc
             return _check_secret(f"KVLINK_SECRET_FILE {path}", raw.removesuffix(b"\n"))
         return None
+
+    def resolved_io_threads(self, n_paths: int) -> int:
+        """The I/O threads an agent with ``n_paths`` local addresses starts."""
+        if isinstance(self.io_threads, int):
+            return self.io_threads
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cores = os.cpu_count() or 1
+        return 0 if cores < 4 else max(1, min(n_paths, cores // 2, 16))
 
     def replace(self, **changes: Any) -> Config:
         """A copy with ``changes`` applied (validated again)."""

@@ -155,6 +155,7 @@ def agent_create(name: str, addrs: Sequence[str], cfg: Config) -> Handle:
         c.secret_len = len(secret)
     c.allow_unauthenticated = int(cfg.allow_unauthenticated)
     c.max_connections = cfg.max_connections
+    c.io_threads = cfg.resolved_io_threads(len(addrs))
     out = ffi.new("kvl_agent **")
     check(lib.kvl_agent_create(c, out))
     return out[0]

@@ -113,6 +113,8 @@ typedef struct kvl_config {
     int32_t allow_unauthenticated; /* 1: listen on non-loopback addresses without a secret */
     uint32_t max_connections;    /* accepted connections alive at once, from all peers (each
                                     peer opens 1 + its paths); more are closed at accept */
+    uint32_t io_threads;         /* threads that move payload bytes and their crc32c, 0..64;
+                                    0: all I/O on the engine thread */
 } kvl_config;
 
 /* One contiguous byte range.  Region ids are those of the side that owns the

@@ -31,7 +31,14 @@
  *    verify.
  *  - Every endpoint op runs on the engine thread, except connect, send_all,
  *    recv_all and discard on a detached endpoint (add_peer's helper threads
- *    and the prober).
+ *    and the prober).  A transport may move bytes on threads of its own
+ *    (TCP with io_threads: iopool.c); the core's upcalls still arrive on
+ *    the engine thread only, from on_event or progress.
+ *  - Revocation is synchronous: when another copy of a chunk takes over its
+ *    destination, or the receiver's handle of a push is about to report a
+ *    failure, the core calls revoke() on every endpoint still placing that
+ *    chunk; once it returns, no byte of that payload lands any more (the
+ *    rest is drained).
  */
 #ifndef KVLINK_TRANSPORT_H
 #define KVLINK_TRANSPORT_H
@@ -137,6 +144,16 @@ typedef struct kvl_transport_ops {
      * needs (none for TCP: *rkey_len = 0). */
     kvl_err (*reg_mem)(kvl_agent *a, void *base, uint64_t len, uint32_t mem, uint8_t *rkey,
                        uint32_t *rkey_len);
+    /* Starts the transport's own I/O threads (cfg.io_threads; 0: none),
+     * before the engine runs; stop() after every endpoint is freed. */
+    kvl_err (*start)(kvl_agent *a, uint32_t io_threads);
+    void (*stop)(kvl_agent *a);
+    /* Engine thread, after every wakeup: hands the core what the I/O
+     * threads finished (on_payload, release, on_error, as on_event would). */
+    void (*progress)(kvl_agent *a);
+    /* The payload arriving on ep may be placed no more: drain the rest.
+     * Returns once no thread writes its destination. */
+    void (*revoke)(kvl_ep *ep);
 } kvl_transport_ops;
 
 extern const kvl_transport_ops kvl_tcp_ops;

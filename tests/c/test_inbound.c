@@ -7,6 +7,19 @@
 #include "internal.h"
 #include "test_main.h"
 
+/* proto.c's revocation, which inbound.c asks for before a handle reports a
+ * failure (the real one walks connections, which this test has none of):
+ * counted, with whether the handle had already failed when it came. */
+static int revoked, revoked_after_failure;
+
+void kvl_proto_revoke_rx(kvl_agent *a, kvl_rx_xfer *r)
+{
+    (void)a;
+    revoked++;
+    if (r->h && kvl_inxfer_wait(r->h, 0) != KVL_ERR_TIMEOUT)
+        revoked_after_failure++;
+}
+
 static kvl_agent *agent_new(void)
 {
     kvl_agent *a = calloc(1, sizeof *a);
@@ -116,7 +129,9 @@ static void test_end_before_done_fails_the_handle(void)
     CHECK(kvl_inbound_next(a, NULL, 0, 1, 0, &h) == KVL_OK);
     kvl_msg_status end = {.xfer = 2, .status = KVL_ERR_CONN_LOST};
     snprintf(end.msg, sizeof end.msg, "all paths down");
+    revoked = revoked_after_failure = 0;
     kvl_rx_end(a, 7, &end);
+    CHECK(revoked == 1 && revoked_after_failure == 0); /* copies stopped first */
     CHECK(kvl_inxfer_wait(h, 0) == KVL_ERR_CONN_LOST);
     CHECK(strstr(kvl_last_error(), "all paths down") != NULL);
     kvl_inxfer_release(h);
@@ -211,7 +226,9 @@ static void test_deadline_without_end(void)
     CHECK(kvl_inbound_next(a, NULL, 0, 1, 0, &h) == KVL_OK);
     kvl_rx_xfer *r = NULL;
     uint32_t st = 0;
+    revoked = revoked_after_failure = 0;
     kvl_rx_expire(a, kvl_now_ns() + 3000000000ull);
+    CHECK(revoked == 1 && revoked_after_failure == 0);
     CHECK(kvl_inxfer_wait(h, 0) == KVL_ERR_DEADLINE);
     CHECK(!kvl_rx_claim(a, 7, 5, 0, 1, &r, &st) && st == KVL_RX_SUPERSEDED);
     CHECK(a->rx_chunks_live == 0);

@@ -1,6 +1,7 @@
 /* test_stress.c: two agents in one process pushing and pulling at each other
  * over two loopback paths from several threads at once, every byte checked,
- * every notification and inbound handle accounted for.  Built with ASan/UBSan
+ * every notification and inbound handle accounted for; once with all I/O on
+ * the engine threads and once with I/O threads (io_threads = 2).  Built with ASan/UBSan
  * and with ThreadSanitizer (make -C tests/c tsan): the engine, prober, log
  * and caller threads all run for real over real sockets. */
 #include <stdlib.h>
@@ -20,6 +21,7 @@ typedef struct side {
 } side;
 
 static side sides[2];
+static uint32_t io_threads; /* of both agents, this round */
 static kvl_peer *peer_of[2]; /* sides[i]'s peer object for the other side */
 
 static kvl_agent *make_agent(const char *name)
@@ -30,7 +32,8 @@ static kvl_agent *make_agent(const char *name)
                     .max_connections = 1024,
                     .monitor_interval_ms = 100, .max_attempts = 4, .stall_factor = 4,
                     .probe_backoff_max_ms = 2000, .hedge = 1, .window_chunks = 2,
-                    .window_bytes = 4u << 20, .close_linger_ms = 2000};
+                    .window_bytes = 4u << 20, .close_linger_ms = 2000,
+                    .io_threads = io_threads};
     kvl_agent *a = NULL;
     CHECKF(kvl_agent_create(&c, &a) == KVL_OK, "%s: %s", name, kvl_last_error());
     return a;
@@ -131,9 +134,9 @@ static void *logs(void *arg)
     return NULL;
 }
 
-int main(void)
+static void stress(uint32_t threads)
 {
-    double t0 = test_now_s();
+    io_threads = threads;
     pthread_t lt[2];
     for (int i = 0; i < 2; i++) {
         sides[i].a = make_agent(i ? "stress-b" : "stress-a");
@@ -165,5 +168,12 @@ int main(void)
         CHECK(kvl_agent_close(sides[i].a) == KVL_OK);
         free(sides[i].mem);
     }
+}
+
+int main(void)
+{
+    double t0 = test_now_s();
+    stress(0);
+    stress(2);
     return test_report("test_stress", t0);
 }

@@ -13,7 +13,9 @@
  * trailer (kvl_proto_on_payload).
  *
  * Engine thread only, but for the blocking helpers of a detached endpoint
- * (tcp.c).
+ * (tcp.c) and, with I/O threads (iopool.c), the payload of one frame at a
+ * time each way: kvl_tcp_tx_step and kvl_tcp_rx_step run there under
+ * ep->jmu, and the engine collects their results in tcp_progress.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -47,6 +49,7 @@ struct kvl_out {
     uint8_t trailer[4];
     size_t trailer_sent;
     int cancelled;         /* the rest of the payload comes from zeros, not our memory */
+    int in_job;            /* engine: handed to the I/O thread (started, whatever head_sent says) */
 };
 
 /* A cancelled DATA frame's remaining payload is sent from here: the stream
@@ -64,12 +67,21 @@ static void out_free(kvl_ep *ep, kvl_out *o)
     free(o);
 }
 
+/* What the engine's epoll watches: reading unless refused (only its answer
+ * goes out then) or a payload is coming in on the I/O thread; writing while
+ * frames wait, unless one is going out on the I/O thread. */
+static void watch_update(kvl_ep *ep)
+{
+    uint32_t ev = (ep->refused || ep->rx_busy ? 0 : EPOLLIN) |
+                  (ep->epout && !ep->tx_busy ? EPOLLOUT : 0);
+    if (ev != ep->ev_mask && kvl_engine_rewatch(ep->a, ep->fd, ep, ev) == 0)
+        ep->ev_mask = ev;
+}
+
 static void watch(kvl_ep *ep, int out)
 {
-    /* a refused endpoint is read no more: only its answer goes out */
-    uint32_t in = ep->refused ? 0 : EPOLLIN;
-    if (ep->epout != out && kvl_engine_rewatch(ep->a, ep->fd, ep, in | (out ? EPOLLOUT : 0)) == 0)
-        ep->epout = out;
+    ep->epout = out;
+    watch_update(ep);
 }
 
 static int tcp_send(kvl_ep *ep, kvl_tp_frame *f)
@@ -104,16 +116,16 @@ static size_t tcp_queued(const kvl_ep *ep, size_t *bytes)
 
 static uint64_t tcp_rx_partial_since(kvl_ep *ep, uint64_t now)
 {
-    int partial = ep->rs != RS_HDR || ep->hdr_got > 0;
+    int partial = ep->rx_busy || ep->rs != RS_HDR || ep->hdr_got > 0;
     if (!partial || ep->dead || ep->refused)
         return 0;
     /* SO_RCVLOWAT holds our wakeup back while a slow sender's bytes gather
      * in the kernel: those bytes are progress too */
     int inq = 0;
     if (ioctl(ep->fd, FIONREAD, &inq) == 0 && inq > ep->inq_seen)
-        ep->t_rx_ns = now;
+        __atomic_store_n(&ep->t_rx_ns, now, __ATOMIC_RELAXED);
     ep->inq_seen = inq > 0 ? inq : 0;
-    return ep->t_rx_ns;
+    return __atomic_load_n(&ep->t_rx_ns, __ATOMIC_RELAXED);
 }
 
 static void tcp_drop_unstarted(kvl_ep *ep)
@@ -122,7 +134,7 @@ static void tcp_drop_unstarted(kvl_ep *ep)
     ep->sq_tail = NULL;
     while (*pp) {
         kvl_out *o = *pp;
-        if (o->f.is_chunk && o->head_sent == 0) {
+        if (o->f.is_chunk && !o->in_job && o->head_sent == 0) {
             *pp = o->next;
             ep->sq_len--;
             out_free(ep, o);
@@ -141,7 +153,7 @@ static int tcp_cancel(kvl_ep *ep, uint64_t xid, uint32_t chunk, uint32_t attempt
         kvl_out *o = *pp;
         if (!o->f.is_chunk || o->f.xid != xid || o->f.chunk != chunk || o->f.attempt != attempt)
             continue;
-        if (o->head_sent == 0) { /* not started: it simply never goes out */
+        if (!o->in_job && o->head_sent == 0) { /* not started: it simply never goes out */
             *pp = o->next;
             ep->sq_len--;
             if (ep->sq_tail == o)
@@ -151,6 +163,8 @@ static int tcp_cancel(kvl_ep *ep, uint64_t xid, uint32_t chunk, uint32_t attempt
                 watch(ep, 0);
             return 1;
         }
+        if (o->in_job)
+            pthread_mutex_lock(&ep->jmu); /* the I/O thread is between two sends */
         if (o->f.payload_len && !o->cancelled) {
             /* mid-frame: the rest goes out as zeros with a trailer that
              * cannot match, and our memory is let go of right now */
@@ -158,6 +172,8 @@ static int tcp_cancel(kvl_ep *ep, uint64_t xid, uint32_t chunk, uint32_t attempt
             kvl_proto_release(ep->a, &o->f.hold);
             memset(&o->f.hold, 0, sizeof o->f.hold);
         }
+        if (o->in_job)
+            pthread_mutex_unlock(&ep->jmu);
         return 1;
     }
     return 0;
@@ -233,41 +249,79 @@ static void fail(kvl_ep *ep, kvl_err err, const char *what, int errnum)
     kvl_proto_on_error(ep->c, err, why);
 }
 
+enum { OUT_DONE = 1, OUT_MORE = 0, OUT_BLOCKED = -1, OUT_ERROR = -2 };
+
+/* One sendmsg of o (ep's head frame): OUT_DONE once all of it is out,
+ * OUT_MORE, OUT_BLOCKED (the socket is full) or OUT_ERROR (errno). */
+static int out_step(kvl_ep *ep, kvl_out *o, size_t *budget)
+{
+    struct iovec v[MAX_IOV + 2];
+    int n = out_iov(o, v);
+    if (n == 0)
+        return OUT_DONE;
+    struct msghdr mh = {.msg_iov = v, .msg_iovlen = (size_t)n};
+    ssize_t got = sendmsg(ep->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (got < 0)
+        return errno == EAGAIN || errno == EINTR ? OUT_BLOCKED : OUT_ERROR;
+    size_t left = (size_t)got;
+    *budget = left >= *budget ? 0 : *budget - left;
+    if (o->head_sent < o->f.head.len) {
+        size_t h = o->f.head.len - o->head_sent;
+        if (h > left)
+            h = left;
+        o->head_sent += h;
+        left -= h;
+    }
+    if (left && o->payload_sent < o->f.payload_len) {
+        out_advance_payload(o, left);
+        __atomic_fetch_add(&ep->tx_payload, left, __ATOMIC_RELAXED);
+        left = 0;
+    }
+    if (left)
+        o->trailer_sent += left;
+    if (o->head_sent < o->f.head.len || o->payload_sent < o->f.payload_len ||
+        (o->f.payload_len && o->trailer_sent < 4))
+        return OUT_MORE;
+    return OUT_DONE;
+}
+
+int kvl_tcp_tx_step(kvl_ep *ep)
+{
+    size_t budget = IO_BUDGET;
+    while (budget) {
+        int r = out_step(ep, ep->sq, &budget);
+        if (r == OUT_DONE)
+            return 1;
+        if (r == OUT_ERROR) {
+            ep->tx_err = errno ? errno : EIO;
+            return 1;
+        }
+        if (r == OUT_BLOCKED)
+            return 0;
+    }
+    return 0; /* its turn is over: the others on this thread go next */
+}
+
 static void ep_write(kvl_ep *ep)
 {
     size_t budget = IO_BUDGET;
-    while (ep->sq && budget && !ep->dead) {
+    while (ep->sq && budget && !ep->dead && !ep->tx_busy) {
         kvl_out *o = ep->sq;
-        struct iovec v[MAX_IOV + 2];
-        int n = out_iov(o, v);
-        if (n > 0) {
-            struct msghdr mh = {.msg_iov = v, .msg_iovlen = (size_t)n};
-            ssize_t got = sendmsg(ep->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
-            if (got < 0) {
-                if (errno != EAGAIN && errno != EINTR)
-                    fail(ep, KVL_ERR_CONN_LOST, "send", errno);
-                return;
-            }
-            size_t left = (size_t)got;
-            budget = left >= budget ? 0 : budget - left;
-            if (o->head_sent < o->f.head.len) {
-                size_t h = o->f.head.len - o->head_sent;
-                if (h > left)
-                    h = left;
-                o->head_sent += h;
-                left -= h;
-            }
-            if (left && o->payload_sent < o->f.payload_len) {
-                out_advance_payload(o, left);
-                ep->tx_payload += left;
-                left = 0;
-            }
-            if (left)
-                o->trailer_sent += left;
-            if (o->head_sent < o->f.head.len || o->payload_sent < o->f.payload_len ||
-                (o->f.payload_len && o->trailer_sent < 4))
-                continue;
+        if (ep->io && o->f.payload_len) {
+            /* the payload goes out on the I/O thread; tcp_progress goes on */
+            o->in_job = 1;
+            ep->tx_busy = 1;
+            watch_update(ep);
+            kvl_tcp_job_start(ep, 1);
+            return;
         }
+        int r = out_step(ep, o, &budget);
+        if (r == OUT_ERROR)
+            fail(ep, KVL_ERR_CONN_LOST, "send", errno);
+        if (r == OUT_ERROR || r == OUT_BLOCKED)
+            return;
+        if (r == OUT_MORE)
+            continue;
         ep->sq = o->next;
         ep->sq_len--;
         if (!ep->sq)
@@ -284,7 +338,6 @@ static void ep_write(kvl_ep *ep)
 static void tcp_refuse(kvl_ep *ep)
 {
     ep->refused = 1;
-    ep->epout = -1; /* force the update without EPOLLIN */
     watch(ep, 1);
 }
 
@@ -292,11 +345,9 @@ static void tcp_refuse(kvl_ep *ep)
 
 /* Reads payload bytes into the sink.  Returns bytes read, 0 on EOF, -1 with
  * errno on error. */
-static ssize_t read_payload(kvl_ep *ep)
+static ssize_t read_payload(kvl_ep *ep, const struct iovec *dst, int ndst, int live,
+                            uint8_t *scratch, size_t scratch_len)
 {
-    int ndst;
-    const struct iovec *dst = kvl_proto_sink(ep->c, &ndst);
-    int live = kvl_proto_payload_live(ep->c);
     struct iovec v[MAX_IOV];
     int n = 0;
     size_t want = 0;
@@ -304,8 +355,6 @@ static ssize_t read_payload(kvl_ep *ep)
     size_t off = ep->dst_off;
     if (!live || dst[idx].iov_base == NULL) {
         /* drained: the destination must not change through this copy */
-        size_t scratch_len;
-        uint8_t *scratch = kvl_engine_scratch(ep->a, &scratch_len);
         size_t len = dst[idx].iov_len - off;
         v[n].iov_base = scratch;
         v[n++].iov_len = len < scratch_len ? len : scratch_len;
@@ -343,10 +392,10 @@ static ssize_t read_payload(kvl_ep *ep)
  * batch (or the rest of the frame, which the peer must send) is queued: one
  * large readv per wakeup instead of many small ones.  Between frames the
  * default of one byte applies, so headers and ACKs are seen at once. */
-static void set_lowat(kvl_ep *ep)
+static void set_lowat(kvl_ep *ep, int in_payload)
 {
     int want = 0;
-    if (ep->rs == RS_PAYLOAD) {
+    if (in_payload) {
         uint64_t rest = ep->h.payload_len - ep->pay_got + 4; /* + the crc trailer */
         want = rest > (uint64_t)ep->lowat_max ? ep->lowat_max : (int)rest;
     }
@@ -355,6 +404,60 @@ static void set_lowat(kvl_ep *ep)
     int v = want ? want : 1;
     if (setsockopt(ep->fd, SOL_SOCKET, SO_RCVLOWAT, &v, sizeof v) == 0)
         ep->lowat = want;
+}
+
+/* The payload that starts now comes in on ep's I/O thread, into a copy of
+ * the core's sink; the engine reads ep no more until it is in. */
+static void rx_job_start(kvl_ep *ep)
+{
+    int ndst;
+    const struct iovec *dst = kvl_proto_sink(ep->c, &ndst);
+    if (ndst > ep->sink_cap) {
+        struct iovec *ns = realloc(ep->sink, (size_t)ndst * sizeof *ns);
+        if (!ns) {
+            kvl_proto_on_error(ep->c, KVL_ERR_NOMEM, "out of memory for a payload's sink");
+            return;
+        }
+        ep->sink = ns;
+        ep->sink_cap = ndst;
+    }
+    memcpy(ep->sink, dst, (size_t)ndst * sizeof *dst);
+    ep->nsink = ndst;
+    ep->live = kvl_proto_payload_live(ep->c);
+    ep->rx_busy = 1;
+    watch_update(ep);
+    kvl_tcp_job_start(ep, 0);
+}
+
+int kvl_tcp_rx_step(kvl_ep *ep, uint8_t *scratch, size_t scratch_len)
+{
+    size_t budget = IO_BUDGET;
+    while (budget) {
+        int in_payload = ep->pay_got < ep->h.payload_len;
+        ssize_t n = in_payload ? read_payload(ep, ep->sink, ep->nsink, ep->live, scratch,
+                                              scratch_len)
+                               : recv(ep->fd, ep->trailer + ep->trailer_got,
+                                      4 - ep->trailer_got, MSG_DONTWAIT);
+        if (n == 0) {
+            ep->rx_err = -1;
+            return 1;
+        }
+        if (n < 0) {
+            if (errno != EAGAIN && errno != EINTR) {
+                ep->rx_err = errno;
+                return 1;
+            }
+            set_lowat(ep, in_payload);
+            return 0;
+        }
+        budget = (size_t)n >= budget ? 0 : budget - (size_t)n;
+        __atomic_store_n(&ep->t_rx_ns, kvl_now_ns(), __ATOMIC_RELAXED);
+        if (!in_payload && (ep->trailer_got += (size_t)n) == 4) {
+            set_lowat(ep, 0); /* headers are seen at once again */
+            return 1;
+        }
+    }
+    return 0; /* its turn is over: the others on this thread go next */
 }
 
 /* Header and body are in: the core routes the frame; a payload follows. */
@@ -379,6 +482,8 @@ static void on_body(kvl_ep *ep)
         if (getsockopt(ep->fd, SOL_SOCKET, SO_RCVBUF, &rcvbuf, &len) < 0)
             rcvbuf = 0;
         ep->lowat_max = rcvbuf / 4 < (int)IO_BATCH ? rcvbuf / 4 : (int)IO_BATCH;
+        if (ep->io)
+            rx_job_start(ep);
     } else {
         ep->rs = RS_HDR;
         ep->hdr_got = 0;
@@ -432,7 +537,7 @@ static int on_header(kvl_ep *ep)
 static void ep_read(kvl_ep *ep)
 {
     size_t budget = IO_BUDGET;
-    while (!ep->dead && budget && !ep->refused) {
+    while (!ep->dead && budget && !ep->refused && !ep->rx_busy) {
         ssize_t n;
         switch (ep->rs) {
         case RS_HDR:
@@ -442,9 +547,14 @@ static void ep_read(kvl_ep *ep)
             n = recv(ep->fd, ep->body + ep->body_got, ep->h.body_len - ep->body_got,
                      MSG_DONTWAIT);
             break;
-        case RS_PAYLOAD:
-            n = read_payload(ep);
+        case RS_PAYLOAD: {
+            int ndst;
+            const struct iovec *dst = kvl_proto_sink(ep->c, &ndst);
+            size_t scratch_len;
+            uint8_t *scratch = kvl_engine_scratch(ep->a, &scratch_len);
+            n = read_payload(ep, dst, ndst, kvl_proto_payload_live(ep->c), scratch, scratch_len);
             break;
+        }
         default:
             n = recv(ep->fd, ep->trailer + ep->trailer_got, 4 - ep->trailer_got, MSG_DONTWAIT);
             break;
@@ -458,13 +568,13 @@ static void ep_read(kvl_ep *ep)
         }
         if (n < 0) {
             if (errno == EAGAIN || errno == EINTR)
-                set_lowat(ep);
+                set_lowat(ep, ep->rs == RS_PAYLOAD);
             else
                 fail(ep, KVL_ERR_CONN_LOST, "recv", errno);
             return;
         }
         budget = (size_t)n >= budget ? 0 : budget - (size_t)n;
-        ep->t_rx_ns = kvl_now_ns();
+        __atomic_store_n(&ep->t_rx_ns, kvl_now_ns(), __ATOMIC_RELAXED);
         switch (ep->rs) {
         case RS_HDR:
             ep->hdr_got += (size_t)n;
@@ -496,6 +606,72 @@ static void ep_read(kvl_ep *ep)
     }
 }
 
+/* ---- results of the I/O threads (engine) ---- */
+
+static void tx_finished(kvl_ep *ep, int err)
+{
+    kvl_out *o = ep->sq;
+    ep->tx_busy = 0;
+    o->in_job = 0;
+    if (err) {
+        fail(ep, KVL_ERR_CONN_LOST, "send", err);
+        return;
+    }
+    ep->sq = o->next;
+    ep->sq_len--;
+    if (!ep->sq)
+        ep->sq_tail = NULL;
+    out_free(ep, o);
+    ep_write(ep); /* the next frame, or stop watching for room */
+    if (!ep->dead)
+        watch_update(ep);
+}
+
+static void rx_finished(kvl_ep *ep, int err)
+{
+    ep->rx_busy = 0;
+    if (err == -1) {
+        kvl_proto_on_error(ep->c, KVL_ERR_CONN_LOST, "connection closed mid-frame");
+        return;
+    }
+    if (err) {
+        fail(ep, KVL_ERR_CONN_LOST, "recv", err);
+        return;
+    }
+    uint32_t want = (uint32_t)ep->trailer[0] | (uint32_t)ep->trailer[1] << 8 |
+                    (uint32_t)ep->trailer[2] << 16 | (uint32_t)ep->trailer[3] << 24;
+    ep->rx_payload += ep->h.payload_len;
+    ep->rs = RS_HDR;
+    ep->hdr_got = 0;
+    kvl_proto_on_payload(ep->c, ep->crc, want);
+    if (!ep->dead)
+        watch_update(ep); /* reading again: the next header */
+}
+
+static void tcp_progress(kvl_agent *a)
+{
+    kvl_ep *ep;
+    while ((ep = kvl_tcp_pool_next_done(a))) {
+        pthread_mutex_lock(&ep->jmu);
+        int tx = ep->tx_fin, rx = ep->rx_fin, txe = ep->tx_err, rxe = ep->rx_err;
+        ep->tx_fin = ep->rx_fin = ep->tx_err = ep->rx_err = 0;
+        pthread_mutex_unlock(&ep->jmu);
+        if (tx && !ep->dead)
+            tx_finished(ep, txe);
+        if (rx && !ep->dead)
+            rx_finished(ep, rxe);
+    }
+}
+
+static void tcp_revoke(kvl_ep *ep)
+{
+    if (!ep->rx_busy)
+        return; /* on the engine thread, payload_live is asked before every batch */
+    pthread_mutex_lock(&ep->jmu); /* waits out a batch being placed */
+    ep->live = 0;
+    pthread_mutex_unlock(&ep->jmu);
+}
+
 /* ---- lifecycle ---- */
 
 kvl_ep *kvl_tcp_ep_new(kvl_agent *a, int fd, int listener)
@@ -507,6 +683,7 @@ kvl_ep *kvl_tcp_ep_new(kvl_agent *a, int fd, int listener)
     ep->fd = fd;
     ep->listener = listener;
     ep->spare = listener ? open("/dev/null", O_RDONLY | O_CLOEXEC) : -1;
+    pthread_mutex_init(&ep->jmu, NULL);
     return ep;
 }
 
@@ -518,6 +695,8 @@ static kvl_err tcp_attach(kvl_ep *ep, kvl_conn *c)
     if (kvl_engine_watch(ep->a, ep->fd, ep, EPOLLIN) != 0)
         return kvl_fail_errno("epoll_ctl");
     ep->watched = 1;
+    ep->ev_mask = EPOLLIN;
+    ep->io = kvl_tcp_pool_pick(ep->a);
     return KVL_OK;
 }
 
@@ -596,15 +775,19 @@ static void accept_all(kvl_ep *l)
             continue;
         }
         if (kvl_engine_watch(a, fd, ep, EPOLLIN) != 0) {
+            ep->fd = -1;
             close(fd);
-            free(ep);
+            kvl_tcp_ep_free(ep);
             continue;
         }
         ep->watched = 1;
+        ep->ev_mask = EPOLLIN;
+        ep->io = kvl_tcp_pool_pick(a);
         if (!(ep->c = kvl_proto_accepted(a, ep))) {
             kvl_engine_unwatch(a, fd);
+            ep->fd = -1;
             close(fd);
-            free(ep);
+            kvl_tcp_ep_free(ep);
         }
     }
 }
@@ -634,6 +817,7 @@ static void tcp_close(kvl_ep *ep, int abortive)
     if (ep->dead)
         return;
     ep->dead = 1;
+    kvl_tcp_job_kill(ep); /* before the descriptor goes: its I/O thread lets go of it */
     if (abortive)
         kvl_tcp_abort(ep->fd);
     if (ep->watched)
@@ -652,10 +836,11 @@ static void tcp_close(kvl_ep *ep, int abortive)
     ep->sq_len = 0;
 }
 
-static void tcp_free(kvl_ep *ep)
+void kvl_tcp_ep_free(kvl_ep *ep)
 {
     if (!ep)
         return;
+    kvl_tcp_job_forget(ep);
     if (ep->fd >= 0)
         close(ep->fd);
     if (ep->spare >= 0)
@@ -667,6 +852,8 @@ static void tcp_free(kvl_ep *ep)
         out_free(ep, o);
     }
     free(ep->body);
+    free(ep->sink);
+    pthread_mutex_destroy(&ep->jmu);
     free(ep);
 }
 
@@ -675,7 +862,10 @@ static int tcp_sample_ep(const kvl_ep *ep, kvl_tp_sample *out)
     return ep->dead ? -1 : kvl_tcp_sample(ep->fd, out);
 }
 
-static uint64_t tcp_bytes_sent(const kvl_ep *ep) { return ep->tx_payload; }
+static uint64_t tcp_bytes_sent(const kvl_ep *ep)
+{
+    return __atomic_load_n(&ep->tx_payload, __ATOMIC_RELAXED);
+}
 static uint64_t tcp_bytes_recv(const kvl_ep *ep) { return ep->rx_payload; }
 
 static kvl_err tcp_reg_mem(kvl_agent *a, void *base, uint64_t len, uint32_t mem, uint8_t *rkey,
@@ -697,7 +887,7 @@ const kvl_transport_ops kvl_tcp_ops = {
     .connect = kvl_tcp_connect,
     .send_all = kvl_tcp_send_all,
     .recv_all = kvl_tcp_recv_all,
-    .discard = tcp_free,
+    .discard = kvl_tcp_ep_free,
     .attach = tcp_attach,
     .on_event = tcp_on_event,
     .send = tcp_send,
@@ -712,6 +902,10 @@ const kvl_transport_ops kvl_tcp_ops = {
     .bytes_sent = tcp_bytes_sent,
     .bytes_recv = tcp_bytes_recv,
     .close = tcp_close,
-    .free = tcp_free,
+    .free = kvl_tcp_ep_free,
     .reg_mem = tcp_reg_mem,
+    .start = kvl_tcp_pool_start,
+    .stop = kvl_tcp_pool_stop,
+    .progress = tcp_progress,
+    .revoke = tcp_revoke,
 };

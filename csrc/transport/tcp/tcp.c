@@ -88,9 +88,9 @@ kvl_err kvl_tcp_listen(kvl_agent *a, const char *host, uint16_t *port, kvl_ep **
     *port = ntohs(sa.sin_port);
     kvl_ep *ep = kvl_tcp_ep_new(a, fd, 1);
     if (!ep || kvl_engine_watch(a, fd, ep, EPOLLIN) != 0) {
-        if (ep && ep->spare >= 0)
-            close(ep->spare);
-        free(ep);
+        if (ep)
+            ep->fd = -1;
+        kvl_tcp_ep_free(ep);
         close(fd);
         return kvl_fail(KVL_ERR_NOMEM, "cannot watch the listener on %s:%u", host, *port);
     }

@@ -3,9 +3,12 @@
 #ifndef KVLINK_TCP_H
 #define KVLINK_TCP_H
 
+#include <pthread.h>
+
 #include "../../internal.h"
 
 struct kvl_out;
+struct kvl_iothread;
 
 /* One TCP connection (or listener) as a kvlink endpoint. */
 struct kvl_ep {
@@ -19,7 +22,7 @@ struct kvl_ep {
     int dead;              /* closed: no I/O, waiting to be freed */
     int refused;           /* read no more; close once the queue is out */
     int watched;           /* in the engine's event loop */
-    int epout;             /* EPOLLOUT requested */
+    int epout;             /* frames wait to go out (watch()) */
     int got_frame;         /* a valid header arrived (the version was right) */
     /* send */
     struct kvl_out *sq, *sq_tail;
@@ -43,9 +46,55 @@ struct kvl_ep {
     size_t trailer_got;
     int lowat;             /* SO_RCVLOWAT in force (0 = the kernel's default of 1) */
     int lowat_max;         /* its ceiling for the payload in progress */
+    /* events the engine's epoll watches for ep (watch()) */
+    uint32_t ev_mask;
+    /* I/O thread (iopool.c): payloads go out and come in there; NULL: on
+     * the engine thread.  While a job runs the engine leaves ep's fd in
+     * that direction, the frame or payload in progress and the fields
+     * marked "job" to the I/O thread; jmu is held around every step the
+     * I/O thread takes, so the engine takes it to cancel, revoke or kill
+     * and knows no syscall or byte placement is under way meanwhile. */
+    struct kvl_iothread *io;
+    pthread_mutex_t jmu;
+    int rx_busy, tx_busy;  /* engine: a job of that direction is out */
+    int rx_job, tx_job;    /* jmu: ... and not finished yet */
+    int rx_fin, tx_fin;    /* jmu: finished, for the engine to collect */
+    int rx_err, tx_err;    /* jmu: errno of a failed job; -1: the peer closed */
+    int killed;            /* jmu: the engine closed ep: hands off */
+    int live;              /* jmu, rx job: the payload may still be placed */
+    struct iovec *sink;    /* rx job: the core's sink, copied at its start */
+    int nsink, sink_cap;
+    int listed, pins;      /* io->mu: in the thread's list / being served now */
+    int done_queued;       /* pool mu: in the finished list */
+    kvl_ep *done_next;
 };
 
+/* ---- I/O threads (iopool.c) ---- */
+/* Starts n I/O threads for a (0: none, all I/O on the engine thread). */
+kvl_err kvl_tcp_pool_start(kvl_agent *a, uint32_t n);
+/* Stops them; every endpoint must be freed first. */
+void kvl_tcp_pool_stop(kvl_agent *a);
+/* The thread a new data endpoint is served by (round robin), or NULL. */
+struct kvl_iothread *kvl_tcp_pool_pick(kvl_agent *a);
+/* Engine: hands ep's payload in progress (rx) or its head frame (tx) to its
+ * I/O thread; the result comes back through kvl_tcp_pool_next_done. */
+void kvl_tcp_job_start(kvl_ep *ep, int tx);
+/* Engine: no I/O thread touches ep's fd after this returns. */
+void kvl_tcp_job_kill(kvl_ep *ep);
+/* Engine: returns once ep's I/O thread holds no pointer to it (ep may
+ * then be freed). */
+void kvl_tcp_job_forget(kvl_ep *ep);
+/* Engine: the next endpoint with a finished job, or NULL. */
+kvl_ep *kvl_tcp_pool_next_done(kvl_agent *a);
+/* I/O thread, under ep->jmu: one step of ep's jobs (stream.c).  Return 1
+ * when the job finished (its *_err set on failure), 0 when the socket
+ * would block. */
+int kvl_tcp_rx_step(kvl_ep *ep, uint8_t *scratch, size_t scratch_len);
+int kvl_tcp_tx_step(kvl_ep *ep);
+
 kvl_ep *kvl_tcp_ep_new(kvl_agent *a, int fd, int listener);
+/* Frees ep (closing its descriptors) once its I/O thread let go of it. */
+void kvl_tcp_ep_free(kvl_ep *ep);
 kvl_err kvl_tcp_listen(kvl_agent *a, const char *host, uint16_t *port, kvl_ep **out);
 kvl_err kvl_tcp_connect(kvl_agent *a, const char *local, const char *host, uint16_t port,
                         uint32_t timeout_ms, kvl_ep **out);

@@ -1111,7 +1111,7 @@ void kvl_conn_expire(kvl_agent *a, uint64_t now)
         uint64_t since = c->dead || !c->accepted ? 0 : tp(c)->rx_partial_since(c->ep, now);
         if (!c->handshaken && now - c->t_open_ns > limit)
             kvl_conn_fail(c, KVL_ERR_TIMEOUT, "no HELLO within the handshake timeout");
-        else if (since && now - since > KVL_PARTIAL_FRAME_TIMEOUTS * limit)
+        else if (since && now > since && now - since > KVL_PARTIAL_FRAME_TIMEOUTS * limit)
             kvl_conn_fail(c, KVL_ERR_TIMEOUT,
                           "a frame started arriving and no more of it came for 6 x "
                           "connect_timeout");

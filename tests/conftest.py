@@ -61,6 +61,20 @@ def _system_requirements(request: pytest.FixtureRequest) -> None:
             unavailable(reason)
 
 
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "io_threads_mode" in metafunc.fixturenames:
+        metafunc.parametrize("io_threads_mode", [0, 2], indirect=True, ids=["io0", "io2"])
+
+
+@pytest.fixture
+def io_threads_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
+    """Runs a module's tests (pytestmark = pytest.mark.usefixtures("io_threads_mode")) once
+    with all I/O on the engine thread and once with two I/O threads, in every agent the
+    test makes here or spawns (they read KVLINK_IO_THREADS)."""
+    monkeypatch.setenv("KVLINK_IO_THREADS", str(request.param))
+    return int(request.param)
+
+
 @pytest.fixture
 def make_agent() -> Iterator[Callable[..., Any]]:
     """Factory for in-process agents, all closed at teardown."""
@@ -69,7 +83,8 @@ def make_agent() -> Iterator[Callable[..., Any]]:
     agents: list[Any] = []
 
     def make(name: str, nics: str = "loopback:1", **cfg: Any) -> Any:
-        a = kvlink.Agent(name, kvlink.Config(nics=nics, **cfg))
+        # Config.load: KVLINK_* settings apply (io_threads_mode sets one), as in the workers
+        a = kvlink.Agent(name, kvlink.Config.load(nics=nics, **cfg))
         agents.append(a)
         return a
 

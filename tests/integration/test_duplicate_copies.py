@@ -9,6 +9,7 @@ import struct
 import time
 
 import numpy as np
+import pytest
 
 import kvlink
 from tests.wire_client import ACK as F_ACK
@@ -27,6 +28,9 @@ from tests.wire_client import (
     recv_frame,
     recv_until,
 )
+
+# every test twice: I/O on the engine thread, and on two I/O threads (conftest.py)
+pytestmark = pytest.mark.usefixtures("io_threads_mode")
 
 L = 1 << 20
 

@@ -13,6 +13,9 @@ import kvlink
 from kvlink.bench.measure import random_bytes as pattern
 from tests import wire_client as wc
 
+# every test twice: I/O on the engine thread, and on two I/O threads (conftest.py)
+pytestmark = pytest.mark.usefixtures("io_threads_mode")
+
 MiB = 1 << 20
 LAYERS = 8
 LAYER_BYTES = 8 * MiB

@@ -7,9 +7,13 @@ import random
 import struct
 
 import numpy as np
+import pytest
 
 import kvlink
 from tests import wire_client as wc
+
+# every test twice: I/O on the engine thread, and on two I/O threads (conftest.py)
+pytestmark = pytest.mark.usefixtures("io_threads_mode")
 
 MiB = 1 << 20
 

@@ -18,6 +18,9 @@ from kvlink.bench import Worker
 from kvlink.bench.measure import random_bytes as pattern
 from tests.integration.test_transfer import digest
 
+# every test twice: I/O on the engine thread, and on two I/O threads (conftest.py)
+pytestmark = pytest.mark.usefixtures("io_threads_mode")
+
 MiB = 1 << 20
 
 

@@ -13,6 +13,9 @@ import kvlink
 from kvlink import kv
 from kvlink.bench.measure import random_bytes as pattern
 
+# every test twice: I/O on the engine thread, and on two I/O threads (conftest.py)
+pytestmark = pytest.mark.usefixtures("io_threads_mode")
+
 MiB = 1 << 20
 BIG = 256 * MiB
 

@@ -166,3 +166,41 @@ def test_nics_are_checked_when_the_config_is_made():
 def test_a_nic_that_looks_like_something_else_gets_a_hint(nics, hint):
     with pytest.raises(kvlink.ConfigError, match=hint):
         kvlink.Config(nics=nics)
+
+
+@pytest.mark.parametrize(
+    "value,match",
+    [
+        (-1, r"io_threads: -1 is outside \[0, 64\]"),
+        (65, r"io_threads: 65 is outside"),
+        ("many", r"io_threads: expected 'auto' or a count 0..64, got 'many'"),
+        (2.0, "io_threads: expected an integer"),
+        (True, "io_threads: expected an integer"),
+    ],
+)
+def test_io_threads_refused_values_say_what_is_taken(value, match):
+    with pytest.raises(kvlink.ConfigError, match=match):
+        kvlink.Config(io_threads=value)
+
+
+def test_io_threads_auto_follows_the_usable_cores(monkeypatch):
+    import os
+
+    cfg = kvlink.Config()
+    assert cfg.io_threads == "auto"
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(2)))
+    assert cfg.resolved_io_threads(4) == 0  # each side's engine thread has its core
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert cfg.resolved_io_threads(4) == 4  # one per path
+    assert cfg.resolved_io_threads(64) == 8  # at most half the cores
+    assert kvlink.Config(io_threads=3).resolved_io_threads(64) == 3
+
+
+def test_io_threads_from_the_environment(monkeypatch):
+    monkeypatch.setenv("KVLINK_IO_THREADS", "2")
+    assert kvlink.Config.load().io_threads == 2
+    monkeypatch.setenv("KVLINK_IO_THREADS", "auto")
+    assert kvlink.Config.load().io_threads == "auto"
+    monkeypatch.setenv("KVLINK_IO_THREADS", "lots")
+    with pytest.raises(kvlink.ConfigError, match="io_threads"):
+        kvlink.Config.load()

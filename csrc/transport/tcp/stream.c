@@ -125,7 +125,9 @@ static uint64_t tcp_rx_partial_since(kvl_ep *ep, uint64_t now)
     if (ioctl(ep->fd, FIONREAD, &inq) == 0 && inq > ep->inq_seen)
         __atomic_store_n(&ep->t_rx_ns, now, __ATOMIC_RELAXED);
     ep->inq_seen = inq > 0 ? inq : 0;
-    return __atomic_load_n(&ep->t_rx_ns, __ATOMIC_RELAXED);
+    /* an I/O thread may have stamped a byte after the caller read its clock */
+    uint64_t t = __atomic_load_n(&ep->t_rx_ns, __ATOMIC_RELAXED);
+    return t < now ? t : now;
 }
 
 static void tcp_drop_unstarted(kvl_ep *ep)

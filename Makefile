@@ -41,7 +41,7 @@ test-c: sysdeps
 sysdeps:
 	@$(PYTHON) tests/sysdeps.py
 
-test-py: sysdeps build
+test-py: sysdeps build vllm-venv
 	$(PY) -m pytest
 
 lint: build

@@ -4,6 +4,7 @@ bench/vllm_ttft.py. Standard library only: the caller runs in kvlink's own venv,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -146,10 +147,8 @@ class Instance:
         self._reader.join(timeout=10)  # EOF: the child is gone
         for pipe in (self.proc.stdin, self.proc.stdout):
             if pipe is not None:
-                try:
+                with contextlib.suppress(OSError):
                     pipe.close()
-                except OSError:
-                    pass
         self._log.close()
 
 

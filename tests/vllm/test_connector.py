@@ -50,7 +50,8 @@ def insts(
                                log_dir=log_dir)
         for name, (role, extra, policy) in spec.items()
     }
-    yield from (dict(zip(instances, lst)) for lst in start(list(instances.values())))
+    for lst in start(list(instances.values())):
+        yield dict(zip(instances, lst, strict=True))
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,7 @@ def baseline(insts: dict[str, harness.Instance]) -> dict[tuple[int, ...], list[i
     """Greedy tokens of a single instance computing every prompt itself."""
     prompts = prompts_of(LENGTHS, 1) + prompts_of(LENGTHS, 2) + negative_pair()
     outs = insts["Drecompute"].generate(prompts, MAX_TOKENS)
-    return {tuple(p): o["tokens"] for p, o in zip(prompts, outs)}
+    return {tuple(p): o["tokens"] for p, o in zip(prompts, outs, strict=True)}
 
 
 def negative_pair() -> list[list[int]]:
@@ -94,7 +95,7 @@ def test_pull_matches_single_instance(insts: dict[str, harness.Instance],
                                       baseline: dict[tuple[int, ...], list[int]]) -> None:
     prompts = prompts_of(LENGTHS, 1)
     pre = prefill(insts["P"], prompts)
-    for p, o in zip(prompts, pre):
+    for p, o in zip(prompts, pre, strict=True):
         assert o["tokens"] == baseline[tuple(p)][:1]
         assert len(o["params"]["remote_block_ids"]) == -(-len(p) // 32)
     dec = insts["Drecompute"].generate(prompts, MAX_TOKENS, [o["params"] for o in pre])

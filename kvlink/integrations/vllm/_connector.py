@@ -11,6 +11,7 @@ docs/vllm.md describes the flows, the settings and the failure policy.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -104,7 +105,7 @@ class KvlinkConnector(KVConnectorBase_V1):
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        super().__init__(vllm_config, role, kv_cache_config)
         tc = self._kv_transfer_config
         self.settings = parse_settings(tc.kv_connector_extra_config)
         self._scheduler: _SchedulerSide | None = None
@@ -161,7 +162,9 @@ class KvlinkConnector(KVConnectorBase_V1):
 
     # -- scheduler side --------------------------------------------------------------------
 
-    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
         assert self._scheduler is not None
         self._scheduler.set_handshake(metadata)
 
@@ -256,7 +259,9 @@ class _SchedulerSide:
         # i waits for layer i only, so layer 0 runs as soon as it is here.
         return count, False
 
-    def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         params = request.kv_transfer_params
         if not params:
             return
@@ -294,7 +299,9 @@ class _SchedulerSide:
                 meta.pushes.append(PushJob(req_id, tid, blocks, decode))
         return meta
 
-    def finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
         req_id = request.request_id
@@ -481,14 +488,14 @@ class _WorkerSide:
                         job.source.transfer_id, job.local_blocks,
                         time.time() + self.settings.load_timeout_s,
                     )
-                    self.agent.prepare(peer, layout=offer, timeout_s=self.settings.connect_timeout_s)
+                    self.agent.prepare(
+                        peer, layout=offer, timeout_s=self.settings.connect_timeout_s
+                    )
             except (kvlink.KvlinkError, ValueError) as exc:
                 self._fail(load, f"could not start: {exc}")
-        for job in meta.pushes:
-            s = self._sends.setdefault(
-                job.req_id, _Send(job.req_id, now + self.settings.lease_s)
-            )
-            s.push = job
+        for push in meta.pushes:
+            s = self._sends.setdefault(push.req_id, _Send(push.req_id, now + self.settings.lease_s))
+            s.push = push
             self._step_pushes.append(s)
         for hold in meta.holds:
             s = self._sends.setdefault(hold.req_id, _Send(hold.req_id, 0.0))
@@ -526,7 +533,8 @@ class _WorkerSide:
                     assert isinstance(src, proto.PushSource)
                     h = load.layer_pushes.get(i)
                     if h is None:
-                        h = self.agent.inbound(proto.layer_tag(src.transfer_id, i), timeout_s=remaining)
+                        tag = proto.layer_tag(src.transfer_id, i)
+                        h = self.agent.inbound(tag, timeout_s=remaining)
                         load.layer_pushes[i] = h
                     h.wait(timeout_s=max(0.0, load.deadline - time.monotonic()))
             except kvlink.KvlinkError as exc:
@@ -648,10 +656,8 @@ class _WorkerSide:
                 except kvlink.KvlinkError as exc:
                     self._fail(load, str(exc))
                     # The pull's own deadline is the load deadline: it ends by then.
-                    try:
+                    with contextlib.suppress(kvlink.KvlinkError):
                         load.pull.wait(timeout_s=1.0)
-                    except kvlink.KvlinkError:
-                        pass
         self._loads = []
 
     def take_load_errors(self) -> set[int]:

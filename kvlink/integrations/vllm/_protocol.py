@@ -28,6 +28,7 @@ from kvlink import kv
 VERSION = 1
 #: key of the offer inside a PREPARE announcement's "layout"
 OFFER_KEY = "kvlink_offer"
+_TID_WHERE = "kv_transfer_params['kvlink_push']['transfer_id']"
 _TRANSFER_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
@@ -122,7 +123,7 @@ def parse_decode_params(params: dict[str, Any]) -> PullSource | PushSource:
             raise ParamsError("kv_transfer_params['kvlink_push']: expected a JSON object")
         return PushSource(
             Card.from_dict(push.get("prefill"), "kv_transfer_params['kvlink_push']['prefill']"),
-            _transfer_id(push.get("transfer_id"), "kv_transfer_params['kvlink_push']['transfer_id']"),
+            _transfer_id(push.get("transfer_id"), _TID_WHERE),
         )
     info = params.get("kvlink")
     if not isinstance(info, dict):
@@ -159,7 +160,7 @@ def parse_prefill_push(params: dict[str, Any]) -> tuple[str, Card] | None:
     if not isinstance(push, dict):
         raise ParamsError("kv_transfer_params['kvlink_push']: expected a JSON object")
     return (
-        _transfer_id(push.get("transfer_id"), "kv_transfer_params['kvlink_push']['transfer_id']"),
+        _transfer_id(push.get("transfer_id"), _TID_WHERE),
         Card.from_dict(push.get("decode"), "kv_transfer_params['kvlink_push']['decode']"),
     )
 

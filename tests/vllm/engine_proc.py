@@ -132,6 +132,8 @@ def main() -> None:
                     "held_sends": len(w._sends) if w else None,
                     "offers": len(w._offers) if w else None,
                     "regions": len(w.agent.regions()) if w and w.agent else None,
+                    "connector": w.stats.to_dict() if w else None,
+                    "now": time.monotonic(),
                 })
             elif op == "card":
                 conn = worker_connector()

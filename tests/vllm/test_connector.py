@@ -10,6 +10,7 @@ without kv_transfer_params is the single-instance baseline.
 
 from __future__ import annotations
 
+import json
 import random
 import secrets
 from collections.abc import Iterator
@@ -91,18 +92,35 @@ def assert_nothing_held(inst: harness.Instance) -> None:
     assert st["regions"] == 2, st  # one per layer, registered once
 
 
+def counters(inst: harness.Instance) -> dict[str, Any]:
+    st: dict[str, Any] = inst.call({"op": "stats"})["connector"]
+    return st
+
+
+def blocks_to_load(prompts: list[list[int]]) -> int:
+    """Decode computes the last prompt position itself: it loads the blocks of the others."""
+    return sum(-(-(len(p) - 1) // 32) for p in prompts)
+
+
 def test_pull_matches_single_instance(insts: dict[str, harness.Instance],
                                       baseline: dict[tuple[int, ...], list[int]]) -> None:
+    # Policy "fail" on decode: a load that failed cannot hide behind a recomputation.
+    d = insts["Dfail"]
     prompts = prompts_of(LENGTHS, 1)
     pre = prefill(insts["P"], prompts)
     for p, o in zip(prompts, pre, strict=True):
         assert o["tokens"] == baseline[tuple(p)][:1]
         assert len(o["params"]["remote_block_ids"]) == -(-len(p) // 32)
-    dec = insts["Drecompute"].generate(prompts, MAX_TOKENS, [o["params"] for o in pre])
+    before, p_before = counters(d), counters(insts["P"])
+    dec = d.generate(prompts, MAX_TOKENS, [o["params"] for o in pre])
     assert [o["tokens"] for o in dec] == [baseline[tuple(p)] for p in prompts]
+    after = counters(d)
+    assert after["blocks_loaded"] - before["blocks_loaded"] == blocks_to_load(prompts)
+    assert after["blocks_failed"] == before["blocks_failed"]
     # Decode's pulls were acknowledged: prefill freed every block without waiting for a lease.
     assert_nothing_held(insts["P"])
-    assert_nothing_held(insts["Drecompute"])
+    assert counters(insts["P"])["handed_off"] - p_before["handed_off"] == len(prompts)
+    assert_nothing_held(d)
 
 
 def push_run(p: harness.Instance, d: harness.Instance, prompts: list[list[int]], tag: str,
@@ -125,12 +143,24 @@ def push_run(p: harness.Instance, d: harness.Instance, prompts: list[list[int]],
 
 def test_push_matches_single_instance(insts: dict[str, harness.Instance],
                                       baseline: dict[tuple[int, ...], list[int]]) -> None:
+    d, p = insts["Dfail"], insts["P"]
     prompts = prompts_of(LENGTHS, 2)
-    pre, dec = push_run(insts["P"], insts["Drecompute"], prompts, "push")
-    assert [o["tokens"] for o in pre] == [baseline[tuple(p)][:1] for p in prompts]
-    assert [o["tokens"] for o in dec] == [baseline[tuple(p)] for p in prompts]
-    assert_nothing_held(insts["P"])
-    assert_nothing_held(insts["Drecompute"])
+    before, p_before = counters(d), counters(p)
+    pre, dec = push_run(p, d, prompts, "push")
+    assert [o["tokens"] for o in pre] == [baseline[tuple(q)][:1] for q in prompts]
+    assert [o["tokens"] for o in dec] == [baseline[tuple(q)] for q in prompts]
+    after = counters(d)
+    assert after["blocks_loaded"] - before["blocks_loaded"] == blocks_to_load(prompts)
+    assert after["blocks_failed"] == before["blocks_failed"]
+    assert_nothing_held(p)
+    p_after = counters(p)
+    assert p_after["layers_pushed"] - p_before["layers_pushed"] == 2 * len(prompts)
+    assert p_after["push_failures"] == p_before["push_failures"]
+    assert_nothing_held(d)
+    # Recorded, not asserted (timing): when decode had layer 0 of each push, and when
+    # prefill's forward pass that pushed them ended (one monotonic clock on this host).
+    print(json.dumps({"push_layer0_ready_t": after["layer0_ready_t"][-len(prompts):],
+                      "prefill_forward_end_t": p_after["forward_end_t"][-1:]}))
 
 
 def test_transferred_kv_is_used(insts: dict[str, harness.Instance],
@@ -139,7 +169,7 @@ def test_transferred_kv_is_used(insts: dict[str, harness.Instance],
     a, b = negative_pair()
     assert baseline[tuple(a)] != baseline[tuple(b)], "pick prompts whose outputs differ"
     (pre,) = prefill(insts["P"], [a])
-    (dec,) = insts["Drecompute"].generate([b], MAX_TOKENS, [pre["params"]])
+    (dec,) = insts["Dfail"].generate([b], MAX_TOKENS, [pre["params"]])
     assert dec["tokens"] == baseline[tuple(a)]
     assert_nothing_held(insts["P"])
 

@@ -11,6 +11,7 @@ docs/vllm.md describes the flows, the settings and the failure policy.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -146,7 +147,8 @@ class KvlinkConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         # Pushes run on while the blocks are held (request_finished keeps them): nothing to
         # wait for here, so the engine goes on with the next step at once.
-        return None
+        assert self._worker is not None
+        self._worker.forward_done()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None
@@ -342,6 +344,33 @@ class _SchedulerSide:
 
 
 @dataclasses.dataclass
+class ConnectorStats:
+    """Counters of one worker (what tests and benchmarks read; cheap to keep)."""
+
+    blocks_loaded: int = 0  # decode: blocks whose every layer arrived
+    blocks_failed: int = 0  # decode: blocks reported to vLLM as failed
+    load_failures: int = 0  # decode: requests whose load failed
+    layers_pushed: int = 0  # prefill: per-layer pushes started
+    push_failures: int = 0  # prefill: pushes given up (blocks then wait for a pull or the lease)
+    handed_off: int = 0  # prefill: held requests freed because decode has their KV
+    leases_expired: int = 0  # prefill: held requests freed by their lease
+    # monotonic times (same clock in every process of a host): decode's layer 0 of a push
+    # verified, prefill's forward passes that pushed ended. Bounded: the last 64 only.
+    layer0_ready_t: collections.deque[float] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=64)
+    )
+    forward_end_t: collections.deque[float] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=64)
+    )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["layer0_ready_t"] = list(self.layer0_ready_t)
+        d["forward_end_t"] = list(self.forward_end_t)
+        return d
+
+
+@dataclasses.dataclass
 class _Load:
     """A load in this step's forward pass (decode side)."""
 
@@ -349,6 +378,7 @@ class _Load:
     deadline: float  # time.monotonic()
     pull: kvlink.Transfer | None = None
     layer_pushes: dict[int, kvlink.InboundTransfer] = dataclasses.field(default_factory=dict)
+    layers_waited: set[int] = dataclasses.field(default_factory=set)
     failed: str | None = None
 
 
@@ -388,6 +418,7 @@ class _WorkerSide:
         self._offers: dict[str, tuple[str, list[int], float]] = {}  # transfer id -> offer
         self._pulled: set[str] = set()  # tags decode has pulled
         self._step_pushes: list[_Send] = []
+        self.stats = ConnectorStats()
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -502,9 +533,15 @@ class _WorkerSide:
             s.tag = hold.tag
             s.expires = now + self.settings.lease_s + self.settings.load_timeout_s
 
+    def forward_done(self) -> None:
+        if self._step_pushes:
+            self.stats.forward_end_t.append(time.monotonic())
+
     def _fail(self, load: _Load, why: str) -> None:
         if load.failed is None:
             load.failed = why
+            self.stats.load_failures += 1
+            self.stats.blocks_failed += len(load.job.local_blocks)
             self._errors.update(load.job.local_blocks)
             log.warning(
                 "request %s: loading %d blocks failed (%s); they are reported to vLLM "
@@ -537,6 +574,9 @@ class _WorkerSide:
                         h = self.agent.inbound(tag, timeout_s=remaining)
                         load.layer_pushes[i] = h
                     h.wait(timeout_s=max(0.0, load.deadline - time.monotonic()))
+                    if i == 0:
+                        self.stats.layer0_ready_t.append(time.monotonic())
+                load.layers_waited.add(i)
             except kvlink.KvlinkError as exc:
                 self._fail(load, f"layer {i}: {exc}")
 
@@ -582,9 +622,11 @@ class _WorkerSide:
                         timeout_s=remaining,
                     )
                 )
+                self.stats.layers_pushed += 1
                 s.layers_pushed = layer + 1
         except (kvlink.KvlinkError, ValueError) as exc:
             s.push_failed = True
+            self.stats.push_failures += 1
             log.warning("request %s: push to decode failed (%s); blocks held for a pull",
                         s.req_id, exc)
 
@@ -641,7 +683,10 @@ class _WorkerSide:
             else:
                 continue
             if reason:
+                self.stats.leases_expired += 1
                 log.warning("request %s: %s; its blocks are freed", req_id, reason)
+            else:
+                self.stats.handed_off += 1
             del self._sends[req_id]
             done.add(req_id)
         return done
@@ -650,9 +695,16 @@ class _WorkerSide:
         """After the forward pass: every load of the step ends (or is failed) here, and no
         failed pull writes into blocks vLLM will reuse."""
         for load in self._loads:
+            if load.failed is None and len(load.layers_waited) != len(self.layer_index):
+                # The attention of some layer ran without waiting for its KV.
+                self._fail(load, f"only layers {sorted(load.layers_waited)} were waited for")
+            if load.pull is None and load.failed is None:
+                self.stats.blocks_loaded += len(load.job.local_blocks)
             if load.pull is not None:
                 try:
                     load.pull.wait(timeout_s=max(0.0, load.deadline - time.monotonic()))
+                    if load.failed is None:
+                        self.stats.blocks_loaded += len(load.job.local_blocks)
                 except kvlink.KvlinkError as exc:
                     self._fail(load, str(exc))
                     # The pull's own deadline is the load deadline: it ends by then.

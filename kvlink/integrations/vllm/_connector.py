@@ -311,14 +311,14 @@ class _SchedulerSide:
         self._loads.pop(req_id, None)
         self._local.pop(req_id, None)
         params = request.kv_transfer_params
+        if params and params.get("kvlink_card_only"):
+            # A proxy asking for this instance's card (push mode needs both up front).
+            return False, {"kvlink": {"card": self.card}}
         if not self.producer or not params or not params.get("do_remote_decode"):
             return False, None
         if self.card is None:
             log.error("request %s: this worker published no card; nothing to hand off", req_id)
             return False, None
-        if params.get("kvlink_card_only"):
-            # A proxy asking for this instance's card (push mode needs it up front).
-            return False, {"kvlink": {"card": self.card}}
         if request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not block_ids:
             return False, None
         tag = f"kvl/{self.engine_id}/{req_id}"

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.vllm import harness  # noqa: E402
+from tests.vllm import harness
 
 
 def cpu_ticks(pid: int) -> dict[str, int]:

@@ -35,7 +35,7 @@ from typing import Any
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.vllm import harness  # noqa: E402
+from tests.vllm import harness
 
 MODELS = {
     # README's anchors: 8 layers, hidden 256, 2 KV heads of 64 (fp32): 8 KiB of KV a token

@@ -223,6 +223,22 @@ def test_push_without_prefill(insts: dict[str, harness.Instance],
     assert_nothing_held(insts["P"])  # the offers expire unclaimed
 
 
+def test_push_without_decode(insts: dict[str, harness.Instance]) -> None:
+    """Prefill is asked to push but decode never sends its destination: the push is given up and
+    the blocks are freed when the lease ends (lease_s=1 + load_timeout_s=2 here)."""
+    p, d = insts["Pshort"], insts["Dfail"]
+    before = counters(p)
+    dcard = d.call({"op": "card"})["card"]
+    outs = p.generate(prompts_of(LENGTHS, 1)[:2], 1, [
+        {"do_remote_decode": True, "kvlink_push": {"transfer_id": f"nodecode-{i}", "decode": dcard}}
+        for i in range(2)])
+    assert [o["finish"] for o in outs] == ["length", "length"]
+    assert_nothing_held(p)
+    after = counters(p)
+    assert after["leases_expired"] - before["leases_expired"] == 2
+    assert after["layers_pushed"] == before["layers_pushed"]
+
+
 def test_killed_prefill(insts: dict[str, harness.Instance],
                         baseline: dict[tuple[int, ...], list[int]]) -> None:
     """Prefill dies between its answer and decode's pull: both policies, no hang. (Last: it

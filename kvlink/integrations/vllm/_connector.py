@@ -390,6 +390,7 @@ class _Send:
     expires: float  # time.monotonic(); the lease
     tag: str | None = None  # known once the Hold arrived (the step after the push job)
     push: PushJob | None = None
+    offer_deadline: float = 0.0  # time.monotonic(); push given up without an offer by then
     offer: tuple[str, list[int], float] | None = None  # decode's destination
     layers_pushed: int = 0
     pushes: list[kvlink.Transfer] = dataclasses.field(default_factory=list)
@@ -527,6 +528,7 @@ class _WorkerSide:
         for push in meta.pushes:
             s = self._sends.setdefault(push.req_id, _Send(push.req_id, now + self.settings.lease_s))
             s.push = push
+            s.offer_deadline = now + self.settings.offer_timeout_s
             self._step_pushes.append(s)
         for hold in meta.holds:
             s = self._sends.setdefault(hold.req_id, _Send(hold.req_id, 0.0))
@@ -655,10 +657,19 @@ class _WorkerSide:
         self._finish_loads()
         self._drain_notifications()
         num_layers = len(self.layer_index)
-        # A push whose offer came after the forward pass goes out now.
+        # A push whose offer came after the forward pass goes out now (the blocks are held).
+        now = time.monotonic()
         for s in self._sends.values():
             if s.push is not None and not s.push_failed and s.layers_pushed < num_layers:
                 self._push_layers(s, num_layers)
+                if s.offer is None and now > s.offer_deadline:
+                    s.push_failed = True
+                    self.stats.push_failures += 1
+                    log.warning(
+                        "request %s: decode sent no destination within offer_timeout_s=%s; "
+                        "the push is given up, the blocks stay held for a pull until the lease "
+                        "ends", s.req_id, self.settings.offer_timeout_s,
+                    )
         self._step_pushes = []
         done: set[str] = set()
         now = time.monotonic()

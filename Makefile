@@ -45,7 +45,7 @@ test-py: sysdeps build vllm-venv
 	$(PY) -m pytest
 
 lint: build
-	$(VENV)/bin/ruff check kvlink tests bench
+	$(VENV)/bin/ruff check kvlink tests bench examples/vllm_disagg
 	$(VENV)/bin/mypy
 
 test: test-c test-py lint

@@ -142,8 +142,10 @@ def main() -> None:
                 p.send({"op": "generate", "prompts": [prompt], "max_tokens": 1, "params": [
                     {"do_remote_decode": True,
                      "kvlink_push": {"transfer_id": tid, "decode": dcard}}]})
+                p.send({"op": "pump", "seconds": 60})  # steps on as a server's loop does
                 pa = p.recv(600)
                 da = d.recv(600)
+                p.recv(120)
                 assert da["outputs"][0]["tokens"] == ref, ("push", n, da, ref)
                 samples["push"].append({"decode_ms": (da["wall_s"] - pa["wall_s"]) * 1e3,
                                         "prefill_ms": pa["wall_s"] * 1e3,

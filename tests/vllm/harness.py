@@ -58,11 +58,13 @@ class Instance:
         env: dict[str, str] | None = None,
         no_connector: bool = False,
         nice: int = 0,
+        engine_id: str | None = None,
     ) -> None:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         cmd = [str(PYTHON), str(ENGINE), "--model", str(model), "--role", role,
-               "--extra", json.dumps(extra or {}), "--policy", policy, "--engine-id", name,
+               "--extra", json.dumps(extra or {}), "--policy", policy,
+               "--engine-id", engine_id or name,
                "--max-model-len", str(max_model_len)]
         if no_connector:
             cmd.append("--no-connector")

@@ -137,8 +137,14 @@ def push_run(p: harness.Instance, d: harness.Instance, prompts: list[list[int]],
         p.send({"op": "generate", "prompts": prompts, "max_tokens": 1, "params": [
             {"do_remote_decode": True, "kvlink_push": {"transfer_id": t, "decode": dcard}}
             for t in tids]})
+        # Then prefill steps on, as a server's loop does while it holds blocks: an offer that
+        # arrives after its forward pass is pushed from there.
+        p.send({"op": "pump", "seconds": 30})
         pre = p.recv(120)["outputs"]
-    return pre, d.recv(120)["outputs"]
+    dec = d.recv(120)["outputs"]
+    if send_prefill:
+        p.recv(60)
+    return pre, dec
 
 
 def test_push_matches_single_instance(insts: dict[str, harness.Instance],
@@ -252,3 +258,23 @@ def test_killed_prefill(insts: dict[str, harness.Instance],
     expect_failure(insts["Dfail"], prompts, params, "fail", baseline)
     assert_nothing_held(insts["Drecompute"])
     assert_nothing_held(insts["Dfail"])
+
+
+def test_restarted_prefill(insts: dict[str, harness.Instance],
+                           baseline: dict[tuple[int, ...], list[int]], vllm_model: Path,
+                           cluster_secret: str, log_dir: Path) -> None:
+    """A new prefill process under the killed one's name (a new kvlink instance, new ports):
+    decode, which still knows the dead one, takes the new card and pulls from it."""
+    assert insts["P"].proc.poll() is not None, "runs after test_killed_prefill"
+    p = harness.Instance("P-restarted", vllm_model, role="kv_producer", engine_id="P",
+                         extra={"nics": "loopback:2", "secret": cluster_secret},
+                         log_dir=log_dir)
+    for _ in start([p]):
+        prompts = prompts_of(LENGTHS, 1)[3:6]
+        pre = prefill(p, prompts)
+        d = insts["Dfail"]
+        before = counters(d)
+        dec = d.generate(prompts, MAX_TOKENS, [o["params"] for o in pre])
+        assert [o["tokens"] for o in dec] == [baseline[tuple(q)] for q in prompts]
+        assert counters(d)["blocks_loaded"] - before["blocks_loaded"] == blocks_to_load(prompts)
+        assert_nothing_held(p)

@@ -38,11 +38,12 @@ def insts(
     vllm_model: Path, cluster_secret: str, log_dir: Path
 ) -> Iterator[dict[str, harness.Instance]]:
     common = {"nics": "loopback:2", "secret": cluster_secret}
-    dec = {**common, "load_timeout_s": 5.0, "offer_timeout_s": 5.0}
+    dec = {**common, "load_timeout_s": 10.0, "offer_timeout_s": 10.0}
     spec = {
         "P": ("kv_producer", {**common, "load_timeout_s": 10.0}, "recompute"),
         "Pshort": ("kv_producer", {**common, "lease_s": 1.0, "load_timeout_s": 2.0}, "recompute"),
-        "Pother": ("kv_producer", {**common, "secret": secrets.token_hex(16)}, "recompute"),
+        "Pother": ("kv_producer", {**common, "secret": secrets.token_hex(16), "lease_s": 5.0,
+                                   "load_timeout_s": 1.0}, "recompute"),
         "Drecompute": ("kv_consumer", dec, "recompute"),
         "Dfail": ("kv_consumer", dec, "fail"),
     }
@@ -198,6 +199,7 @@ def test_wrong_secret(insts: dict[str, harness.Instance],
     d = insts["Drecompute" if policy == "recompute" else "Dfail"]
     expect_failure(d, prompts, [o["params"] for o in pre], policy, baseline)
     assert_nothing_held(d)
+    assert_nothing_held(insts["Pother"])  # its lease (5 s) frees what nobody could read
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
@@ -243,6 +245,39 @@ def test_push_without_decode(insts: dict[str, harness.Instance]) -> None:
     after = counters(p)
     assert after["leases_expired"] - before["leases_expired"] == 2
     assert after["layers_pushed"] == before["layers_pushed"]
+
+
+def test_churn_with_failures(insts: dict[str, harness.Instance]) -> None:
+    """200 requests, a third of them failing (wrong secret), the rest pulled or pushed: every
+    output is the single instance's, exactly the failed requests' blocks are reported, and
+    nothing stays held anywhere."""
+    p, bad, d = insts["P"], insts["Pother"], insts["Drecompute"]
+    rng = random.Random(7)
+    rounds, per = 4, 17  # 4 x (17 pulls + 17 refused pulls + 17 pushes) = 204 requests
+    before, p_before = counters(d), counters(p)
+    ok_blocks = bad_blocks = 0
+    for r in range(rounds):
+        prompts = [[rng.randrange(4, 1024) for _ in range(rng.randrange(33, 250))]
+                   for _ in range(3 * per)]
+        want = [o["tokens"] for o in d.generate(prompts, MAX_TOKENS)]
+        good, refused, pushed = prompts[:per], prompts[per:2 * per], prompts[2 * per:]
+        params = [o["params"] for o in prefill(p, good)] + [o["params"]
+                                                           for o in prefill(bad, refused)]
+        outs = d.generate(good + refused, MAX_TOKENS, params)
+        _, pushed_outs = push_run(p, d, pushed, f"churn-{r}")
+        assert [o["tokens"] for o in outs + pushed_outs] == want
+        ok_blocks += blocks_to_load(good) + blocks_to_load(pushed)
+        bad_blocks += blocks_to_load(refused)
+    after = counters(d)
+    assert after["blocks_loaded"] - before["blocks_loaded"] == ok_blocks
+    assert after["blocks_failed"] - before["blocks_failed"] == bad_blocks
+    assert after["load_failures"] - before["load_failures"] == rounds * per
+    assert counters(p)["handed_off"] - p_before["handed_off"] == rounds * 2 * per
+    # (the refused pulls' blocks are freed by Pother's 5 s lease + 1 s max_pull_s)
+    for inst in (p, bad, d):
+        assert_nothing_held(inst)
+    assert counters(bad)["leases_expired"] >= rounds * per
+    assert d.call({"op": "stats"})["offers"] == 0
 
 
 def test_killed_prefill(insts: dict[str, harness.Instance],

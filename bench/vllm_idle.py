@@ -36,6 +36,27 @@ def cpu_ticks(pid: int) -> dict[str, int]:
     return out
 
 
+def agents_idle(seconds: float) -> float:
+    """Cores used by two connected kvlink agents (4 loopback paths, 64 MiB registered) idling
+    in this process: the connector's own share, without any engine around it."""
+    import resource
+
+    import numpy as np
+
+    import kvlink
+
+    cfg = kvlink.Config(nics="loopback:4")
+    with kvlink.Agent("idle-a", cfg) as a, kvlink.Agent("idle-b", cfg) as b:
+        buf = np.zeros(64 << 20, np.uint8)
+        a.register(buf, remote_read=True, remote_write=True)
+        b.add_peer(a.metadata())
+        time.sleep(1.0)
+        r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
+        time.sleep(seconds)
+        r1, dt = resource.getrusage(resource.RUSAGE_SELF), time.monotonic() - t0
+    return (r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime) / dt
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -73,6 +94,12 @@ def main() -> None:
     finally:
         for inst in insts:
             inst.close()
+    row = {"bench": "vllm_idle", "run": run_id, "engine": "two kvlink agents, no engine",
+           "idle_cpu_cores": round(agents_idle(2 * a.seconds), 4)}
+    print(json.dumps(row), flush=True)
+    if a.json:
+        with open(a.json, "a") as f:
+            f.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":

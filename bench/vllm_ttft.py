@@ -14,7 +14,9 @@ over `loopback:4`. Per prompt length and round (modes interleaved, median over r
   is decode's generate() alone, end-to-end adds prefill's;
 - push: decode's request is submitted first, prefill's right after (as the proxy does);
   end-to-end TTFT is decode's generate() from its submission, prefill's included; decode-side
-  is that minus prefill's own generate() time (what is left after prefill finished).
+  is that minus prefill's own generate() time (what is left after prefill finished);
+  ``layer0_before_prefill_end_ms`` says how long before the end of prefill's forward pass
+  decode had layer 0 (positive: the transfer overlapped prefill).
 
 Times are the engine's generate() wall time measured inside each process (no pipe overhead).
 Every run checks decode's first token against the recomputed one. One JSON row per measurement.
@@ -147,9 +149,16 @@ def main() -> None:
                 da = d.recv(600)
                 p.recv(120)
                 assert da["outputs"][0]["tokens"] == ref, ("push", n, da, ref)
+                # Overlap: decode had layer 0 this long before prefill's forward pass ended
+                # (one monotonic clock for both processes).
+                dst = d.call({"op": "stats"})["connector"]
+                pst = p.call({"op": "stats"})["connector"]
+                lead = (pst["forward_end_t"][-1] - dst["layer0_ready_t"][-1]) * 1e3
                 samples["push"].append({"decode_ms": (da["wall_s"] - pa["wall_s"]) * 1e3,
                                         "prefill_ms": pa["wall_s"] * 1e3,
-                                        "e2e_ms": da["wall_s"] * 1e3})
+                                        "e2e_ms": da["wall_s"] * 1e3,
+                                        "layer0_lead_ms": lead,
+                                        "late_layers": pst["layers_pushed_late"]})
                 p.call({"op": "pump", "seconds": 5})
             base = statistics.median(s["decode_ms"] for s in samples["recompute"])
             for mode, runs in samples.items():
@@ -162,6 +171,10 @@ def main() -> None:
                        "runs_decode_ms": [round(s["decode_ms"], 1) for s in runs]}
                 if runs and "prefill_ms" in runs[0]:
                     row["prefill_ms"] = round(statistics.median(s["prefill_ms"] for s in runs), 1)
+                if runs and "layer0_lead_ms" in runs[0]:
+                    row["layer0_before_prefill_end_ms"] = [round(s["layer0_lead_ms"], 1)
+                                                           for s in runs]
+                    row["layers_pushed_after_forward_total"] = runs[-1]["late_layers"]
                 emit(row)
         st = {"prefill": p.call({"op": "stats"}), "decode": d.call({"op": "stats"})}
         for name, s in st.items():

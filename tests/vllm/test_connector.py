@@ -167,7 +167,9 @@ def test_push_matches_single_instance(insts: dict[str, harness.Instance],
     # Recorded, not asserted (timing): when decode had layer 0 of each push, and when
     # prefill's forward pass that pushed them ended (one monotonic clock on this host).
     print(json.dumps({"push_layer0_ready_t": after["layer0_ready_t"][-len(prompts):],
-                      "prefill_forward_end_t": p_after["forward_end_t"][-1:]}))
+                      "prefill_forward_end_t": p_after["forward_end_t"][-1:],
+                      "layers_pushed_after_forward": p_after["layers_pushed_late"]
+                      - p_before["layers_pushed_late"]}))
 
 
 def test_transferred_kv_is_used(insts: dict[str, harness.Instance],

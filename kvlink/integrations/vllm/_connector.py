@@ -128,11 +128,21 @@ class KvlinkConnector(KVConnectorBase_V1):
         card = self._worker.card
         return None if card is None else KvlinkHandshake(card.to_dict())
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # Before the forward pass (start_load_kv comes after it in steps without synchronous
+        # loads, i.e. on prefill): the pushes of this step must be known when its first layer
+        # is saved.
+        assert self._worker is not None and isinstance(connector_metadata, KvlinkMetadata)
+        self._worker.begin_step(connector_metadata)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        # Before the forward pass when this step loads (vLLM orders it after the zeroing of
+        # new blocks, so nothing overwrites what arrives).
         assert self._worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvlinkMetadata)
-        self._worker.start_step(meta)
+        self._worker.start_loads(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         assert self._worker is not None
@@ -351,6 +361,7 @@ class ConnectorStats:
     blocks_failed: int = 0  # decode: blocks reported to vLLM as failed
     load_failures: int = 0  # decode: requests whose load failed
     layers_pushed: int = 0  # prefill: per-layer pushes started
+    layers_pushed_late: int = 0  # ... of which after the forward pass (decode's offer was late)
     push_failures: int = 0  # prefill: pushes given up (blocks then wait for a pull or the lease)
     handed_off: int = 0  # prefill: held requests freed because decode has their KV
     leases_expired: int = 0  # prefill: held requests freed by their lease
@@ -492,7 +503,21 @@ class _WorkerSide:
         assert self.agent is not None
         return self.agent.add_peer(card.metadata)
 
-    def start_step(self, meta: KvlinkMetadata) -> None:
+    def begin_step(self, meta: KvlinkMetadata) -> None:
+        """This step's pushes (prefill) and finished requests to hold."""
+        now = time.monotonic()
+        for push in meta.pushes:
+            s = self._sends.setdefault(push.req_id, _Send(push.req_id, now + self.settings.lease_s))
+            s.push = push
+            s.offer_deadline = now + self.settings.offer_timeout_s
+            self._step_pushes.append(s)
+        for hold in meta.holds:
+            s = self._sends.setdefault(hold.req_id, _Send(hold.req_id, 0.0))
+            s.tag = hold.tag
+            s.expires = now + self.settings.lease_s + self.settings.load_timeout_s
+
+    def start_loads(self, meta: KvlinkMetadata) -> None:
+        """Starts this step's loads (decode): pulls, or offers for pushes."""
         assert self.agent is not None and self.layout is not None
         now = time.monotonic()
         self._loads = []
@@ -525,15 +550,6 @@ class _WorkerSide:
                     )
             except (kvlink.KvlinkError, ValueError) as exc:
                 self._fail(load, f"could not start: {exc}")
-        for push in meta.pushes:
-            s = self._sends.setdefault(push.req_id, _Send(push.req_id, now + self.settings.lease_s))
-            s.push = push
-            s.offer_deadline = now + self.settings.offer_timeout_s
-            self._step_pushes.append(s)
-        for hold in meta.holds:
-            s = self._sends.setdefault(hold.req_id, _Send(hold.req_id, 0.0))
-            s.tag = hold.tag
-            s.expires = now + self.settings.lease_s + self.settings.load_timeout_s
 
     def forward_done(self) -> None:
         if self._step_pushes:
@@ -594,7 +610,7 @@ class _WorkerSide:
         for s in self._step_pushes:
             self._push_layers(s, i + 1)
 
-    def _push_layers(self, s: _Send, upto: int) -> None:
+    def _push_layers(self, s: _Send, upto: int, late: bool = False) -> None:
         """Pushes layers s.layers_pushed .. upto-1 of ``s`` if decode's offer is here."""
         assert self.agent is not None and self.layout is not None
         if s.push is None or s.push_failed or s.layers_pushed >= upto:
@@ -625,6 +641,7 @@ class _WorkerSide:
                     )
                 )
                 self.stats.layers_pushed += 1
+                self.stats.layers_pushed_late += late
                 s.layers_pushed = layer + 1
         except (kvlink.KvlinkError, ValueError) as exc:
             s.push_failed = True
@@ -661,7 +678,7 @@ class _WorkerSide:
         now = time.monotonic()
         for s in self._sends.values():
             if s.push is not None and not s.push_failed and s.layers_pushed < num_layers:
-                self._push_layers(s, num_layers)
+                self._push_layers(s, num_layers, late=True)
                 if s.offer is None and now > s.offer_deadline:
                     s.push_failed = True
                     self.stats.push_failures += 1

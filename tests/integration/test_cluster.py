@@ -211,7 +211,7 @@ def test_lease_expiry_removes_the_peer_and_fails_its_transfer(etcd, make_agent, 
 
 
 def test_etcd_restart_keeps_everyone_published(cluster, etcd):
-    tx, rx, src, dst = pair(cluster)
+    tx, rx, src, _dst = pair(cluster)
     assert tx.push("decode-3", src, "kv").wait(10).ok
     lease = rx.discovery.lease
     etcd.restart(down_s=0.5)  # with its data: the leases survive
@@ -261,7 +261,7 @@ def test_restarted_peer_is_picked_up(cluster):
 
 
 def test_many_threads_look_up_one_peer_once(cluster):
-    tx, rx, src, dst = pair(cluster)
+    tx, _rx, src, _dst = pair(cluster)
     errors: list[BaseException] = []
 
     def push() -> None:

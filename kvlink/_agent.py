@@ -96,7 +96,15 @@ class Agent:
         self._peer_md: dict[str, tuple[int, tuple[tuple[str, int], ...]]] = {}
         self._discover_lock = threading.Lock()
         self._discovery: Any = None
+        self._metrics: Any = None
+        self._metrics_server: Any = None
         try:
+            if cfg.metrics_port is not None:
+                from ._metrics import MetricsServer
+
+                self._metrics_server = MetricsServer(
+                    self.metrics(), cfg.metrics_host, cfg.metrics_port
+                )
             if cfg.discovery is not None:
                 from ._discovery import Discovery
 
@@ -148,6 +156,8 @@ class Agent:
                 self._idle.wait()
         if self._discovery is not None:
             self._discovery.close()  # revokes the lease: peers see this agent go
+        if self._metrics_server is not None:
+            self._metrics_server.close()
         self._drain.close_agent()  # stops the log thread, then closes the native agent
         self._a = None
         self._regions.clear()
@@ -630,13 +640,45 @@ class Agent:
                             op, p, peer, src, dst, nbytes, src_offset, dst_offset
                         )
                     x = _native.xfer_submit(a, p, peer, op, segs, tag, deadline_s)
-                    return Transfer(x, op, peer, int(segs["len"].sum()), self._why_gone)
+                    t = Transfer(x, op, peer, int(segs["len"].sum()), self._why_gone)
+                if self._metrics is not None:
+                    self._metrics.track(t)  # once per transfer: nothing per chunk
+                return t
             except RemoteAccessError as exc:
                 # a discovered peer may have registered the region after we read its record
                 if attempt or self._discovery is None or "no access key" not in str(exc):
                     raise
                 self._refresh_keys(peer, exc)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    # ---- metrics ---------------------------------------------------------
+
+    def metrics(self) -> Any:
+        """This agent's Prometheus metrics, as a ``prometheus_client``
+        collector read at scrape time: ``registry.register(agent.metrics())``
+        in a process that serves its own registry (docs/cluster.md lists
+        them).  The first call starts the accounting: transfers submitted
+        before it are not counted.  Always the same object.
+
+        Raises:
+            ClosedError: the agent is closed.
+        """
+        with self._lock:
+            if self._closed:
+                raise self._closed_error()
+            if self._metrics is None:
+                from ._metrics import AgentMetrics
+
+                self._metrics = AgentMetrics(self)
+                self._drain.on_record = self._metrics.on_log
+            return self._metrics
+
+    @property
+    def metrics_address(self) -> tuple[str, int] | None:
+        """(host, port) of the metrics server ``Config(metrics_port=...)``
+        started (``http://host:port/metrics``), or None."""
+        server = self._metrics_server
+        return server.address if server is not None else None
 
     def _why_gone(self, peer: str) -> str | None:
         """Why discovery removed ``peer``, for the errors of its transfers."""
@@ -769,6 +811,8 @@ class Agent:
                 n = _native.next_notification(a, left)
             if n is not None:
                 out.append(n)
+                if self._metrics is not None:
+                    self._metrics.notified(n.peer)
                 continue
             if out or time.monotonic() >= deadline:
                 return out

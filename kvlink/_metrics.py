@@ -37,7 +37,21 @@ if TYPE_CHECKING:
 
 # submit -> verified of transfers from a few KiB to several GiB on fast or slow links
 LATENCY_BUCKETS = (
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
     60.0,
 )
 SWEEP_AT = 64  # live transfers kept before a submit sweeps the finished ones out
@@ -79,25 +93,35 @@ class AgentMetrics(Collector):
         self._seconds = Histogram(
             "kvlink_transfer_seconds",
             "Transfers this agent initiated: submit to every byte verified at the destination",
-            labels, buckets=LATENCY_BUCKETS, registry=own,
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=own,
         )
         self._first = Histogram(
             "kvlink_transfer_first_chunk_seconds",
             "Submit to the first verified chunk (chunks are planned layer-major, so this is "
             "when the first layer starts to be usable)",
-            labels, buckets=LATENCY_BUCKETS, registry=own,
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=own,
         )
         self._transfers = Counter(
-            "kvlink_transfers", "Transfers this agent initiated, by outcome",
-            ["agent", "op", "peer", "outcome"], registry=own,
+            "kvlink_transfers",
+            "Transfers this agent initiated, by outcome",
+            ["agent", "op", "peer", "outcome"],
+            registry=own,
         )
         self._bytes = Counter(
-            "kvlink_transfer_bytes", "Bytes of the transfers that finished verified",
-            ["agent", "op", "peer"], registry=own,
+            "kvlink_transfer_bytes",
+            "Bytes of the transfers that finished verified",
+            ["agent", "op", "peer"],
+            registry=own,
         )
         self._xretries = Counter(
-            "kvlink_transfer_retries", "Chunk sends beyond the first, of finished transfers",
-            ["agent", "peer"], registry=own,
+            "kvlink_transfer_retries",
+            "Chunk sends beyond the first, of finished transfers",
+            ["agent", "peer"],
+            registry=own,
         )
         self._own = own
 
@@ -198,27 +222,47 @@ class AgentMetrics(Collector):
             return kind(name, doc, labels=labels)
 
         sent = fam(CounterMetricFamily, "kvlink_path_sent_bytes", "Payload bytes sent on the path")
-        recv = fam(CounterMetricFamily, "kvlink_path_received_bytes",
-                   "Payload bytes received on the path")
-        chunks = fam(CounterMetricFamily, "kvlink_path_chunks",
-                     "Chunks this agent initiated that completed on the path")
-        hedges = fam(CounterMetricFamily, "kvlink_path_hedges",
-                     "Straggler copies sent on the path")
-        reconnects = fam(CounterMetricFamily, "kvlink_path_reconnects",
-                         "Times the path was re-established after going down")
+        recv = fam(
+            CounterMetricFamily, "kvlink_path_received_bytes", "Payload bytes received on the path"
+        )
+        chunks = fam(
+            CounterMetricFamily,
+            "kvlink_path_chunks",
+            "Chunks this agent initiated that completed on the path",
+        )
+        hedges = fam(CounterMetricFamily, "kvlink_path_hedges", "Straggler copies sent on the path")
+        reconnects = fam(
+            CounterMetricFamily,
+            "kvlink_path_reconnects",
+            "Times the path was re-established after going down",
+        )
         inflight = fam(GaugeMetricFamily, "kvlink_path_inflight_bytes", "Bytes in flight")
-        rate = fam(GaugeMetricFamily, "kvlink_path_rate_bytes_per_second",
-                   "Estimated rate (EWMA of the busy-period delivery rate)")
-        delivery = fam(GaugeMetricFamily, "kvlink_path_delivery_bytes_per_second",
-                       "The kernel's latest delivery-rate sample (TCP_INFO)")
-        rtt = fam(GaugeMetricFamily, "kvlink_path_rtt_seconds",
-                  "Smoothed RTT (TCP_INFO while busy, probes while idle)")
-        other = fam(GaugeMetricFamily, "kvlink_path_nic_competing_bytes_per_second",
-                    "Traffic on the path's local NIC that is not kvlink's")
-        stall = fam(GaugeMetricFamily, "kvlink_path_stall_seconds",
-                    "Time without progress while busy")
-        state = GaugeMetricFamily("kvlink_path_state", "1 for the path's current state",
-                                  labels=[*labels, "state"])
+        rate = fam(
+            GaugeMetricFamily,
+            "kvlink_path_rate_bytes_per_second",
+            "Estimated rate (EWMA of the busy-period delivery rate)",
+        )
+        delivery = fam(
+            GaugeMetricFamily,
+            "kvlink_path_delivery_bytes_per_second",
+            "The kernel's latest delivery-rate sample (TCP_INFO)",
+        )
+        rtt = fam(
+            GaugeMetricFamily,
+            "kvlink_path_rtt_seconds",
+            "Smoothed RTT (TCP_INFO while busy, probes while idle)",
+        )
+        other = fam(
+            GaugeMetricFamily,
+            "kvlink_path_nic_competing_bytes_per_second",
+            "Traffic on the path's local NIC that is not kvlink's",
+        )
+        stall = fam(
+            GaugeMetricFamily, "kvlink_path_stall_seconds", "Time without progress while busy"
+        )
+        state = GaugeMetricFamily(
+            "kvlink_path_state", "1 for the path's current state", labels=[*labels, "state"]
+        )
         for p in paths:
             lv = [self.name, p.peer, str(p.index), p.local, p.remote]
             sent.add_metric(lv, p.bytes_sent)
@@ -234,8 +278,20 @@ class AgentMetrics(Collector):
             stall.add_metric(lv, p.stall_ms / 1e3)
             for s in PathState:
                 state.add_metric([*lv, s.name], 1.0 if p.state == s else 0.0)
-        yield from (sent, recv, chunks, hedges, reconnects, inflight, rate, delivery, rtt, other,
-                    stall, state)
+        yield from (
+            sent,
+            recv,
+            chunks,
+            hedges,
+            reconnects,
+            inflight,
+            rate,
+            delivery,
+            rtt,
+            other,
+            stall,
+            state,
+        )
 
     def _agent_families(self, agent: Agent, paths: list[Any]) -> Iterator[Any]:
         with self._lock:
@@ -243,18 +299,25 @@ class AgentMetrics(Collector):
             per_peer = {
                 "kvlink_retries": (self._retries, "Chunk retries the engine logged"),
                 "kvlink_checksum_failures": (
-                    self._checksum, "Chunks that failed their crc32c check at the receiver"),
-                "kvlink_cancels": (self._cancels,
-                                   "Copies cancelled because another copy of the chunk won"),
+                    self._checksum,
+                    "Chunks that failed their crc32c check at the receiver",
+                ),
+                "kvlink_cancels": (
+                    self._cancels,
+                    "Copies cancelled because another copy of the chunk won",
+                ),
                 "kvlink_hedges": (self._hedge_logs, "Straggler copies sent (hedges)"),
                 "kvlink_transfer_failures": (self._failed_logs, "Transfers that failed"),
-                "kvlink_notifications": (self._notifications,
-                                         "Notifications this agent's application took"),
+                "kvlink_notifications": (
+                    self._notifications,
+                    "Notifications this agent's application took",
+                ),
             }
             per_peer = {k: (dict(v), d) for k, (v, d) in per_peer.items()}
             dropped = self._dropped
         sc = CounterMetricFamily(
-            "kvlink_path_state_changes", "Path state changes, with their reasons",
+            "kvlink_path_state_changes",
+            "Path state changes, with their reasons",
             labels=["agent", "peer", "path", "from_state", "to_state", "reason"],
         )
         for (peer, path, old, new, why), n in sorted(changes.items()):
@@ -265,33 +328,40 @@ class AgentMetrics(Collector):
             for peer, n in sorted(values.items()):
                 c.add_metric([self.name, peer], n)
             yield c
-        d = CounterMetricFamily("kvlink_log_records_dropped",
-                                "Engine log records lost before the drain took them (the "
-                                "counters above miss what they said)", labels=["agent"])
+        d = CounterMetricFamily(
+            "kvlink_log_records_dropped",
+            "Engine log records lost before the drain took them (the "
+            "counters above miss what they said)",
+            labels=["agent"],
+        )
         d.add_metric([self.name], dropped)
         yield d
         peers = agent.peers()
-        g = GaugeMetricFamily("kvlink_peers", "Peers this agent knows",
-                              labels=["agent", "kind"])
+        g = GaugeMetricFamily("kvlink_peers", "Peers this agent knows", labels=["agent", "kind"])
         g.add_metric([self.name, "connected"], sum(p.connected for p in peers))
         g.add_metric([self.name, "discovered"], sum(p.discovered for p in peers))
         yield g
-        conns = GaugeMetricFamily("kvlink_paths", "Paths to peers, by state",
-                                  labels=["agent", "state"])
+        conns = GaugeMetricFamily(
+            "kvlink_paths", "Paths to peers, by state", labels=["agent", "state"]
+        )
         for s in PathState:
             conns.add_metric([self.name, s.name], sum(p.state == s for p in paths))
         yield conns
         d_ = agent.discovery
         if d_ is not None:
-            r = CounterMetricFamily("kvlink_discovery_republished",
-                                    "Times this agent's record was written again after etcd "
-                                    "lost it (restart without data, expired lease)",
-                                    labels=["agent"])
+            r = CounterMetricFamily(
+                "kvlink_discovery_republished",
+                "Times this agent's record was written again after etcd "
+                "lost it (restart without data, expired lease)",
+                labels=["agent"],
+            )
             r.add_metric([self.name], d_.republished)
             yield r
-            e = CounterMetricFamily("kvlink_discovery_errors",
-                                    "Discovery rounds that failed (etcd unreachable, refused)",
-                                    labels=["agent"])
+            e = CounterMetricFamily(
+                "kvlink_discovery_errors",
+                "Discovery rounds that failed (etcd unreachable, refused)",
+                labels=["agent"],
+            )
             e.add_metric([self.name], d_.errors)
             yield e
 

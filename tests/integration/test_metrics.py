@@ -50,7 +50,17 @@ def test_bytes_move_while_a_push_runs_and_equal_its_size(make_agent, scripted_re
     # The receiver withholds its ACKs: the push is in flight for certain while we scrape.
     size = 48 * MiB
     rx = scripted_receiver("rx", paths=2, region="kv", nbytes=size)
-    tx = make_agent("tx", nics="loopback:2", metrics_port=0, chunk_bytes=4 * MiB)
+    # No hedging, and no stall cut while the ACKs are held (at least 3 ticks of 2 s): a hedge
+    # or a retry sends a second copy of a chunk, which the path counters count.
+    tx = make_agent(
+        "tx",
+        nics="loopback:2",
+        metrics_port=0,
+        chunk_bytes=4 * MiB,
+        hedge=False,
+        monitor_interval_ms=2000,
+        stall_factor=1000,
+    )
     src = np.ones(size, np.uint8)
     tx.register(src)
     tx.add_peer(rx.metadata)
@@ -59,6 +69,7 @@ def test_bytes_move_while_a_push_runs_and_equal_its_size(make_agent, scripted_re
     assert total(before, "kvlink_agent_up", agent="tx") == 1
     h = tx.push("rx", src, "kv")
     assert rx.data_seen.wait(10)
+
     def moving() -> Any:
         s = scrape(tx)
         return s if total(s, "kvlink_path_sent_bytes_total") > 0 else None
@@ -71,7 +82,7 @@ def test_bytes_move_while_a_push_runs_and_equal_its_size(make_agent, scripted_re
     rx.release()
     assert h.wait(30).ok
     end = scrape(tx)
-    # every byte sent once (no retries on loopback): the path counters add up to the push
+    # every byte sent once (no hedges, no retries on loopback): the paths add up to the push
     assert total(end, "kvlink_path_sent_bytes_total", peer="rx") == size
     assert total(end, "kvlink_transfer_bytes_total", peer="rx", op="push") == size
     assert total(end, "kvlink_transfers_total", outcome="ok") == 1
@@ -86,7 +97,7 @@ def test_bytes_move_while_a_push_runs_and_equal_its_size(make_agent, scripted_re
 
 def test_pull_counts_received_bytes_and_the_peer_its_notifications(make_agent):
     size = 8 * MiB
-    puller = make_agent("puller", nics="loopback:2", metrics_port=0)
+    puller = make_agent("puller", nics="loopback:2", metrics_port=0, hedge=False)
     owner = make_agent("owner", nics="loopback:2", metrics_port=0)
     owner.register(np.full(size, 3, np.uint8), remote_read=True, name="kv")
     dst = puller.register(np.zeros(size, np.uint8))
@@ -112,12 +123,16 @@ def test_a_cut_path_is_counted_with_its_reason(make_agent):
 
     def down() -> Any:
         s = scrape(tx)
-        return s if total(s, "kvlink_path_state_changes_total", from_state="UP",
-                          to_state="DOWN") >= 2 else None
+        return (
+            s
+            if total(s, "kvlink_path_state_changes_total", from_state="UP", to_state="DOWN") >= 2
+            else None
+        )
 
     s = until(down, why="both paths' UP -> DOWN counted")
     reasons = {
-        lv["reason"] for lv, v in s["kvlink_path_state_changes_total"]
+        lv["reason"]
+        for lv, v in s["kvlink_path_state_changes_total"]
         if lv["to_state"] == "DOWN" and v
     }
     assert any("closed" in r or "reset" in r or "lost" in r for r in reasons), reasons

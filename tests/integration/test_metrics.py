@@ -192,3 +192,33 @@ def test_metrics_server_stops_at_close(make_agent):
     a.close()
     with pytest.raises(httpx.TransportError):
         httpx.get(f"http://{host}:{port}/metrics", timeout=2)
+
+
+def test_kvlink_top_and_paths_read_the_endpoint(make_agent, capsys):
+    import json
+
+    from kvlink.cli.main import main
+
+    tx = make_agent("tx", nics="loopback:2", metrics_port=0, hedge=False)
+    rx = make_agent("rx", nics="loopback:2")
+    rx.register(np.zeros(4 * MiB, np.uint8), remote_write=True, name="kv")
+    src = tx.register(np.ones(4 * MiB, np.uint8))
+    tx.add_peer(rx.metadata())
+    assert tx.push("rx", src, "kv").wait(10).ok
+    host, port = tx.metrics_address
+    assert main(["paths", f"{host}:{port}", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["peer"], r["path"]) for r in rows] == [("rx", 0), ("rx", 1)]
+    assert sum(r["sent_bytes"] for r in rows) == 4 * MiB
+    assert all(r["state"] in ("UP", "DEGRADED") and r["errors"] == 0 for r in rows)
+    rx.close()
+    until(lambda: all(p.state != kvlink.PathState.UP for p in tx.paths()), why="paths down")
+    assert main(["top", f"http://{host}:{port}/metrics", "--once", "--interval-ms", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "kvlink top" in out and "rx" in out and "connection closed by the peer" in out
+    assert main(["paths", f"{host}:{port}", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["errors"] for r in rows] == [1, 1]  # each path left service once
+    tx.close()
+    assert main(["paths", f"{host}:{port}"]) == 1
+    assert "cannot read" in capsys.readouterr().err

@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import re
+import sys
 import threading
 import time
 import weakref
@@ -545,7 +546,12 @@ class Discovery:
         at their next refresh).  Bounded by the request timeout."""
         self._stop = True
         self._wake.set()
-        if threading.current_thread() is not self._thread and self._thread.is_alive():
+        # at interpreter exit the daemon thread is frozen: joining would never return
+        if (
+            threading.current_thread() is not self._thread
+            and self._thread.is_alive()
+            and not sys.is_finalizing()
+        ):
             self._thread.join()
         if self._lease:
             try:

@@ -18,6 +18,7 @@ any registry (``registry.register(agent.metrics())``), or let
 from __future__ import annotations
 
 import re
+import sys
 import threading
 import weakref
 from collections.abc import Iterator
@@ -384,6 +385,9 @@ class MetricsServer:
         self.address = (host, int(self._server.server_port))
 
     def close(self) -> None:
-        self._server.shutdown()
+        # At interpreter exit the (daemon) serving thread is frozen and
+        # shutdown() would wait for it forever: only close the socket then.
+        if not sys.is_finalizing() and self._thread.is_alive():
+            self._server.shutdown()
+            self._thread.join(5)
         self._server.server_close()
-        self._thread.join(5)

@@ -107,7 +107,9 @@ class Etcd:
         self._user = user
         self._password = password
         self._token: str | None = None
-        verify: Any = True
+        # plain http needs no TLS context, and the default one loads the system's CA
+        # store (~80 ms of an agent's start)
+        verify: Any = tls
         if tls and ca_file:
             verify = httpx.create_ssl_context(verify=ca_file)
             if cert_file:

@@ -298,7 +298,11 @@ class AgentMetrics(Collector):
         with self._lock:
             changes = dict(self._state_changes)
             per_peer = {
-                "kvlink_retries": (self._retries, "Chunk retries the engine logged"),
+                "kvlink_chunk_failures": (
+                    self._retries,
+                    "Chunk sends that failed (connection lost, checksum) and were sent again; "
+                    "kvlink_transfer_retries also counts re-sends after a stall cut",
+                ),
                 "kvlink_checksum_failures": (
                     self._checksum,
                     "Chunks that failed their crc32c check at the receiver",

@@ -88,7 +88,7 @@ _INT_FIELDS = {"sent_bytes", "received_bytes", "chunks", "inflight_bytes", "reco
 _AGENT_SUMS = {
     "kvlink_transfers_total": "transfers",
     "kvlink_transfer_failures_total": "failed",
-    "kvlink_retries_total": "retries",
+    "kvlink_transfer_retries_total": "retries",
     "kvlink_checksum_failures_total": "checksum_failures",
     "kvlink_cancels_total": "cancels",
     "kvlink_notifications_total": "notifications",

@@ -319,3 +319,28 @@ def test_malformed_records_are_refused(cluster, etcd):
             a.push(name, np.zeros(8, np.uint8), "kv")
     time.sleep(0.3)
     assert [p.name for p in a.peers()] == []  # none of them is listed
+
+
+def test_every_metric_the_dashboard_and_docs_name_exists(cluster):
+    """examples/grafana-kvlink.json and docs/cluster.md name only metrics an agent exports."""
+    import re
+    from pathlib import Path
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    a = cluster("a")
+    reg = CollectorRegistry()
+    reg.register(a.metrics())
+    exported = set(re.findall(r"^# TYPE (\S+) (\S+)", generate_latest(reg).decode(), re.M))
+    names = set()
+    for name, kind in exported:
+        names.add(name)
+        if kind == "counter":
+            names.add(f"{name}_total")
+        if kind == "histogram":
+            names.update(f"{name}_{s}" for s in ("bucket", "count", "sum"))
+    root = Path(__file__).resolve().parents[2]
+    for doc in (root / "examples/grafana-kvlink.json", root / "docs/cluster.md"):
+        used = set(re.findall(r"\bkvlink_[a-z_]+[a-z]", doc.read_text()))
+        assert used, doc
+        assert used <= names, f"{doc.name} names metrics nobody exports: {sorted(used - names)}"

@@ -244,7 +244,7 @@ class Agent:
             )
             self._regions.add(region)
         if self._discovery is not None and (remote_read or remote_write):
-            self._discovery.republish()  # the record carries the new region's key
+            self._discovery.republish(self)  # the record carries the new region's key
         return region
 
     def deregister(self, region: Region | int) -> None:
@@ -274,7 +274,7 @@ class Agent:
             _native.region_deregister(a, rid)
             self._regions.remove(rid)
         if self._discovery is not None:
-            self._discovery.republish()
+            self._discovery.republish(self)
 
     def regions(self) -> list[Region]:
         """This agent's registered regions.

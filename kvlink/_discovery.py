@@ -328,6 +328,8 @@ class Discovery:
         self._gone: dict[str, str] = {}  # peers removed by discovery -> why
         self._lease = 0
         self._published: bytes | None = None
+        self._pub_lock = threading.Lock()  # one writer of the record at a time
+        self._pub_gen = 0  # records written so far
         self._dirty = True
         self._next_keepalive = 0.0
         self._stop = False
@@ -398,6 +400,7 @@ class Discovery:
             self._next_keepalive = now + self._ttl_s / 3
         if self._dirty:
             self._publish(agent)
+        gen = self._pub_gen
         kvs, more = self._etcd.range_prefix(self._dir.encode(), MAX_PEERS)
         if more:
             log.warning(
@@ -421,7 +424,8 @@ class Discovery:
                 table[key_name] = parse_record(key_name, kv.value, self._secret, self.url.prefix)
             except ValueError as exc:
                 log.debug("discovery: ignoring the record of %r: %s", key_name, exc)
-        if mine is None or mine.value != self._published or mine.lease != self._lease:
+        lost = mine is None or mine.value != self._published or mine.lease != self._lease
+        if lost and gen == self._pub_gen:  # (not a record written since the read began)
             # etcd lost our key (restart without data) or someone overwrote it
             log.warning(
                 "discovery: agent %r's record is gone from etcd or changed; re-publishing",
@@ -432,19 +436,22 @@ class Discovery:
         self._reconcile(agent, table, now)
 
     def _publish(self, agent: Agent) -> None:
-        md = agent._identity()
-        value = make_record(
-            self._name, md["instance"], md["addrs"], md["keys"], self._secret, self.url.prefix
-        )
-        try:
-            self._etcd.put(self._key, value, self._lease)
-        except DiscoveryError as exc:
-            if "lease not found" in str(exc):
-                self._lease = 0  # granted again at the next tick
-                self._wake.set()
-            raise
-        self._published = value
-        self._dirty = False
+        with self._pub_lock:
+            self._dirty = False  # a change from here on asks for another write
+            md = agent._identity()
+            value = make_record(
+                self._name, md["instance"], md["addrs"], md["keys"], self._secret, self.url.prefix
+            )
+            try:
+                self._etcd.put(self._key, value, self._lease)
+            except DiscoveryError as exc:
+                self._dirty = True
+                if "lease not found" in str(exc):
+                    self._lease = 0  # granted again at the next tick
+                    self._wake.set()
+                raise
+            self._published = value
+            self._pub_gen += 1
 
     def _reconcile(self, agent: Agent, table: dict[str, PeerRecord], now: float) -> None:
         with self._lock:
@@ -486,10 +493,20 @@ class Discovery:
 
     # ---- what the agent asks -----------------------------------------------
 
-    def republish(self) -> None:
-        """The record changed (a region was registered or deregistered)."""
+    def republish(self, agent: Agent) -> None:
+        """The record changed (a region was registered or deregistered): write
+        it now, so a peer that hears of the region from us finds its key in
+        etcd; the thread retries when etcd does not answer (and while etcd is
+        known to be away, only the thread tries, so register() does not wait)."""
         self._dirty = True
-        self._wake.set()
+        if self._failing or self._lease == 0:
+            self._wake.set()
+            return
+        try:
+            self._publish(agent)
+        except DiscoveryError as exc:
+            self._fail(exc)
+            self._wake.set()
 
     def lookup(self, name: str) -> PeerRecord | None:
         """``name``'s record, read from etcd now.

@@ -309,16 +309,22 @@ class Discovery:
         # to re-publish after etcd lost its data (each notices within a refresh)
         self.grace_s = 3 * self._refresh_s + cfg.discovery_timeout_s
         _quiet_httpx(self.url)
-        self._etcd = Etcd(
-            self.url.endpoints,
-            tls=self.url.tls,
-            timeout_s=cfg.discovery_timeout_s,
-            ca_file=cfg.discovery_ca_file,
-            cert_file=cfg.discovery_cert_file,
-            key_file=cfg.discovery_key_file,
-            user=cfg.discovery_user,
-            password=cfg.discovery_password,
-        )
+        try:
+            self._etcd = Etcd(
+                self.url.endpoints,
+                tls=self.url.tls,
+                timeout_s=cfg.discovery_timeout_s,
+                ca_file=cfg.discovery_ca_file,
+                cert_file=cfg.discovery_cert_file,
+                key_file=cfg.discovery_key_file,
+                user=cfg.discovery_user,
+                password=cfg.discovery_password,
+            )
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+            raise ConfigError(
+                f"discovery_ca_file / discovery_cert_file / discovery_key_file: cannot set up "
+                f"TLS to etcd ({exc}); give PEM files of a CA, a certificate and its key"
+            ) from exc
         self._dir = f"{self.url.prefix}agents/"
         self._key = (self._dir + self._name).encode()
         self._lock = threading.Lock()

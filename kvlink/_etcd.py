@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import json
+import ssl
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -110,13 +111,10 @@ class Etcd:
         # plain http needs no TLS context, and the default one loads the system's CA
         # store (~80 ms of an agent's start)
         verify: Any = tls
-        if tls and ca_file:
-            verify = httpx.create_ssl_context(verify=ca_file)
+        if tls:
+            verify = ssl.create_default_context(cafile=ca_file)
             if cert_file:
                 verify.load_cert_chain(cert_file, key_file)
-        elif tls and cert_file:
-            verify = httpx.create_ssl_context()
-            verify.load_cert_chain(cert_file, key_file)
         # no retries inside httpx: a failed endpoint moves us to the next one
         self._http = httpx.Client(timeout=timeout_s, verify=verify, trust_env=False)
 

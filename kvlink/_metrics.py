@@ -207,13 +207,16 @@ class AgentMetrics(Collector):
             return
         try:
             paths = agent.paths()
-        except KvlinkError:
-            paths = []
+            peers = agent.peers()
+        except KvlinkError:  # closed meanwhile
+            up.add_metric([self.name], 0)
+            yield up
+            return
         up.add_metric([self.name], 1)
         yield up
         self.sweep()
         yield from self._path_families(paths)
-        yield from self._agent_families(agent, paths)
+        yield from self._agent_families(agent, paths, peers)
         yield from self._own.collect()
 
     def _path_families(self, paths: list[Any]) -> Iterator[Any]:
@@ -294,7 +297,7 @@ class AgentMetrics(Collector):
             state,
         )
 
-    def _agent_families(self, agent: Agent, paths: list[Any]) -> Iterator[Any]:
+    def _agent_families(self, agent: Agent, paths: list[Any], peers: list[Any]) -> Iterator[Any]:
         with self._lock:
             changes = dict(self._state_changes)
             per_peer = {
@@ -341,7 +344,6 @@ class AgentMetrics(Collector):
         )
         d.add_metric([self.name], dropped)
         yield d
-        peers = agent.peers()
         g = GaugeMetricFamily("kvlink_peers", "Peers this agent knows", labels=["agent", "kind"])
         g.add_metric([self.name, "connected"], sum(p.connected for p in peers))
         g.add_metric([self.name, "discovered"], sum(p.discovered for p in peers))

@@ -344,3 +344,26 @@ def test_every_metric_the_dashboard_and_docs_name_exists(cluster):
         used = set(re.findall(r"\bkvlink_[a-z_]+[a-z]", doc.read_text()))
         assert used, doc
         assert used <= names, f"{doc.name} names metrics nobody exports: {sorted(used - names)}"
+
+
+def test_etcd_authentication(etcd, make_agent, caplog):
+    for path, body in [
+        ("auth/role/add", {"name": "root"}),
+        ("auth/user/add", {"name": "root", "password": "etcd-pw"}),
+        ("auth/user/grant", {"user": "root", "role": "root"}),
+        ("auth/enable", {}),
+    ]:
+        etcd_call(etcd, path, body)
+    opts = {"discovery": etcd.url("t"), "secret": SECRET, **FAST}
+    rx = make_agent("rx", discovery_user="root", discovery_password="etcd-pw", **opts)
+    rx.register(np.zeros(MiB, np.uint8), remote_write=True, name="kv")
+    tx = make_agent("tx", discovery_user="root", discovery_password="etcd-pw", **opts)
+    src = tx.register(np.ones(MiB, np.uint8))
+    assert tx.push("rx", src, "kv").wait(10).ok
+    anon = make_agent("anon", **opts)  # no credentials: etcd refuses, the agent says why
+    assert "refused" in caplog.text
+    with pytest.raises(kvlink.DiscoveryError, match="refused"):
+        anon.push("rx", np.zeros(8, np.uint8), "kv")
+    wrong = make_agent("wrong", discovery_user="root", discovery_password="nope", **opts)
+    with pytest.raises(kvlink.DiscoveryError, match=r"refused user 'root'.*discovery_password"):
+        wrong.push("rx", np.zeros(8, np.uint8), "kv")

@@ -216,3 +216,11 @@ def test_discovery_settings_from_env_and_checks(monkeypatch, tmp_path):
         kvlink.Config(discovery_ttl_s=4, discovery_refresh_s=3)
     with pytest.raises(kvlink.ConfigError, match="metrics_port"):
         kvlink.Config(metrics_port=70000)
+
+
+def test_a_ca_file_that_is_not_pem_is_named(tmp_path):
+    bad = tmp_path / "ca.pem"
+    bad.write_text("not a certificate")
+    with pytest.raises(kvlink.ConfigError, match=r"discovery_ca_file .*cannot set up TLS"):
+        kvlink.Agent("tls", nics="loopback:1", discovery="etcds://127.0.0.1:1/x",
+                     discovery_ca_file=str(bad))

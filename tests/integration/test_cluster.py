@@ -367,3 +367,24 @@ def test_etcd_authentication(etcd, make_agent, caplog):
     wrong = make_agent("wrong", discovery_user="root", discovery_password="nope", **opts)
     with pytest.raises(kvlink.DiscoveryError, match=r"refused user 'root'.*discovery_password"):
         wrong.push("rx", np.zeros(8, np.uint8), "kv")
+
+
+def test_a_killed_peer_process_expires_and_a_new_one_is_found(cluster, etcd, spawn_peer):
+    # A real agent in another process, killed (no close, no revoke): its lease runs out.
+    opts = {"discovery": etcd.url("t"), "secret": SECRET, **FAST}
+    rx = spawn_peer("rx", **opts)
+    rx.call("alloc", key="kv", nbytes=MiB, remote_write=True, name="kv")
+    tx = cluster("tx")
+    src = tx.register(np.ones(MiB, np.uint8))
+    assert tx.push("rx", src, "kv").wait(10).ok
+    t_kill = time.monotonic()
+    rx.kill()
+    until(lambda: "rx" not in [p.name for p in tx.peers()], timeout_s=20,
+          why="the dead peer removed once its lease expired")
+    gone_after = time.monotonic() - t_kill
+    assert gone_after >= FAST["discovery_ttl_s"] - 0.5, "removed before its lease could expire"
+    with pytest.raises(kvlink.UnknownPeerError, match="lists no agent"):
+        tx.push("rx", src, "kv")
+    rx2 = spawn_peer("rx2", **opts)  # a new process publishing another name
+    rx2.call("alloc", key="kv", nbytes=MiB, remote_write=True, name="kv")
+    assert tx.push("rx2", src, "kv").wait(10).ok

@@ -15,6 +15,7 @@ scrapes ran during the "on" pushes.
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import subprocess
 import sys
@@ -64,6 +65,8 @@ def main() -> int:
     host, port = pairs["on"][0].metrics_address
     url = f"http://{host}:{port}/metrics"
     gbps: dict[str, list[float]] = {"off": [], "on": []}
+    cpu: dict[str, list[float]] = {"off": [], "on": []}  # this process (both agents), s/GiB
+    scraper_cpu = []
     scrapes = []
     for it in range(args.iters):
         order = ("off", "on") if it % 2 == 0 else ("on", "off")
@@ -79,18 +82,28 @@ def main() -> int:
                     text=True,
                 )
                 assert scraper.stdout is not None and scraper.stdout.readline() == "ready\n"
+            r0 = resource.getrusage(resource.RUSAGE_SELF)
             t0 = time.perf_counter()
             tx.push(f"rx-{tag}", src, "kv").wait(120)
             dt = time.perf_counter() - t0
+            r1 = resource.getrusage(resource.RUSAGE_SELF)
+            used = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+            cpu[tag].append(used / (size / (1 << 30)))
             if scraper is not None:
+                c0 = resource.getrusage(resource.RUSAGE_CHILDREN)
                 scraper.kill()
                 _, err = scraper.communicate(timeout=10)
+                c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+                scraper_cpu.append((c1.ru_utime - c0.ru_utime) + (c1.ru_stime - c0.ru_stime))
                 scrapes.append(int(err.split()[-1]) if err.split() else 0)
             if not np.array_equal(dst, src):
                 print(f"iteration {it} {tag}: destination differs", file=sys.stderr)
                 return 1
             gbps[tag].append(size / dt / 1e9)
-            print(f"iter {it} {tag:>3}: {size / dt / 1e9:.2f} GB/s", flush=True)
+            print(
+                f"iter {it} {tag:>3}: {size / dt / 1e9:.2f} GB/s, {cpu[tag][-1]:.3f} CPU s/GiB",
+                flush=True,
+            )
     for tx, rx in pairs.values():
         tx.close()
         rx.close()
@@ -104,6 +117,12 @@ def main() -> int:
         "(median, including the one before it)"
     )
     print(f"ratio on/off of medians: {on / off:.3f}; median of per-iteration ratios: {paired:.3f}")
+    c_off, c_on = statistics.median(cpu["off"]), statistics.median(cpu["on"])
+    print(
+        f"CPU of the agents' process per GiB: off {c_off:.3f} s, on {c_on:.3f} s "
+        f"(ratio {c_on / c_off:.3f}); the scraper process: "
+        f"{statistics.median(scraper_cpu):.3f} s per push (its whole life, start included)"
+    )
     return 0
 
 

@@ -39,11 +39,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from cryptography.hazmat.primitives.hashes import SHA256
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-
 from ._errors import ConfigError, DiscoveryError, KvlinkError, UnknownPeerError
 from ._etcd import Etcd
 
@@ -130,9 +125,15 @@ def parse_url(url: object, arg: str = "discovery") -> DiscoveryUrl:
 # ---- records -----------------------------------------------------------------
 
 
-def _box(secret: bytes, prefix: str) -> AESGCM:
-    """The AEAD that seals region keys: its key is derived from the cluster
-    secret for this purpose and prefix only, so it opens nothing else."""
+def _box(secret: bytes, prefix: str) -> Any:
+    """The AEAD (AES-256-GCM) that seals region keys: its key is derived from
+    the cluster secret for this purpose and prefix only, so it opens nothing
+    else.  (cryptography is imported here: ~100 ms an agent without a secret
+    need not pay.)"""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    from cryptography.hazmat.primitives.hashes import SHA256
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
     key = HKDF(
         algorithm=SHA256(), length=32, salt=b"kvlink discovery v1", info=prefix.encode()
     ).derive(secret)
@@ -245,6 +246,8 @@ def parse_record(key_name: str, raw: bytes, secret: bytes | None, prefix: str) -
     keys: dict[int, bytes] | None = None
     sealed = rec.get("sealed")
     if sealed is not None and secret is not None:
+        from cryptography.exceptions import InvalidTag
+
         if not isinstance(sealed, str):
             raise ValueError("'sealed' is not base64 text")
         try:

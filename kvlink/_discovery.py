@@ -345,6 +345,7 @@ class Discovery:
         self._wake = threading.Event()
         self._failing = False
         self.republished = 0  # times the record was written again after etcd lost it
+        self.published_at = 0.0  # time.monotonic() of the last write
         self.errors = 0
         self._thread = threading.Thread(
             target=self._run, name=f"kvlink-discovery-{self._name}", daemon=True
@@ -461,6 +462,7 @@ class Discovery:
                 raise
             self._published = value
             self._pub_gen += 1
+            self.published_at = time.monotonic()
 
     def _reconcile(self, agent: Agent, table: dict[str, PeerRecord], now: float) -> None:
         with self._lock:

@@ -78,6 +78,7 @@ class AgentMetrics(Collector):
         self.name = agent.name
         self._lock = threading.Lock()
         self._live: list[Transfer] = []
+        self._sweep_at = SWEEP_AT  # doubles while most tracked transfers are running
         # what the log drain counts, keyed by label values
         self._state_changes: dict[tuple[str, str, str, str, str], int] = {}
         self._retries: dict[str, int] = {}
@@ -132,7 +133,7 @@ class AgentMetrics(Collector):
         """A transfer was submitted (called once per transfer, never per chunk)."""
         with self._lock:
             self._live.append(t)
-            sweep = len(self._live) >= SWEEP_AT
+            sweep = len(self._live) >= self._sweep_at
         if sweep:
             self.sweep()
 
@@ -163,6 +164,8 @@ class AgentMetrics(Collector):
                 self._xretries.labels(self.name, t.peer).inc(i.retries)
         with self._lock:
             self._live[:0] = keep
+            # thousands running at once must not make every submit sweep them all
+            self._sweep_at = max(SWEEP_AT, 2 * len(self._live))
 
     def on_log(self, rec: LogRecord) -> None:
         """Counts what a log record reports (called by the log drain)."""

@@ -232,6 +232,7 @@ def many(args: argparse.Namespace) -> int:
         if restarter is not None:
             restarter.join()
         republished = sum(a.discovery.republished for a in agents)
+        removed = sum(a.discovery.removed for a in agents)
         for a in agents:
             a.close()
     lat.sort()
@@ -241,7 +242,7 @@ def many(args: argparse.Namespace) -> int:
         f"{'with' if args.keep_data else 'without'} its data in round {args.rounds // 2} "
         f"(down {restart_info.get('down_s', float('nan')):.1f} s; every agent listed again "
         f"{restart_info.get('republished_s', float('nan')):.1f} s after it was back; "
-        f"{republished} re-publications)"
+        f"{republished} re-publications; peers removed by discovery: {removed})"
     )
     print(
         f"pushes verified: {verified} of {n * args.rounds}; failed: {len(failures)}; "

@@ -347,6 +347,7 @@ class Discovery:
         self.republished = 0  # times the record was written again after etcd lost it
         self.published_at = 0.0  # time.monotonic() of the last write
         self.errors = 0
+        self.removed = 0  # peers removed because their record stayed gone
         self._thread = threading.Thread(
             target=self._run, name=f"kvlink-discovery-{self._name}", daemon=True
         )
@@ -495,6 +496,7 @@ class Discovery:
 
     def _drop(self, agent: Agent, name: str, why: str) -> None:
         log.warning("discovery: removing peer %r: %s", name, why)
+        self.removed += 1
         with self._lock:
             self._managed.pop(name, None)
             self._gone[name] = why

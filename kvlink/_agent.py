@@ -792,7 +792,10 @@ class Agent:
                 f"tag: {len(raw)} bytes; notify tags are at most {_native.MAX_TAG_BYTES}"
             )
         timeout_arg(timeout_s)
-        return InboundTransfer(_native.inbound_next(self._using, raw, timeout_s))
+        h = InboundTransfer(_native.inbound_next(self._using, raw, timeout_s))
+        if self._metrics is not None:
+            self._metrics.track_inbound(h)  # once per push: nothing per chunk
+        return h
 
     def notifications(self, timeout_s: float = 0.0) -> list[Notification]:
         """Inbound notifications; waits up to ``timeout_s`` for the first one,

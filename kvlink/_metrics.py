@@ -33,6 +33,7 @@ from ._types import PathState, TransferState
 
 if TYPE_CHECKING:
     from ._agent import Agent
+    from ._inbound import InboundTransfer
     from ._native import LogRecord
     from ._transfer import Transfer
 
@@ -78,6 +79,7 @@ class AgentMetrics(Collector):
         self.name = agent.name
         self._lock = threading.Lock()
         self._live: list[Transfer] = []
+        self._inbound: list[InboundTransfer] = []
         self._sweep_at = SWEEP_AT  # doubles while most tracked transfers are running
         # what the log drain counts, keyed by label values
         self._state_changes: dict[tuple[str, str, str, str, str], int] = {}
@@ -125,6 +127,22 @@ class AgentMetrics(Collector):
             ["agent", "peer"],
             registry=own,
         )
+        self._in_seconds = Histogram(
+            "kvlink_inbound_seconds",
+            "Pushes received through Agent.inbound() handles: announced to every byte verified "
+            "here",
+            ["agent"], buckets=LATENCY_BUCKETS, registry=own,
+        )
+        self._in_transfers = Counter(
+            "kvlink_inbound_transfers",
+            "Pushes received through Agent.inbound() handles, by sender and outcome",
+            ["agent", "peer", "outcome"], registry=own,
+        )
+        self._in_bytes = Counter(
+            "kvlink_inbound_bytes",
+            "Bytes of pushes received through Agent.inbound() handles, verified here",
+            ["agent", "peer"], registry=own,
+        )
         self._own = own
 
     # ---- feeding -----------------------------------------------------------
@@ -137,8 +155,41 @@ class AgentMetrics(Collector):
         if sweep:
             self.sweep()
 
+    def track_inbound(self, h: InboundTransfer) -> None:
+        """The application took the handle of a push arriving here (once per push)."""
+        with self._lock:
+            self._inbound.append(h)
+            sweep = len(self._inbound) >= self._sweep_at
+        if sweep:
+            self.sweep()
+
+    def _sweep_inbound(self) -> None:
+        with self._lock:
+            live, self._inbound = self._inbound, []
+        keep = []
+        for h in live:
+            try:
+                i = h.info()
+            except KvlinkError:
+                continue
+            if i.state == TransferState.RUNNING:
+                keep.append(h)
+                continue
+            if i.state == TransferState.DONE:
+                self._in_seconds.labels(self.name).observe(
+                    max(0, i.t_done_ns - i.t_announce_ns) / 1e9
+                )
+                self._in_bytes.labels(self.name, i.peer).inc(i.bytes_total)
+                outcome = "ok"
+            else:
+                outcome = type(error_for(i.error_code, "", transfer=True)).__name__
+            self._in_transfers.labels(self.name, i.peer, outcome).inc()
+        with self._lock:
+            self._inbound[:0] = keep
+
     def sweep(self) -> None:
         """Accounts the transfers that finished since the last sweep."""
+        self._sweep_inbound()
         with self._lock:
             live, self._live = self._live, []
         keep = []
@@ -165,7 +216,7 @@ class AgentMetrics(Collector):
         with self._lock:
             self._live[:0] = keep
             # thousands running at once must not make every submit sweep them all
-            self._sweep_at = max(SWEEP_AT, 2 * len(self._live))
+            self._sweep_at = max(SWEEP_AT, 2 * len(self._live), 2 * len(self._inbound))
 
     def on_log(self, rec: LogRecord) -> None:
         """Counts what a log record reports (called by the log drain)."""

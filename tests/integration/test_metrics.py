@@ -222,3 +222,21 @@ def test_kvlink_top_and_paths_read_the_endpoint(make_agent, capsys):
     tx.close()
     assert main(["paths", f"{host}:{port}"]) == 1
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_receiver_accounts_pushes_it_took_through_inbound(make_agent):
+    size = 8 * MiB
+    tx = make_agent("tx", nics="loopback:2")
+    rx = make_agent("rx", nics="loopback:2", metrics_port=0)
+    dst = np.zeros(size, np.uint8)
+    rx.register(dst, remote_write=True, name="kv")
+    src = tx.register(np.full(size, 5, np.uint8))
+    tx.add_peer(rx.metadata())
+    h = tx.push("rx", src, "kv", notify=b"req-9")
+    inbound = rx.inbound(b"req-9", timeout_s=10)
+    inbound.wait(10)
+    assert h.wait(10).ok and (dst == 5).all()
+    s = scrape(rx)
+    assert total(s, "kvlink_inbound_bytes_total", peer="tx") == size
+    assert total(s, "kvlink_inbound_transfers_total", peer="tx", outcome="ok") == 1
+    assert total(s, "kvlink_inbound_seconds_count") == 1

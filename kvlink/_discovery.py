@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from ._errors import ConfigError, DiscoveryError, KvlinkError, UnknownPeerError
+from ._errors import ClosedError, ConfigError, DiscoveryError, KvlinkError, UnknownPeerError
 from ._etcd import Etcd
 
 if TYPE_CHECKING:
@@ -482,7 +482,10 @@ class Discovery:
                     )
                 continue
             self._missing.pop(name, None)
-            if rec.instance != had.instance:
+            if rec == had:
+                continue
+            restarted = rec.instance != had.instance
+            if restarted:
                 log.info(
                     "discovery: peer %r restarted (instance %016x -> %016x); connecting "
                     "to the new one",
@@ -490,9 +493,19 @@ class Discovery:
                     had.instance,
                     rec.instance,
                 )
+            try:  # new instance, or new regions (keys) or addresses to record
                 self.connect(agent, rec)
-            elif rec != had:  # new regions (keys) or addresses: record them
-                self.connect(agent, rec)
+            except ClosedError:
+                raise
+            except KvlinkError as exc:
+                # the old instance's paths may still be going down, or the new one is not
+                # listening yet: the next round tries again (one peer never stops the others)
+                log.log(
+                    logging.WARNING if restarted else logging.DEBUG,
+                    "discovery: cannot connect to peer %r yet: %s",
+                    name,
+                    exc,
+                )
 
     def _drop(self, agent: Agent, name: str, why: str) -> None:
         log.warning("discovery: removing peer %r: %s", name, why)

@@ -185,3 +185,19 @@ class PathInfo:
     hedges: int  # straggler copies sent on this path
     t_down_ns: int  # CLOCK_MONOTONIC time it last left service, STALLED or DOWN (0: never)
     last_error: str
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """A peer as :meth:`Agent.peers` sees it.
+
+    ``discovered``: discovery (etcd) lists it now; ``connected``: this agent
+    has added it (by hand or through discovery); ``instance`` changes when the
+    peer's process restarts.
+    """
+
+    name: str
+    instance: int
+    addresses: tuple[tuple[str, int], ...]
+    discovered: bool
+    connected: bool

@@ -388,3 +388,21 @@ def test_a_killed_peer_process_expires_and_a_new_one_is_found(cluster, etcd, spa
     rx2 = spawn_peer("rx2", **opts)  # a new process publishing another name
     rx2.call("alloc", key="kv", nbytes=MiB, remote_write=True, name="kv")
     assert tx.push("rx2", src, "kv").wait(10).ok
+
+
+def test_a_push_to_a_restarted_peer_finds_the_new_instance_itself(cluster):
+    # refreshes far apart: the push, not the background round, must notice the restart
+    slow = {"discovery_refresh_s": 5.0, "discovery_ttl_s": 20.0}
+    tx = cluster("tx", **slow)
+    rx = cluster("rx", **slow)
+    rx.register(np.zeros(MiB, np.uint8), remote_write=True, name="kv")
+    src = tx.register(np.ones(MiB, np.uint8))
+    assert tx.push("rx", src, "kv").wait(10).ok
+    rx.close()
+    until(lambda: all(p.state not in (kvlink.PathState.UP, kvlink.PathState.DEGRADED)
+                      for p in tx.paths() if p.peer == "rx"), why="old paths down")
+    rx2 = cluster("rx", **slow)
+    dst2 = np.zeros(MiB, np.uint8)
+    rx2.register(dst2, remote_write=True, name="kv")
+    assert tx.push("rx", src, "kv").wait(10).ok
+    assert (dst2 == 1).all()

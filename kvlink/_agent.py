@@ -19,6 +19,7 @@ from ._config import Config
 from ._errors import (
     ArgumentTypeError,
     ClosedError,
+    DiscoveryError,
     DuplicateNameError,
     InvalidArgumentError,
     NotRegisteredError,
@@ -431,9 +432,19 @@ class Agent:
         d = self._discovery
         if d is None:
             return
+        mine: list[PathInfo] = []
         with self._using() as a:
-            if _native.peer_find(a, peer, missing_ok=True) is not None:
-                return
+            known = _native.peer_find(a, peer, missing_ok=True) is not None
+            if known and d.manages(peer):
+                mine = [p for p in _native.paths(a) if p.peer == peer]
+        if known:
+            if mine and all(
+                p.state in (PathState.DOWN, PathState.PROBING) for p in mine
+            ):
+                # every path down: it may have restarted since discovery's last round
+                with self._discover_lock, contextlib.suppress(DiscoveryError):
+                    d.reconnect_if_restarted(self, peer)
+            return
         with self._discover_lock:  # one look-up per peer, however many threads push
             with self._using() as a:
                 if _native.peer_find(a, peer, missing_ok=True) is not None:
@@ -649,6 +660,7 @@ class Agent:
                 if attempt or self._discovery is None or "no access key" not in str(exc):
                     raise
                 self._refresh_keys(peer, exc)
+
         raise AssertionError("unreachable")  # pragma: no cover
 
     # ---- metrics ---------------------------------------------------------

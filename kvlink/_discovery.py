@@ -561,6 +561,31 @@ class Discovery:
             self._seen[rec.name] = rec
             self._gone.pop(rec.name, None)
 
+    def reconnect_if_restarted(self, agent: Agent, name: str) -> bool:
+        """For a submit that found every path to ``name`` down: if etcd now
+        lists another instance of it, connect to that one (True).
+
+        Raises:
+            DiscoveryError: etcd cannot be reached or holds a malformed record.
+            PeerUnreachableError, HandshakeError, DuplicateNameError: as add_peer.
+        """
+        with self._lock:
+            had = self._managed.get(name)
+        if had is None:
+            return False
+        rec = self.lookup(name)
+        if rec is None or rec.instance == had.instance:
+            return False
+        log.info("discovery: peer %r restarted (instance %016x -> %016x); connecting to the new "
+                 "one", name, had.instance, rec.instance)
+        self.connect(agent, rec)
+        return True
+
+    def manages(self, name: str) -> bool:
+        """Whether discovery connected ``name`` (and so follows its restarts)."""
+        with self._lock:
+            return name in self._managed
+
     def forget(self, name: str) -> None:
         """The application removed ``name`` itself: stop managing it."""
         with self._lock:

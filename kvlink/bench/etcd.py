@@ -12,10 +12,12 @@ from __future__ import annotations
 import contextlib
 import shutil
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -31,8 +33,13 @@ def _free_port() -> int:
 class EtcdServer:
     """One etcd member on 127.0.0.1; ``url(prefix)`` is what ``Config(discovery=...)`` takes."""
 
-    def __init__(self, binary: str | None = None) -> None:
+    def __init__(
+        self, binary: str | None = None, tls: tuple[str, str, str] | None = None
+    ) -> None:
+        """``tls``: (CA file, server certificate file, its key file): clients then speak
+        HTTPS (``url()`` gives ``etcds://``) and must trust the CA."""
         self.binary = binary or shutil.which("etcd") or "etcd"
+        self.tls = tls
         self.dir = Path(tempfile.mkdtemp(prefix="kvl-etcd-"))
         self.client_port = _free_port()
         self.peer_port = _free_port()
@@ -45,7 +52,7 @@ class EtcdServer:
         return f"127.0.0.1:{self.client_port}"
 
     def url(self, prefix: str = "kvlink") -> str:
-        return f"etcd://{self.endpoint}/{prefix}"
+        return f"{'etcds' if self.tls else 'etcd'}://{self.endpoint}/{prefix}"
 
     def start(self) -> None:
         """Starts etcd and waits (bounded) until it answers /health.
@@ -54,7 +61,7 @@ class EtcdServer:
             RuntimeError: it did not come up; the message has its log's tail.
         """
         assert self.proc is None
-        client = f"http://127.0.0.1:{self.client_port}"
+        client = f"{'https' if self.tls else 'http'}://127.0.0.1:{self.client_port}"
         peer = f"http://127.0.0.1:{self.peer_port}"
         self.starts += 1
         log = (self.dir / f"etcd-{self.starts}.log").open("wb")
@@ -77,6 +84,7 @@ class EtcdServer:
                 f"kvl={peer}",
                 "--log-level",
                 "warn",
+                *(["--cert-file", self.tls[1], "--key-file", self.tls[2]] if self.tls else []),
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -88,7 +96,10 @@ class EtcdServer:
             if self.proc.poll() is not None:
                 break
             with contextlib.suppress(httpx.HTTPError):
-                r = httpx.get(f"{client}/health", timeout=1.0)
+                verify: Any = True
+                if self.tls:
+                    verify = ssl.create_default_context(cafile=self.tls[0])
+                r = httpx.get(f"{client}/health", timeout=1.0, verify=verify)
                 if r.status_code == 200 and r.json().get("health") == "true":
                     return
             time.sleep(0.05)

@@ -388,3 +388,91 @@ def test_a_killed_peer_process_expires_and_a_new_one_is_found(cluster, etcd, spa
     rx2 = spawn_peer("rx2", **opts)  # a new process publishing another name
     rx2.call("alloc", key="kv", nbytes=MiB, remote_write=True, name="kv")
     assert tx.push("rx2", src, "kv").wait(10).ok
+
+
+def test_a_push_to_a_restarted_peer_finds_the_new_instance_itself(cluster):
+    # refreshes far apart: the push, not the background round, must notice the restart
+    slow = {"discovery_refresh_s": 5.0, "discovery_ttl_s": 20.0}
+    tx = cluster("tx", **slow)
+    rx = cluster("rx", **slow)
+    rx.register(np.zeros(MiB, np.uint8), remote_write=True, name="kv")
+    src = tx.register(np.ones(MiB, np.uint8))
+    assert tx.push("rx", src, "kv").wait(10).ok
+    rx.close()
+    until(lambda: all(p.state not in (kvlink.PathState.UP, kvlink.PathState.DEGRADED)
+                      for p in tx.paths() if p.peer == "rx"), why="old paths down")
+    rx2 = cluster("rx", **slow)
+    dst2 = np.zeros(MiB, np.uint8)
+    rx2.register(dst2, remote_write=True, name="kv")
+    assert tx.push("rx", src, "kv").wait(10).ok
+    assert (dst2 == 1).all()
+
+
+def _make_tls_files(folder: Any) -> tuple[str, str, str]:
+    """A CA and a server certificate for 127.0.0.1 signed by it (PEM files in ``folder``)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvlink test CA")])
+    ca = (
+        x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
+        .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
+        .issuer_name(ca_name).public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    paths = (folder / "ca.pem", folder / "server.pem", folder / "server.key")
+    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return str(paths[0]), str(paths[1]), str(paths[2])
+
+
+def test_discovery_over_tls(make_agent, tmp_path):
+    require_tool("etcd")
+    from kvlink.bench.etcd import EtcdServer
+
+    ca, cert, key = _make_tls_files(tmp_path)
+    server = EtcdServer(tls=(ca, cert, key))
+    try:
+        opts = {"discovery": server.url("t"), "secret": SECRET, "discovery_ca_file": ca, **FAST}
+        assert opts["discovery"].startswith("etcds://")
+        rx = make_agent("rx", **opts)
+        rx.register(np.zeros(MiB, np.uint8), remote_write=True, name="kv")
+        tx = make_agent("tx", **opts)
+        src = tx.register(np.ones(MiB, np.uint8))
+        assert tx.push("rx", src, "kv").wait(10).ok
+        # without the CA the certificate is not trusted: etcd cannot be reached
+        untrusting = make_agent("untrusting", **{**opts, "discovery_ca_file": None})
+        with pytest.raises(kvlink.DiscoveryError, match=r"cannot reach etcd.*(CERTIFICATE|certif)"):
+            untrusting.push("rx", src, "kv")
+    finally:
+        server.close()

@@ -125,11 +125,12 @@ def test_a_cut_path_is_counted_with_its_reason(make_agent):
         s = scrape(tx)
         return (
             s
-            if total(s, "kvlink_path_state_changes_total", from_state="UP", to_state="DOWN") >= 2
+            # from UP, or from DEGRADED when the loaded host slowed a path for a tick
+            if total(s, "kvlink_path_state_changes_total", to_state="DOWN") >= 2
             else None
         )
 
-    s = until(down, why="both paths' UP -> DOWN counted")
+    s = until(down, why="both paths' change to DOWN counted")
     reasons = {
         lv["reason"]
         for lv, v in s["kvlink_path_state_changes_total"]

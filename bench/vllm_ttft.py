@@ -79,6 +79,9 @@ def main() -> None:
     ap.add_argument("--idle-s", type=float, default=10.0)
     ap.add_argument("--json", default=None, help="append rows to this file")
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--connector", choices=["kvlink", "nixl"], default="kvlink",
+                    help="nixl: vLLM's NixlConnector in the same flow as kvlink's pull (needs "
+                    "`.venv-vllm/bin/pip install --no-deps nixl-cu12 nixl`)")
     a = ap.parse_args()
     problem = harness.venv_problem()
     if problem:
@@ -95,18 +98,29 @@ def main() -> None:
             out.write(json.dumps(row) + "\n")
             out.flush()
 
-    extra = {"nics": a.nics, "load_timeout_s": 60.0, "lease_s": 60.0}
+    kvl = a.connector == "kvlink"
+    extra = {"nics": a.nics, "load_timeout_s": 60.0, "lease_s": 60.0} if kvl else {}
     env = {"VLLM_CPU_KVCACHE_SPACE": "2" if a.model == "big" else "1"}
+    connector = None
+    penv, denv = {"VLLM_CPU_OMP_THREADS_BIND": "0"}, {"VLLM_CPU_OMP_THREADS_BIND": "1"}
+    if not kvl:  # ../shared/vllm/README.md's recipe for NIXL on CPU over loopback
+        connector = "NixlConnector"
+        env.update({"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo",
+                    "UCX_MODULES": "^ib,ib_mlx5,ib_mlx5_ext",
+                    "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_HOST_IP": "127.0.0.1"})
+        penv["VLLM_NIXL_SIDE_CHANNEL_PORT"] = "5600"
+        denv["VLLM_NIXL_SIDE_CHANNEL_PORT"] = "5601"
     p = harness.Instance("bench-prefill", model, role="kv_producer", extra=extra, policy="fail",
-                         log_dir=work, max_model_len=2048,
-                         env={**env, "VLLM_CPU_OMP_THREADS_BIND": "0"})
+                         log_dir=work, max_model_len=2048, env={**env, **penv},
+                         connector=connector)
     d = harness.Instance("bench-decode", model, role="kv_consumer", extra=extra, policy="fail",
-                         log_dir=work, max_model_len=2048,
-                         env={**env, "VLLM_CPU_OMP_THREADS_BIND": "1"})
+                         log_dir=work, max_model_len=2048, env={**env, **denv},
+                         connector=connector)
     harness.start_all([p, d])
     try:
-        pcard = p.call({"op": "card"})["card"]
-        dcard = d.call({"op": "card"})["card"]
+        if kvl:
+            pcard = p.call({"op": "card"})["card"]
+            dcard = d.call({"op": "card"})["card"]
         emit({"metric": "idle_cpu_cores", "instance": "prefill", "phase": "before",
               "value": round(idle_cpu(p.proc.pid, a.idle_s), 4)})
         emit({"metric": "idle_cpu_cores", "instance": "decode", "phase": "before",
@@ -118,7 +132,9 @@ def main() -> None:
         p.generate(warm, 1)
         seq = 0
         for n in [int(x) for x in a.lengths.split(",")]:
-            samples: dict[str, list[dict[str, float]]] = {"recompute": [], "pull": [], "push": []}
+            samples: dict[str, list[dict[str, float]]] = {"recompute": [], "pull": []}
+            if kvl:
+                samples["push"] = []
             for _ in range(a.rounds):
                 prompt = [rng.randrange(4, 1024) for _ in range(n)]
                 ans = d.call({"op": "generate", "prompts": [prompt], "max_tokens": 1}, 600)
@@ -135,6 +151,8 @@ def main() -> None:
                                         "prefill_ms": pa["wall_s"] * 1e3,
                                         "e2e_ms": (pa["wall_s"] + da["wall_s"]) * 1e3})
                 p.call({"op": "pump", "seconds": 5})
+                if not kvl:
+                    continue
                 # push
                 seq += 1
                 tid = f"bench-{run_id}-{seq}".replace(":", "")
@@ -163,7 +181,8 @@ def main() -> None:
             base = statistics.median(s["decode_ms"] for s in samples["recompute"])
             for mode, runs in samples.items():
                 dec = statistics.median(s["decode_ms"] for s in runs)
-                row = {"metric": "ttft", "mode": mode, "prompt_tokens": n,
+                row = {"metric": "ttft", "connector": a.connector, "mode": mode,
+                       "prompt_tokens": n,
                        "kv_mb": round(n * KV_BYTES_PER_TOKEN[a.model] / 1e6, 1),
                        "decode_ttft_ms": round(dec, 1),
                        "e2e_ttft_ms": round(statistics.median(s["e2e_ms"] for s in runs), 1),
@@ -178,6 +197,8 @@ def main() -> None:
                 emit(row)
         st = {"prefill": p.call({"op": "stats"}), "decode": d.call({"op": "stats"})}
         for name, s in st.items():
+            if s["connector"] is None:
+                continue
             emit({"metric": "counters", "instance": name, **s["connector"],
                   "free_blocks": s["free_blocks"], "total_blocks": s["total_blocks"]})
         emit({"metric": "idle_cpu_cores", "instance": "prefill", "phase": "after",

@@ -47,3 +47,25 @@ echo "mode $MODE: TTFT through the proxy (prefill + transfer + first decode step
     --lengths "${LENGTHS:-256,1024,1900}" --repeat "${REPEAT:-2}"
 echo "the same prompts on decode alone (it computes the prompt itself)"
 "$PY" "$HERE/client.py" --url http://127.0.0.1:8200 --lengths "${LENGTHS:-256,1024,1900}" --repeat 1
+echo "idle CPU of each server (API server, engine core and worker processes together), 10 s"
+"$PY" - $PIDS <<'PYEOF'
+import sys, time, psutil
+trees = {}
+for pid in map(int, sys.argv[1:3]):  # prefill and decode servers
+    p = psutil.Process(pid)
+    trees[pid] = [p, *p.children(recursive=True)]
+def cpu(procs):
+    t = 0.0
+    for p in procs:
+        try:
+            c = p.cpu_times(); t += c.user + c.system
+        except psutil.Error:
+            pass
+    return t
+time.sleep(3)
+a = {pid: cpu(ps) for pid, ps in trees.items()}; t0 = time.monotonic()
+time.sleep(10)
+dt = time.monotonic() - t0
+for name, pid in zip(("prefill", "decode"), trees):
+    print(f"{name}: {(cpu(trees[pid]) - a[pid]) / dt:.3f} cores idle")
+PYEOF

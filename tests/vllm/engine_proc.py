@@ -48,6 +48,8 @@ def main() -> None:
     ap.add_argument("--engine-id", default=None)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--no-connector", action="store_true")
+    ap.add_argument("--connector", default="KvlinkConnector",
+                    help="another vLLM connector (e.g. NixlConnector) for comparisons")
     a = ap.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -56,9 +58,11 @@ def main() -> None:
 
     ktc = None
     if not a.no_connector:
+        ours = a.connector == "KvlinkConnector"
         ktc = KVTransferConfig(
-            kv_connector="KvlinkConnector",
-            kv_connector_module_path="kvlink.integrations.vllm",
+            kv_connector=a.connector,
+            kv_connector_module_path="kvlink.integrations.vllm" if ours else None,
+            kv_buffer_device="cpu",
             kv_role=a.role,
             kv_connector_extra_config=json.loads(a.extra),
             kv_load_failure_policy=a.policy,
@@ -125,6 +129,8 @@ def main() -> None:
             elif op == "stats":
                 conn = worker_connector()
                 w = getattr(conn, "_worker", None)
+                if not hasattr(w, "stats"):
+                    w = None  # another connector
                 answer({
                     "free_blocks": sched.kv_cache_manager.block_pool.get_num_free_blocks(),
                     "total_blocks": sched.kv_cache_manager.block_pool.num_gpu_blocks,

@@ -59,6 +59,7 @@ class Instance:
         no_connector: bool = False,
         nice: int = 0,
         engine_id: str | None = None,
+        connector: str | None = None,
     ) -> None:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
@@ -68,6 +69,8 @@ class Instance:
                "--max-model-len", str(max_model_len)]
         if no_connector:
             cmd.append("--no-connector")
+        if connector:
+            cmd += ["--connector", connector]
         if nice:
             cmd = ["nice", "-n", str(nice), *cmd]
         self._log: IO[str] = open(self.log_path, "w")  # noqa: SIM115 (closed in close())

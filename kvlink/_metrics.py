@@ -109,6 +109,14 @@ class AgentMetrics(Collector):
             buckets=LATENCY_BUCKETS,
             registry=own,
         )
+        self._first_layer = Histogram(
+            "kvlink_transfer_first_layer_seconds",
+            "Submit to every chunk of layer 0 verified at the destination: when the receiver "
+            "can start on the first layer",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=own,
+        )
         self._transfers = Counter(
             "kvlink_transfers",
             "Transfers this agent initiated, by outcome",
@@ -204,6 +212,9 @@ class AgentMetrics(Collector):
             op = t.op.name.lower()
             if i.t_first_byte_ns and i.t_first_byte_ns >= i.t_submit_ns:
                 self._first.labels(self.name, op).observe((i.t_first_byte_ns - i.t_submit_ns) / 1e9)
+            if i.t_first_layer_ns and i.t_first_layer_ns >= i.t_submit_ns:
+                first_layer = (i.t_first_layer_ns - i.t_submit_ns) / 1e9
+                self._first_layer.labels(self.name, op).observe(first_layer)
             if i.state == TransferState.DONE:
                 self._seconds.labels(self.name, op).observe((i.t_done_ns - i.t_submit_ns) / 1e9)
                 self._bytes.labels(self.name, op, t.peer).inc(i.bytes_total)

@@ -115,6 +115,7 @@ class TransferInfo:
     t_done_ns: int
     error_code: ErrorCode
     message: str
+    t_first_layer_ns: int = 0  # every chunk of layer 0 verified (0: not yet)
 
 
 @dataclass(frozen=True)

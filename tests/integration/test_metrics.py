@@ -88,6 +88,8 @@ def test_bytes_move_while_a_push_runs_and_equal_its_size(make_agent, scripted_re
     assert total(end, "kvlink_transfers_total", outcome="ok") == 1
     assert total(end, "kvlink_transfer_seconds_count", op="push") == 1
     assert total(end, "kvlink_transfer_first_chunk_seconds_count", op="push") == 1
+    assert total(end, "kvlink_transfer_first_layer_seconds_count", op="push") == 1
+    assert h.info().t_submit_ns < h.info().t_first_layer_ns <= h.info().t_done_ns
     assert total(end, "kvlink_path_chunks_total", peer="rx") == h.info().chunks_total
     assert total(end, "kvlink_path_inflight_bytes") == 0
     in_service = ("UP", "DEGRADED")  # DEGRADED follows the measured rate: in service still

@@ -12,6 +12,8 @@ stderr). Requests:
 - ``{"op": "stats"}`` -> free KV blocks, requests the scheduler still holds, the connector's
   held sends and kvlink regions
 - ``{"op": "card"}`` -> this instance's kvlink card (push mode's proxy needs it)
+- ``{"op": "metrics"}`` -> the ``kvlink_vllm_*`` lines of this process's Prometheus registry,
+  where vLLM's own stat logger puts them (``--log-stats``)
 - ``{"op": "exit"}``
 """
 
@@ -50,6 +52,8 @@ def main() -> None:
     ap.add_argument("--no-connector", action="store_true")
     ap.add_argument("--connector", default="KvlinkConnector",
                     help="another vLLM connector (e.g. NixlConnector) for comparisons")
+    ap.add_argument("--log-stats", action="store_true",
+                    help="vLLM's stat loggers on (its Prometheus metrics in this process)")
     a = ap.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -74,6 +78,7 @@ def main() -> None:
             model=a.model, dtype="float32", max_model_len=a.max_model_len, block_size=32,
             enforce_eager=True, max_num_seqs=16, max_num_batched_tokens=max(a.max_model_len, 2048),
             seed=0, enable_prefix_caching=False, kv_transfer_config=ktc,
+            disable_log_stats=not a.log_stats,
         )
     except Exception as exc:
         answer({"ready": False, "error": f"{type(exc).__name__}: {exc}"})
@@ -139,11 +144,21 @@ def main() -> None:
                     "offers": len(w._offers) if w else None,
                     "regions": len(w.agent.regions()) if w and w.agent else None,
                     "connector": w.stats.to_dict() if w else None,
+                    # what one block holds over every layer and plane
+                    "bytes_per_block": (
+                        w.layout.block_bytes * w.layout.planes * len(w.layer_index)
+                        if w and w.layout else None
+                    ),
                     "now": time.monotonic(),
                 })
             elif op == "card":
                 conn = worker_connector()
                 answer({"card": conn._worker.card.to_dict()})
+            elif op == "metrics":
+                from prometheus_client import REGISTRY, generate_latest
+
+                text = generate_latest(REGISTRY).decode()
+                answer({"lines": [ln for ln in text.splitlines() if "kvlink_vllm_" in ln]})
             elif op == "exit":
                 answer({"bye": True})
                 break

@@ -60,6 +60,7 @@ class Instance:
         nice: int = 0,
         engine_id: str | None = None,
         connector: str | None = None,
+        log_stats: bool = False,
     ) -> None:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
@@ -71,6 +72,8 @@ class Instance:
             cmd.append("--no-connector")
         if connector:
             cmd += ["--connector", connector]
+        if log_stats:
+            cmd.append("--log-stats")
         if nice:
             cmd = ["nice", "-n", str(nice), *cmd]
         self._log: IO[str] = open(self.log_path, "w")  # noqa: SIM115 (closed in close())

@@ -30,10 +30,17 @@ import kvlink
 from kvlink import kv
 from kvlink.integrations.vllm import _protocol as proto
 from kvlink.integrations.vllm._settings import Mode, Settings, parse_settings
+from kvlink.integrations.vllm._stats import KvlinkConnectorStats, KvlinkPromMetrics
 
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -171,6 +178,31 @@ class KvlinkConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+
+    # -- metrics (docs/vllm.md, "Metrics") -----------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        # Called by vLLM after every step on the worker (and on the scheduler side, which
+        # moves nothing): the interval's counters, then a fresh interval.
+        if self._worker is None:
+            return None
+        return self._worker.take_interval_stats()
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return KvlinkConnectorStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return KvlinkPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # -- scheduler side --------------------------------------------------------------------
 
@@ -431,6 +463,14 @@ class _WorkerSide:
         self._pulled: set[str] = set()  # tags decode has pulled
         self._step_pushes: list[_Send] = []
         self.stats = ConnectorStats()
+        # vLLM's metrics: transfers watched until done (read once each, then dropped), the
+        # interval's counters, and where the agent's own counters stood at the last interval.
+        self._watch: list[tuple[bool, kvlink.Transfer | kvlink.InboundTransfer]] = []
+        self._interval = KvlinkConnectorStats()
+        self._agent_metrics: Any = None
+        self._last_paths: dict[tuple[str, int], tuple[int, int]] = {}
+        self._last_paths_t = 0.0
+        self._last_changes = (0, 0)
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -478,6 +518,8 @@ class _WorkerSide:
                 self.agent.register(t, remote_read=True, remote_write=True, name=n[-63:])
             )
         self.layout = kv.PagedLayout.from_tensors(self.agent, tensors, planes=planes)
+        # Starts the agent's accounting: its log drain counts path state changes.
+        self._agent_metrics = self.agent.metrics()
         self.card = proto.Card(
             self.agent.name, self.agent.metadata().decode(), self.layout, self.block_size
         )
@@ -540,6 +582,7 @@ class _WorkerSide:
                         peer, segments=segs, notify=job.source.tag.encode(),
                         timeout_s=max(0.001, load.deadline - now),
                     )
+                    self._watch.append((False, load.pull))
                 else:
                     offer = proto.make_offer(
                         job.source.transfer_id, job.local_blocks,
@@ -591,6 +634,7 @@ class _WorkerSide:
                         tag = proto.layer_tag(src.transfer_id, i)
                         h = self.agent.inbound(tag, timeout_s=remaining)
                         load.layer_pushes[i] = h
+                        self._watch.append((False, h))
                     h.wait(timeout_s=max(0.0, load.deadline - time.monotonic()))
                     if i == 0:
                         self.stats.layer0_ready_t.append(time.monotonic())
@@ -634,12 +678,12 @@ class _WorkerSide:
                 segs = kv.block_segments(
                     self.layout, s.push.decode.layout, s.push.src_blocks[:n], dst_blocks, [layer]
                 )
-                s.pushes.append(
-                    self.agent.push(
-                        peer, segments=segs, notify=proto.layer_tag(tid, layer),
-                        timeout_s=remaining,
-                    )
+                t = self.agent.push(
+                    peer, segments=segs, notify=proto.layer_tag(tid, layer),
+                    timeout_s=remaining,
                 )
+                s.pushes.append(t)
+                self._watch.append((True, t))
                 self.stats.layers_pushed += 1
                 self.stats.layers_pushed_late += late
                 s.layers_pushed = layer + 1
@@ -743,3 +787,58 @@ class _WorkerSide:
     def take_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
         return errors
+
+    # -- vLLM's metrics ------------------------------------------------------------------------
+
+    def take_interval_stats(self) -> KvlinkConnectorStats | None:
+        """The counters since the last call (None when nothing changed), then a new interval.
+        Per finished transfer and per path, never per chunk; the paths are read at most once
+        a second (the agent refreshes them every monitor interval anyway)."""
+        if self.agent is None:
+            return None
+        st = self._interval
+        keep: list[tuple[bool, kvlink.Transfer | kvlink.InboundTransfer]] = []
+        for sent, t in self._watch:
+            if not t.done:
+                keep.append((sent, t))
+                continue
+            info = t.info()
+            if t.ok:
+                st.add("transfers_ok", 1)
+                st.add("sent_bytes" if sent else "received_bytes", info.bytes_total)
+                st.add("sent_chunks" if sent else "received_chunks", info.chunks_total)
+                if isinstance(info, kvlink.TransferInfo):
+                    if info.t_first_layer_ns:
+                        st.observe("first_layer_seconds",
+                                   (info.t_first_layer_ns - info.t_submit_ns) / 1e9)
+                    st.observe("transfer_seconds", (info.t_done_ns - info.t_submit_ns) / 1e9)
+                elif info.t_announce_ns and info.t_done_ns:
+                    st.observe("transfer_seconds", (info.t_done_ns - info.t_announce_ns) / 1e9)
+            else:
+                st.add("transfers_failed", 1)
+            if isinstance(info, kvlink.TransferInfo):
+                st.add("retries", info.retries)
+        self._watch = keep
+        now = time.monotonic()
+        if now - self._last_paths_t >= 1.0:
+            self._last_paths_t = now
+            for p in self.agent.paths():
+                key = (p.peer, p.index)
+                sent0, recv0 = self._last_paths.get(key, (0, 0))
+                # A path re-created under the same key starts from zero again.
+                st.add("path_sent_bytes", max(0, p.bytes_sent - sent0))
+                st.add("path_received_bytes", max(0, p.bytes_recv - recv0))
+                self._last_paths[key] = (p.bytes_sent, p.bytes_recv)
+            m = self._agent_metrics
+            if m is not None:
+                with m._lock:
+                    changes = list(m._state_changes.items())
+                total = sum(n for _, n in changes)
+                down = sum(n for k, n in changes if k[3] in ("DOWN", "STALLED"))
+                st.add("path_state_changes", max(0, total - self._last_changes[0]))
+                st.add("path_down", max(0, down - self._last_changes[1]))
+                self._last_changes = (total, down)
+        if st.is_empty():
+            return None
+        self._interval = KvlinkConnectorStats()
+        return st

@@ -237,7 +237,12 @@ def test_etcd_losing_its_data_is_repaired_by_re_publication(cluster, etcd):
     assert (dst == 7).all()
     assert tx.push("decode-3", src, "kv").wait(10).ok
     assert np.array_equal(dst, src)
-    assert "decode-3" in [p.name for p in tx.peers() if p.connected and p.discovered]
+    # discovery's view converges within a refresh round (on a loaded host the key may come back
+    # after the grace, and tx then finds rx again through the look-up its push made)
+    until(
+        lambda: "decode-3" in [p.name for p in tx.peers() if p.connected and p.discovered],
+        why="decode-3 listed as connected through discovery",
+    )
 
 
 def test_restarted_peer_is_picked_up(cluster):
@@ -342,6 +347,8 @@ def test_every_metric_the_dashboard_and_docs_name_exists(cluster):
     root = Path(__file__).resolve().parents[2]
     for doc in (root / "examples/grafana-kvlink.json", root / "docs/cluster.md"):
         used = set(re.findall(r"\bkvlink_[a-z_]+[a-z]", doc.read_text()))
+        # kvlink_vllm_*: the vLLM connector's, served by vLLM (tests/vllm/test_metrics.py)
+        used = {u for u in used if not u.startswith("kvlink_vllm")}
         assert used, doc
         assert used <= names, f"{doc.name} names metrics nobody exports: {sorted(used - names)}"
 

@@ -222,6 +222,15 @@ static void watch_stalled(kvl_peer *p, kvl_path *pa, const kvl_tp_sample *s, uin
  * last byte moved.  Chunk level: a path that moves bytes but verifies no
  * chunk for chunk_limit_ns() stalls too.  Either way its chunks go elsewhere
  * at once and the connection stays (kvl_sched_path_stalled). */
+int kvl_monitor_any_busy(const kvl_agent *a)
+{
+    for (const kvl_peer *p = a->eng_peers; p; p = p->eng_next)
+        for (uint32_t i = 0; i < p->n_paths; i++)
+            if (p->paths[i].inflight_chunks || p->paths[i].state == KVL_PATH_STALLED)
+                return 1;
+    return 0;
+}
+
 void kvl_monitor_stall_check(kvl_agent *a, uint64_t now)
 {
     for (kvl_peer *p = a->eng_peers; p; p = p->eng_next) {

@@ -26,6 +26,7 @@
 #include <errno.h>
 #include <poll.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
@@ -109,6 +110,9 @@ static void *io_main(void *arg)
 {
     kvl_iothread *t = arg;
     kvl_tcp_pool *pool = t->pool;
+    char name[16];
+    snprintf(name, sizeof name, "kvl-io%u", (unsigned)(t - pool->t));
+    pthread_setname_np(pthread_self(), name);
     struct pollfd *fds = NULL;
     kvl_ep **eps = NULL;
     size_t cap = 0;

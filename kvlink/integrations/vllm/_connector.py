@@ -294,6 +294,13 @@ class _SchedulerSide:
                 self.settings.mode.value,
             )
             return 0, False
+        if src.card.metadata is None and self.settings.discovery is None:
+            log.error(
+                "request %s: prefill %r is published through discovery but this instance has "
+                "none; computing its prompt here (give it the same kv_connector_extra_config"
+                "['discovery'])", request.request_id, src.card.agent,
+            )
+            return 0, False
         if src.card.block_size != self.block_size:
             log.error(
                 "request %s: prefill uses block_size %d, this instance %d; computing its prompt "
@@ -546,8 +553,12 @@ class _WorkerSide:
         self.layout = kv.PagedLayout.from_tensors(self.agent, tensors, planes=planes)
         # Starts the agent's accounting: its log drain counts path state changes.
         self._agent_metrics = self.agent.metrics()
+        # With discovery the card names the agent (etcd has the rest): kv_transfer_params stay
+        # small however many regions and addresses the worker has.
         self.card = proto.Card(
-            self.agent.name, self.agent.metadata().decode(), self.layout, self.block_size
+            self.agent.name,
+            None if self.settings.discovery else self.agent.metadata().decode(),
+            self.layout, self.block_size, f"{self.agent.instance_id:016x}",
         )
         log.info(
             "kvlink agent %s: %d layers of %d blocks (%d bytes each, %d planes) on %s",
@@ -568,8 +579,43 @@ class _WorkerSide:
     # -- per step ------------------------------------------------------------------------------
 
     def _peer(self, card: proto.Card) -> str:
+        """The peer of ``card``, connected.
+
+        Raises:
+            kvlink.ConfigError: a discovery card on an instance without discovery.
+            kvlink.PeerUnreachableError: discovery lists another instance of that name (the
+                worker restarted since it made the card: the blocks named are not there).
+            kvlink.KvlinkError: as add_peer, or a discovery look-up.
+        """
         assert self.agent is not None
-        return self.agent.add_peer(card.metadata)
+        if card.metadata is not None:
+            return self.agent.add_peer(card.metadata)
+        d = self.agent.discovery
+        if d is None:
+            raise kvlink.ConfigError(
+                f"peer {card.agent!r} is published through discovery (its card has no metadata) "
+                "but this instance has none: give it the same kv_connector_extra_config"
+                "['discovery']"
+            )
+        assert card.instance is not None  # checked by Card.from_dict
+        want = int(card.instance, 16)
+        known = {p.name: p for p in self.agent.peers() if p.connected}
+        if card.agent not in known or known[card.agent].instance != want:
+            # Not connected yet, or to another instance: etcd says which instance is there now.
+            rec = d.lookup(card.agent)
+            if rec is None:
+                raise kvlink.UnknownPeerError(
+                    f"peer {card.agent!r}: discovery ({d.url}) lists no agent of that name",
+                    peer=card.agent,
+                )
+            if rec.instance != want:
+                raise kvlink.PeerUnreachableError(
+                    f"peer {card.agent!r} restarted since it sent its card (instance "
+                    f"{card.instance}, discovery lists {rec.instance:016x}): the blocks it named "
+                    "are gone", peer=card.agent,
+                )
+            d.connect(self.agent, rec)
+        return card.agent
 
     def begin_step(self, meta: KvlinkMetadata) -> None:
         """This step's pushes (prefill) and finished requests to hold."""
@@ -872,20 +918,22 @@ class _WorkerSide:
         for req_id, s in list(self._sends.items()):
             if s.tag is None:
                 continue  # the Hold comes with the next step
+            pushes_done = all(t.done for t in s.pushes)
+            if s.pushes and pushes_done and not s.push_failed and not all(t.ok for t in s.pushes):
+                # A push that failed at decode (a cut link, decode gone): the blocks wait for
+                # a pull or the lease, as after any push given up.
+                s.push_failed = True
+                self.stats.push_failures += 1
+                log.warning("request %s: a push to decode failed; the blocks stay held for a "
+                            "pull until the lease ends", req_id)
             if s.tag in self._pulled:
                 self._pulled.discard(s.tag)
                 reason = None
-            elif (
-                s.push is not None
-                and s.layers_pushed == num_layers
-                and all(t.done for t in s.pushes)
+            elif s.push is not None and s.layers_pushed == num_layers and pushes_done and all(
+                t.ok for t in s.pushes
             ):
-                if all(t.ok for t in s.pushes):
-                    reason = None
-                else:
-                    s.push_failed = True
-                    continue
-            elif now >= s.expires and all(t.done for t in s.pushes):
+                reason = None
+            elif now >= s.expires and pushes_done:
                 reason = "lease expired"
             else:
                 continue

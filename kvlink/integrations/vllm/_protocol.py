@@ -34,6 +34,7 @@ OFFER_KEY = "kvlink_offer"
 FALLBACK_KEY = "kvlink_fallback"
 _TID_WHERE = "kv_transfer_params['kvlink_push']['transfer_id']"
 _TRANSFER_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_INSTANCE = re.compile(r"^[0-9a-f]{16}$")
 
 
 class ParamsError(ValueError):
@@ -42,21 +43,28 @@ class ParamsError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Card:
-    """How to reach one worker's KV cache."""
+    """How to reach one worker's KV cache.
+
+    ``metadata`` is the agent's kvlink metadata (static exchange), or None when the worker is
+    published through discovery: the peer then finds it by ``agent`` name in etcd, and
+    ``instance`` (the agent's instance id, hex) tells a restarted worker of the same name apart.
+    """
 
     agent: str
-    metadata: str
+    metadata: str | None
     layout: kv.PagedLayout
     block_size: int
+    instance: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "v": VERSION,
-            "agent": self.agent,
-            "metadata": self.metadata,
-            "layout": self.layout.to_dict(),
-            "block_size": self.block_size,
-        }
+        d: dict[str, Any] = {"v": VERSION, "agent": self.agent}
+        if self.metadata is not None:
+            d["metadata"] = self.metadata
+        if self.instance is not None:
+            d["instance"] = self.instance
+        d["layout"] = self.layout.to_dict()
+        d["block_size"] = self.block_size
+        return d
 
     @classmethod
     def from_dict(cls, d: Any, where: str) -> Card:
@@ -68,14 +76,22 @@ class Card:
                 f"{where}['v']: card version {d.get('v')!r}, this connector speaks {VERSION}"
                 " (the two instances run different kvlink versions)"
             )
-        for key, typ in (("agent", str), ("metadata", str), ("layout", dict), ("block_size", int)):
+        for key, typ in (("agent", str), ("layout", dict), ("block_size", int)):
             if not isinstance(d.get(key), typ):
                 raise ParamsError(f"{where}[{key!r}]: missing or not a {typ.__name__}")
+        for key in ("metadata", "instance"):
+            if d.get(key) is not None and not isinstance(d[key], str):
+                raise ParamsError(f"{where}[{key!r}]: not a str")
+        if d.get("metadata") is None and not _INSTANCE.match(d.get("instance") or ""):
+            raise ParamsError(
+                f"{where}: neither 'metadata' (static exchange) nor an 'instance' of 16 hex "
+                "digits (discovery)"
+            )
         try:
             layout = kv.PagedLayout.from_dict(d["layout"])
         except (ValueError, TypeError, KeyError) as exc:
             raise ParamsError(f"{where}['layout']: {exc}") from exc
-        return cls(d["agent"], d["metadata"], layout, d["block_size"])
+        return cls(d["agent"], d.get("metadata"), layout, d["block_size"], d.get("instance"))
 
 
 def _block_list(value: Any, where: str) -> list[int]:

@@ -9,8 +9,9 @@ stderr). Requests:
   -> ``{"outputs": [{"tokens": [...], "finish": "length", "params": {...}, "ttft_s": ...}]}``
 - ``{"op": "pump", "seconds": s}``: step the engine (as a server's busy loop does) for s seconds
   or until it has nothing left to do -> ``{"steps": n}``
-- ``{"op": "stats"}`` -> free KV blocks, requests the scheduler still holds, the connector's
-  held sends and kvlink regions
+- ``{"op": "stats", "drain": false}`` -> free KV blocks, requests the scheduler still holds, the
+  connector's held sends, offers (``drain``: after taking the agent's queued notifications, as a
+  step does) and kvlink regions
 - ``{"op": "card"}`` -> this instance's kvlink card (push mode's proxy needs it)
 - ``{"op": "metrics"}`` -> the ``kvlink_vllm_*`` lines of this process's Prometheus registry,
   where vLLM's own stat logger puts them (``--log-stats``)
@@ -136,6 +137,8 @@ def main() -> None:
                 w = getattr(conn, "_worker", None)
                 if not hasattr(w, "stats"):
                     w = None  # another connector
+                if req.get("drain") and w and w.agent:
+                    w._drain_notifications()
                 answer({
                     "free_blocks": sched.kv_cache_manager.block_pool.get_num_free_blocks(),
                     "total_blocks": sched.kv_cache_manager.block_pool.num_gpu_blocks,

@@ -42,6 +42,16 @@ def answer(obj: dict[str, Any]) -> None:
     OUT.flush()
 
 
+def running_transfers(w: Any) -> int | None:
+    """The worker agent's transfers not finished yet (its metrics track every one)."""
+    m = getattr(w, "_agent_metrics", None)
+    if m is None:
+        return None
+    m.sweep()  # drops the finished ones
+    with m._lock:
+        return len(m._live) + len(m._inbound)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -146,6 +156,10 @@ def main() -> None:
                     "held_sends": len(w._sends) if w else None,
                     "offers": len(w._offers) if w else None,
                     "regions": len(w.agent.regions()) if w and w.agent else None,
+                    # transfers of the agent (submitted, or pushes received) still running
+                    "running_transfers": running_transfers(w),
+                    "watched": len(w._watch) if w else None,
+                    "fallbacks": len(w._fallbacks) if w else None,
                     "connector": w.stats.to_dict() if w else None,
                     # what one block holds over every layer and plane
                     "bytes_per_block": (

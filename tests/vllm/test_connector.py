@@ -11,6 +11,7 @@ without kv_transfer_params is the single-instance baseline.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import secrets
@@ -95,6 +96,7 @@ def assert_nothing_held(inst: harness.Instance) -> None:
     assert st["held_sends"] == 0, st
     assert st["free_blocks"] == st["total_blocks"] - 1, st  # block 0 is vLLM's null block
     assert st["regions"] == 2, st  # one per layer, registered once
+    assert st["running_transfers"] == 0, st
 
 
 def counters(inst: harness.Instance) -> dict[str, Any]:
@@ -300,37 +302,75 @@ def test_push_without_decode(insts: dict[str, harness.Instance]) -> None:
     assert after["layers_pushed"] == before["layers_pushed"]
 
 
+def ghost_params(card: dict[str, Any], prompt: list[int]) -> dict[str, Any]:
+    """Pull params whose card names an agent nobody runs (a wrong card): the connection is
+    refused at once."""
+    md = json.loads(card["metadata"])
+    md.update(name="vllm-ghost", instance="00000000000000a1", addrs=[["127.0.0.1", 9]])
+    return {"do_remote_prefill": True, "remote_block_ids": list(range(1, 2 + len(prompt) // 32)),
+            "kvlink": {"card": {**card, "agent": "vllm-ghost", "metadata": json.dumps(md)},
+                       "tag": "kvl/ghost/x", "expires": time.time() + 60, "max_pull_s": 5.0}}
+
+
 def test_churn_with_failures(insts: dict[str, harness.Instance]) -> None:
-    """200 requests, a third of them failing (wrong secret), the rest pulled or pushed: every
-    output is the single instance's, exactly the failed requests' blocks are reported, and
-    nothing stays held anywhere."""
-    p, bad, d = insts["P"], insts["Pother"], insts["Drecompute"]
+    """200 requests, nearly half of them failing in three ways (another cluster secret, a
+    card naming an agent nobody runs, a lease already expired) plus pushes whose prefill
+    never comes, the rest pulled or pushed: every output is the single instance's, exactly
+    the failed requests' blocks are reported, and afterwards nothing is held anywhere: every
+    block free, no held send, offer or fallback, no transfer running, the regions as at
+    start."""
+    p, bad, short, d = insts["P"], insts["Pother"], insts["Pshort"], insts["Drecompute"]
     rng = random.Random(7)
-    rounds, per = 4, 17  # 4 x (17 pulls + 17 refused pulls + 17 pushes) = 204 requests
-    before, p_before = counters(d), counters(p)
+    rounds = 4
+    n_good, n_refused, n_ghost, n_expired, n_pushed = 12, 8, 8, 8, 15  # 51 a round
+    before, p_before, s_before = counters(d), counters(p), counters(short)
     ok_blocks = bad_blocks = 0
+    pcard = p.call({"op": "card"})["card"]
     for r in range(rounds):
+        total = n_good + n_refused + n_ghost + n_expired + n_pushed
         prompts = [[rng.randrange(4, 1024) for _ in range(rng.randrange(33, 250))]
-                   for _ in range(3 * per)]
+                   for _ in range(total)]
         want = [o["tokens"] for o in d.generate(prompts, MAX_TOKENS)]
-        good, refused, pushed = prompts[:per], prompts[per:2 * per], prompts[2 * per:]
-        params = [o["params"] for o in prefill(p, good)] + [o["params"]
-                                                           for o in prefill(bad, refused)]
-        outs = d.generate(good + refused, MAX_TOKENS, params)
+        cut = list(itertools.accumulate([n_good, n_refused, n_ghost, n_expired]))
+        good, refused, ghost, expired, pushed = (
+            prompts[:cut[0]], prompts[cut[0]:cut[1]], prompts[cut[1]:cut[2]],
+            prompts[cut[2]:cut[3]], prompts[cut[3]:],
+        )
+        stale = [o["params"] for o in prefill(short, expired)]
+        for params in stale:
+            params["kvlink"]["expires"] = time.time() - 1  # decode must not start the pull
+        params = (
+            [o["params"] for o in prefill(p, good)]
+            + [o["params"] for o in prefill(bad, refused)]
+            + [ghost_params(pcard, q) for q in ghost]
+            + stale
+        )
+        outs = d.generate(good + refused + ghost + expired, MAX_TOKENS, params)
         _, pushed_outs = push_run(p, d, pushed, f"churn-{r}")
         assert [o["tokens"] for o in outs + pushed_outs] == want
         ok_blocks += blocks_to_load(good) + blocks_to_load(pushed)
-        bad_blocks += blocks_to_load(refused)
+        bad_blocks += blocks_to_load(refused + ghost + expired)
+    # Pushes whose prefill never comes (decode's waits end at its load_timeout_s): once.
+    orphans = prompts_of(LENGTHS[:4], 8)
+    want = [o["tokens"] for o in d.generate(orphans, MAX_TOKENS)]
+    _, outs = push_run(p, d, orphans, "churn-orphan", send_prefill=False)
+    assert [o["tokens"] for o in outs] == want
+    bad_blocks += blocks_to_load(orphans)
     after = counters(d)
     assert after["blocks_loaded"] - before["blocks_loaded"] == ok_blocks
     assert after["blocks_failed"] - before["blocks_failed"] == bad_blocks
-    assert after["load_failures"] - before["load_failures"] == rounds * per
-    assert counters(p)["handed_off"] - p_before["handed_off"] == rounds * 2 * per
-    # (the refused pulls' blocks are freed by Pother's 5 s lease + 1 s max_pull_s)
-    for inst in (p, bad, d):
+    assert after["load_failures"] - before["load_failures"] == (
+        rounds * (n_refused + n_ghost + n_expired) + len(orphans)
+    )
+    assert counters(p)["handed_off"] - p_before["handed_off"] == rounds * (n_good + n_pushed)
+    # (the refused pulls' blocks are freed by Pother's 5 s lease + 1 s max_pull_s, the
+    # expired ones' by Pshort's 1 s + 2 s)
+    for inst in (p, bad, short, d):
         assert_nothing_held(inst)
-    assert counters(bad)["leases_expired"] >= rounds * per
-    assert d.call({"op": "stats"})["offers"] == 0
+        st = inst.call({"op": "stats", "drain": True})
+        assert st["offers"] == 0 and st["fallbacks"] == 0, st
+    assert counters(bad)["leases_expired"] >= rounds * n_refused
+    assert counters(short)["leases_expired"] - s_before["leases_expired"] == rounds * n_expired
 
 
 def test_killed_prefill(insts: dict[str, harness.Instance],

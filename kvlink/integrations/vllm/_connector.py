@@ -49,6 +49,10 @@ if TYPE_CHECKING:
 # Under "vllm." so that the engine's own log configuration shows these records beside its own.
 log = logging.getLogger("vllm.kvlink")
 
+# Decode, push: how often a wait for layer 0 also looks for prefill's fallback answer. Short
+# against a pull's time, long enough that the poll costs nothing measurable.
+_FALLBACK_POLL_S = 0.05
+
 
 # ---------------------------------------------------------------------------------------------
 # What the scheduler side sends its workers each step
@@ -80,6 +84,11 @@ class Hold:
 
     req_id: str
     tag: str
+    # Push requests: decode's offer for this transfer id is answered with a fallback (where
+    # ``blocks`` are, for a pull) when the blocks are not pushed.
+    transfer_id: str | None = None
+    decode: proto.Card | None = None
+    blocks: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -285,6 +294,13 @@ class _SchedulerSide:
                 self.settings.mode.value,
             )
             return 0, False
+        if src.card.metadata is None and self.settings.discovery is None:
+            log.error(
+                "request %s: prefill %r is published through discovery but this instance has "
+                "none; computing its prompt here (give it the same kv_connector_extra_config"
+                "['discovery'])", request.request_id, src.card.agent,
+            )
+            return 0, False
         if src.card.block_size != self.block_size:
             log.error(
                 "request %s: prefill uses block_size %d, this instance %d; computing its prompt "
@@ -364,7 +380,16 @@ class _SchedulerSide:
         if request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not block_ids:
             return False, None
         tag = f"kvl/{self.engine_id}/{req_id}"
-        self._holds.append(Hold(req_id, tag))
+        hold = Hold(req_id, tag)
+        try:
+            push = proto.parse_prefill_push(params)
+        except proto.ParamsError:
+            push = None  # logged in after_alloc
+        if push is not None:
+            # Also when this instance does not push (mode "pull"): decode's offer is then
+            # answered with a fallback to a pull instead of waiting for decode's timeout.
+            hold.transfer_id, hold.decode, hold.blocks = push[0], push[1], list(block_ids)
+        self._holds.append(hold)
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -395,6 +420,8 @@ class ConnectorStats:
     layers_pushed: int = 0  # prefill: per-layer pushes started
     layers_pushed_late: int = 0  # ... of which after the forward pass (decode's offer was late)
     push_failures: int = 0  # prefill: pushes given up (blocks then wait for a pull or the lease)
+    fallbacks_sent: int = 0  # prefill: offers answered with "pull these blocks instead"
+    pull_fallbacks: int = 0  # decode: push loads that became pulls on prefill's fallback
     handed_off: int = 0  # prefill: held requests freed because decode has their KV
     leases_expired: int = 0  # prefill: held requests freed by their lease
     # monotonic times (same clock in every process of a host): decode's layer 0 of a push
@@ -438,6 +465,11 @@ class _Send:
     layers_pushed: int = 0
     pushes: list[kvlink.Transfer] = dataclasses.field(default_factory=list)
     push_failed: bool = False
+    # push requests (from the PushJob or the Hold): what a fallback answer needs
+    transfer_id: str | None = None
+    decode: proto.Card | None = None
+    src_blocks: list[int] = dataclasses.field(default_factory=list)
+    fallback_sent: bool = False
 
 
 class _WorkerSide:
@@ -460,6 +492,7 @@ class _WorkerSide:
         self._errors: set[int] = set()
         self._sends: dict[str, _Send] = {}
         self._offers: dict[str, tuple[str, list[int], float]] = {}  # transfer id -> offer
+        self._fallbacks: dict[str, proto.Fallback] = {}  # decode: transfer id -> prefill's answer
         self._pulled: set[str] = set()  # tags decode has pulled
         self._step_pushes: list[_Send] = []
         self.stats = ConnectorStats()
@@ -520,8 +553,12 @@ class _WorkerSide:
         self.layout = kv.PagedLayout.from_tensors(self.agent, tensors, planes=planes)
         # Starts the agent's accounting: its log drain counts path state changes.
         self._agent_metrics = self.agent.metrics()
+        # With discovery the card names the agent (etcd has the rest): kv_transfer_params stay
+        # small however many regions and addresses the worker has.
         self.card = proto.Card(
-            self.agent.name, self.agent.metadata().decode(), self.layout, self.block_size
+            self.agent.name,
+            None if self.settings.discovery else self.agent.metadata().decode(),
+            self.layout, self.block_size, f"{self.agent.instance_id:016x}",
         )
         log.info(
             "kvlink agent %s: %d layers of %d blocks (%d bytes each, %d planes) on %s",
@@ -542,8 +579,43 @@ class _WorkerSide:
     # -- per step ------------------------------------------------------------------------------
 
     def _peer(self, card: proto.Card) -> str:
+        """The peer of ``card``, connected.
+
+        Raises:
+            kvlink.ConfigError: a discovery card on an instance without discovery.
+            kvlink.PeerUnreachableError: discovery lists another instance of that name (the
+                worker restarted since it made the card: the blocks named are not there).
+            kvlink.KvlinkError: as add_peer, or a discovery look-up.
+        """
         assert self.agent is not None
-        return self.agent.add_peer(card.metadata)
+        if card.metadata is not None:
+            return self.agent.add_peer(card.metadata)
+        d = self.agent.discovery
+        if d is None:
+            raise kvlink.ConfigError(
+                f"peer {card.agent!r} is published through discovery (its card has no metadata) "
+                "but this instance has none: give it the same kv_connector_extra_config"
+                "['discovery']"
+            )
+        assert card.instance is not None  # checked by Card.from_dict
+        want = int(card.instance, 16)
+        known = {p.name: p for p in self.agent.peers() if p.connected}
+        if card.agent not in known or known[card.agent].instance != want:
+            # Not connected yet, or to another instance: etcd says which instance is there now.
+            rec = d.lookup(card.agent)
+            if rec is None:
+                raise kvlink.UnknownPeerError(
+                    f"peer {card.agent!r}: discovery ({d.url}) lists no agent of that name",
+                    peer=card.agent,
+                )
+            if rec.instance != want:
+                raise kvlink.PeerUnreachableError(
+                    f"peer {card.agent!r} restarted since it sent its card (instance "
+                    f"{card.instance}, discovery lists {rec.instance:016x}): the blocks it named "
+                    "are gone", peer=card.agent,
+                )
+            d.connect(self.agent, rec)
+        return card.agent
 
     def begin_step(self, meta: KvlinkMetadata) -> None:
         """This step's pushes (prefill) and finished requests to hold."""
@@ -552,10 +624,15 @@ class _WorkerSide:
             s = self._sends.setdefault(push.req_id, _Send(push.req_id, now + self.settings.lease_s))
             s.push = push
             s.offer_deadline = now + self.settings.offer_timeout_s
+            s.transfer_id, s.decode, s.src_blocks = push.transfer_id, push.decode, push.src_blocks
             self._step_pushes.append(s)
         for hold in meta.holds:
             s = self._sends.setdefault(hold.req_id, _Send(hold.req_id, 0.0))
             s.tag = hold.tag
+            if s.transfer_id is None and hold.transfer_id is not None:
+                s.transfer_id, s.decode, s.src_blocks = (
+                    hold.transfer_id, hold.decode, hold.blocks
+                )
             s.expires = now + self.settings.lease_s + self.settings.load_timeout_s
 
     def start_loads(self, meta: KvlinkMetadata) -> None:
@@ -624,23 +701,79 @@ class _WorkerSide:
                     raise kvlink.TransferTimeoutError(
                         f"no KV within load_timeout_s={self.settings.load_timeout_s}"
                     )
-                if load.pull is not None:
-                    load.pull.wait_layer(i, timeout_s=remaining)
-                else:
-                    src = load.job.source
-                    assert isinstance(src, proto.PushSource)
+                if load.pull is None:
                     h = load.layer_pushes.get(i)
                     if h is None:
-                        tag = proto.layer_tag(src.transfer_id, i)
-                        h = self.agent.inbound(tag, timeout_s=remaining)
-                        load.layer_pushes[i] = h
-                        self._watch.append((False, h))
-                    h.wait(timeout_s=max(0.0, load.deadline - time.monotonic()))
-                    if i == 0:
-                        self.stats.layer0_ready_t.append(time.monotonic())
+                        h = self._inbound_or_fallback(load, i)
+                    if h is not None:
+                        h.wait(timeout_s=max(0.0, load.deadline - time.monotonic()))
+                        if i == 0:
+                            self.stats.layer0_ready_t.append(time.monotonic())
+                if load.pull is not None:
+                    load.pull.wait_layer(i, timeout_s=max(0.0, load.deadline - time.monotonic()))
                 load.layers_waited.add(i)
-            except kvlink.KvlinkError as exc:
+            except (kvlink.KvlinkError, ValueError) as exc:
                 self._fail(load, f"layer {i}: {exc}")
+
+    def _inbound_or_fallback(self, load: _Load, i: int) -> kvlink.InboundTransfer | None:
+        """Push load: layer ``i``'s push once prefill announced it; or, while nothing has been
+        pushed yet, prefill's fallback answer, which turns the load into a pull (then None).
+
+        Raises:
+            kvlink.TransferTimeoutError: neither before the load's deadline.
+        """
+        assert self.agent is not None
+        src = load.job.source
+        assert isinstance(src, proto.PushSource)
+        tag = proto.layer_tag(src.transfer_id, i)
+        while True:
+            remaining = load.deadline - time.monotonic()
+            if remaining <= 0:
+                raise kvlink.TransferTimeoutError(
+                    f"prefill pushed nothing within load_timeout_s={self.settings.load_timeout_s}"
+                )
+            try:
+                # Short waits: between them, a fallback answer is looked for.
+                h = self.agent.inbound(tag, timeout_s=min(remaining, _FALLBACK_POLL_S))
+            except kvlink.TransferTimeoutError:
+                if load.layer_pushes:
+                    continue  # layers are arriving: no fallback will come
+                self._drain_notifications()
+                fb = self._fallbacks.pop(src.transfer_id, None)
+                if fb is not None:
+                    self._start_fallback_pull(load, fb)
+                    return None
+                continue
+            load.layer_pushes[i] = h
+            self._watch.append((False, h))
+            return h
+
+    def _start_fallback_pull(self, load: _Load, fb: proto.Fallback) -> None:
+        """Prefill will not push: pull its held blocks into the blocks decode offered."""
+        assert self.agent is not None and self.layout is not None
+        src = load.job.source
+        assert isinstance(src, proto.PushSource)
+        if len(fb.blocks) != len(load.job.local_blocks):
+            raise kvlink.InvalidArgumentError(
+                f"prefill's fallback names {len(fb.blocks)} blocks for the "
+                f"{len(load.job.local_blocks)} offered"
+            )
+        if time.time() > fb.expires:
+            raise kvlink.TransferTimeoutError(
+                "prefill answered with a fallback whose lease has expired (kv_connector_extra_"
+                "config['lease_s'] on prefill)"
+            )
+        now = time.monotonic()
+        load.deadline = min(load.deadline, now + fb.max_pull_s)
+        segs = kv.block_segments(src.card.layout, self.layout, fb.blocks, load.job.local_blocks)
+        load.pull = self.agent.pull(
+            self._peer(src.card), segments=segs, notify=fb.tag.encode(),
+            timeout_s=max(0.001, load.deadline - now),
+        )
+        self._watch.append((False, load.pull))
+        self.stats.pull_fallbacks += 1
+        log.info("request %s: prefill does not push (transfer %s); pulling its blocks instead",
+                 load.job.req_id, src.transfer_id)
 
     def layer_saved(self, layer_name: str) -> None:
         """Prefill: layer ``layer_name`` of this step is in the cache; push it where decode's
@@ -700,16 +833,62 @@ class _WorkerSide:
                 self._pulled.add(note.tag.decode(errors="replace"))
             elif note.op == kvlink.Op.PREPARE:
                 try:
-                    offer = proto.parse_offer(note.prepare_request().get("layout"))
+                    layout = note.prepare_request().get("layout")
+                    offer = proto.parse_offer(layout)
+                    fallback = proto.parse_fallback(layout)
                 except (proto.ParamsError, ValueError) as exc:
-                    log.warning("ignored an offer from %s: %s", note.peer, exc)
+                    log.warning("ignored an announcement from %s: %s", note.peer, exc)
                     continue
                 if offer is not None:
                     self._offers[offer[0]] = offer
-        # Offers nobody claims (a request that never came here) are dropped once expired.
+                if fallback is not None:
+                    self._fallbacks[fallback.transfer_id] = fallback
+        # Offers and fallbacks nobody claims (a request that never came here, or one that gave
+        # up) are dropped once expired.
         now = time.time()
         for tid in [t for t, o in self._offers.items() if o[2] < now]:
             del self._offers[tid]
+        for tid in [t for t, f in self._fallbacks.items() if f.expires < now]:
+            del self._fallbacks[tid]
+
+    def _answer_offers(self) -> None:
+        """Prefill: decode's offers for held blocks that will not be pushed (the push was given
+        up before the offer came, or this instance does not push) are answered with a fallback,
+        so decode pulls them now instead of waiting for its load_timeout_s."""
+        now = time.monotonic()
+        for s in self._sends.values():
+            if (
+                s.transfer_id is None or s.decode is None or s.tag is None or s.fallback_sent
+                or s.layers_pushed or (s.push is not None and not s.push_failed)
+            ):
+                continue
+            offer = self._offers.pop(s.transfer_id, None) or s.offer
+            if offer is None:
+                continue
+            s.fallback_sent = True
+            n = len(offer[1])
+            # Decode starts its pull by then, and it runs at most load_timeout_s: the blocks
+            # are held until s.expires, past both.
+            start_by = time.time() + (s.expires - now - self.settings.load_timeout_s)
+            fb = proto.Fallback(
+                s.transfer_id, s.src_blocks[:n], s.tag, start_by, self.settings.load_timeout_s
+            )
+            try:
+                if n > len(s.src_blocks):
+                    raise kvlink.InvalidArgumentError(
+                        f"decode offered {n} blocks for a prompt of {len(s.src_blocks)}"
+                    )
+                assert self.agent is not None
+                self.agent.prepare(
+                    self._peer(s.decode), layout=proto.make_fallback(fb),
+                    timeout_s=self.settings.connect_timeout_s,
+                )
+            except (kvlink.KvlinkError, ValueError) as exc:
+                log.warning("request %s: could not answer decode's offer with a fallback to a "
+                            "pull (%s); the blocks stay held until the lease ends", s.req_id, exc)
+                continue
+            self.stats.fallbacks_sent += 1
+            log.info("request %s: answered decode's offer with a fallback to a pull", s.req_id)
 
     def finished(self, finished_req_ids: set[str]) -> set[str]:
         """Requests whose held blocks may be freed now."""
@@ -729,28 +908,32 @@ class _WorkerSide:
                     log.warning(
                         "request %s: decode sent no destination within offer_timeout_s=%s; "
                         "the push is given up, the blocks stay held for a pull until the lease "
-                        "ends", s.req_id, self.settings.offer_timeout_s,
+                        "ends (a later offer is answered with a fallback to a pull)",
+                        s.req_id, self.settings.offer_timeout_s,
                     )
+        self._answer_offers()
         self._step_pushes = []
         done: set[str] = set()
         now = time.monotonic()
         for req_id, s in list(self._sends.items()):
             if s.tag is None:
                 continue  # the Hold comes with the next step
+            pushes_done = all(t.done for t in s.pushes)
+            if s.pushes and pushes_done and not s.push_failed and not all(t.ok for t in s.pushes):
+                # A push that failed at decode (a cut link, decode gone): the blocks wait for
+                # a pull or the lease, as after any push given up.
+                s.push_failed = True
+                self.stats.push_failures += 1
+                log.warning("request %s: a push to decode failed; the blocks stay held for a "
+                            "pull until the lease ends", req_id)
             if s.tag in self._pulled:
                 self._pulled.discard(s.tag)
                 reason = None
-            elif (
-                s.push is not None
-                and s.layers_pushed == num_layers
-                and all(t.done for t in s.pushes)
+            elif s.push is not None and s.layers_pushed == num_layers and pushes_done and all(
+                t.ok for t in s.pushes
             ):
-                if all(t.ok for t in s.pushes):
-                    reason = None
-                else:
-                    s.push_failed = True
-                    continue
-            elif now >= s.expires and all(t.done for t in s.pushes):
+                reason = None
+            elif now >= s.expires and pushes_done:
                 reason = "lease expired"
             else:
                 continue

@@ -13,7 +13,9 @@ proxy author sees what to fix.
   card}`` and prefill ``kvlink_push = {transfer_id, decode: card}``. Decode's worker sends its
   destination blocks to prefill as an *offer* (a kvlink PREPARE announcement); prefill's worker
   pushes every layer to them as soon as that layer is computed, one push per layer tagged
-  :func:`layer_tag`.
+  :func:`layer_tag`. When prefill does not push (it gave the push up before the offer came, or
+  it does not serve push mode), it answers the offer with a **fallback**: a PREPARE announcement
+  back to decode with where its held blocks are, and decode pulls them as in pull mode.
 """
 
 from __future__ import annotations
@@ -28,8 +30,11 @@ from kvlink import kv
 VERSION = 1
 #: key of the offer inside a PREPARE announcement's "layout"
 OFFER_KEY = "kvlink_offer"
+#: key of prefill's answer to an offer it will not push to ("pull these instead")
+FALLBACK_KEY = "kvlink_fallback"
 _TID_WHERE = "kv_transfer_params['kvlink_push']['transfer_id']"
 _TRANSFER_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_INSTANCE = re.compile(r"^[0-9a-f]{16}$")
 
 
 class ParamsError(ValueError):
@@ -38,21 +43,28 @@ class ParamsError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Card:
-    """How to reach one worker's KV cache."""
+    """How to reach one worker's KV cache.
+
+    ``metadata`` is the agent's kvlink metadata (static exchange), or None when the worker is
+    published through discovery: the peer then finds it by ``agent`` name in etcd, and
+    ``instance`` (the agent's instance id, hex) tells a restarted worker of the same name apart.
+    """
 
     agent: str
-    metadata: str
+    metadata: str | None
     layout: kv.PagedLayout
     block_size: int
+    instance: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "v": VERSION,
-            "agent": self.agent,
-            "metadata": self.metadata,
-            "layout": self.layout.to_dict(),
-            "block_size": self.block_size,
-        }
+        d: dict[str, Any] = {"v": VERSION, "agent": self.agent}
+        if self.metadata is not None:
+            d["metadata"] = self.metadata
+        if self.instance is not None:
+            d["instance"] = self.instance
+        d["layout"] = self.layout.to_dict()
+        d["block_size"] = self.block_size
+        return d
 
     @classmethod
     def from_dict(cls, d: Any, where: str) -> Card:
@@ -64,14 +76,22 @@ class Card:
                 f"{where}['v']: card version {d.get('v')!r}, this connector speaks {VERSION}"
                 " (the two instances run different kvlink versions)"
             )
-        for key, typ in (("agent", str), ("metadata", str), ("layout", dict), ("block_size", int)):
+        for key, typ in (("agent", str), ("layout", dict), ("block_size", int)):
             if not isinstance(d.get(key), typ):
                 raise ParamsError(f"{where}[{key!r}]: missing or not a {typ.__name__}")
+        for key in ("metadata", "instance"):
+            if d.get(key) is not None and not isinstance(d[key], str):
+                raise ParamsError(f"{where}[{key!r}]: not a str")
+        if d.get("metadata") is None and not _INSTANCE.match(d.get("instance") or ""):
+            raise ParamsError(
+                f"{where}: neither 'metadata' (static exchange) nor an 'instance' of 16 hex "
+                "digits (discovery)"
+            )
         try:
             layout = kv.PagedLayout.from_dict(d["layout"])
         except (ValueError, TypeError, KeyError) as exc:
             raise ParamsError(f"{where}['layout']: {exc}") from exc
-        return cls(d["agent"], d["metadata"], layout, d["block_size"])
+        return cls(d["agent"], d.get("metadata"), layout, d["block_size"], d.get("instance"))
 
 
 def _block_list(value: Any, where: str) -> list[int]:
@@ -216,3 +236,46 @@ def parse_offer(layout: Any) -> tuple[str, list[int], float] | None:
     if not isinstance(expires, (int, float)) or isinstance(expires, bool):
         raise ParamsError("offer['expires']: expected unix seconds")
     return tid, unruns(layout.get("blocks"), "offer['blocks']"), float(expires)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fallback:
+    """Prefill's answer to an offer it will not push to: decode pulls ``blocks`` (paired with
+    the blocks it offered, in order) with ``tag`` as the pull's notification, as in pull mode."""
+
+    transfer_id: str
+    blocks: list[int]
+    tag: str
+    expires: float  # unix seconds: no pull starts after this
+    max_pull_s: float
+
+
+def make_fallback(fb: Fallback) -> dict[str, Any]:
+    """A fallback as a PREPARE announcement's layout (a few hundred bytes: blocks as runs)."""
+    return {
+        FALLBACK_KEY: fb.transfer_id, "v": VERSION, "blocks": runs(fb.blocks), "tag": fb.tag,
+        "expires": fb.expires, "max_pull_s": fb.max_pull_s,
+    }
+
+
+def parse_fallback(layout: Any) -> Fallback | None:
+    """The fallback of an announcement, or None when it is not one.
+
+    Raises:
+        ParamsError: a malformed fallback, naming the field.
+    """
+    if not isinstance(layout, dict) or FALLBACK_KEY not in layout:
+        return None
+    if layout.get("v") != VERSION:
+        raise ParamsError(f"fallback: version {layout.get('v')!r}, this connector speaks {VERSION}")
+    tid = _transfer_id(layout[FALLBACK_KEY], "fallback['kvlink_fallback']")
+    tag = layout.get("tag")
+    if not isinstance(tag, str) or not tag:
+        raise ParamsError("fallback['tag']: missing")
+    numbers = []
+    for key in ("expires", "max_pull_s"):
+        value = layout.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            raise ParamsError(f"fallback[{key!r}]: missing or not a number")
+        numbers.append(float(value))
+    return Fallback(tid, unruns(layout.get("blocks"), "fallback['blocks']"), tag, *numbers)

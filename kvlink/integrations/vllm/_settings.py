@@ -57,6 +57,10 @@ class Settings:
     connect_timeout_s: float = 5.0
     # None: "vllm-<engine id>-<rank>", unique per engine and worker.
     agent_name: str | None = None
+    # None ("static"): a card carries the worker's full kvlink metadata, as without etcd. An
+    # etcd URL: the worker publishes its agent there and finds peers by name, so cards carry
+    # the name and instance only (docs/vllm.md, "Discovery").
+    discovery: str | None = None
 
     def kvlink_config(self) -> kvlink.Config:
         """The kvlink.Config of the worker's agent (KVLINK_* variables fill what is unset).
@@ -76,10 +80,20 @@ class Settings:
             fields["min_chunk_bytes"] = min(self.chunk_bytes, 1 << 20)
         if self.secret is not None:
             fields["secret"] = self.secret
+        if self.discovery is not None:
+            fields["discovery"] = self.discovery
         try:
-            return kvlink.Config.load(**fields)
+            cfg = kvlink.Config.load(**fields)
         except kvlink.ConfigError as exc:
             raise kvlink.ConfigError(f"{WHERE}: {exc}") from exc
+        if self.discovery is not None and cfg.resolved_secret() is None:
+            # Without it no region key is published and every load would fail at run time.
+            raise kvlink.ConfigError(
+                f"{WHERE}['discovery']: {self.discovery!r} needs the cluster secret (the "
+                "'secret' key or KVLINK_SECRET): discovery publishes region keys only sealed "
+                "under it (docs/cluster.md)"
+            )
+        return cfg
 
 
 _KEYS = tuple(f.name for f in dataclasses.fields(Settings))
@@ -164,6 +178,19 @@ def parse_settings(extra: Mapping[str, Any] | None) -> Settings:
             out[key] = _seconds(key, value, 0.001, 3600.0)
         elif key == "connect_timeout_s":
             out[key] = _seconds(key, value, 0.001, 600.0)
+        elif key == "discovery":
+            if value is None or value == "static":
+                continue
+            if not isinstance(value, str) or not value.startswith(("etcd://", "etcds://")):
+                raise kvlink.ConfigError(
+                    f"{WHERE}['discovery']: expected 'static' (the default: cards carry the "
+                    "full metadata) or an etcd URL 'etcd://HOST[:PORT][,HOST[:PORT]...][/PREFIX]"
+                    f"' ('etcds://' for TLS), got {value!r}"
+                )
+            from kvlink._discovery import parse_url
+
+            parse_url(value, arg=f"{WHERE}['discovery']")  # ConfigError naming the key
+            out[key] = value
         elif key == "agent_name":
             if not isinstance(value, str) or not 1 <= len(value.encode()) <= 63:
                 raise kvlink.ConfigError(f"{WHERE}['agent_name']: expected a str of 1..63 bytes")

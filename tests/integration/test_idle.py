@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -34,7 +36,7 @@ def _wakeups() -> dict[str, tuple[str, int]]:
     return out
 
 
-def test_idle_engine_wakes_about_once_a_tick(make_agent):
+def test_idle_engine_wakes_about_once_a_tick(make_agent: Callable[..., Any]) -> None:
     interval_ms = 100
     rx = make_agent("rx", nics="loopback:4", monitor_interval_ms=interval_ms)
     tx = make_agent("tx", nics="loopback:4", monitor_interval_ms=interval_ms)

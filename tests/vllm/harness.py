@@ -61,7 +61,10 @@ class Instance:
         engine_id: str | None = None,
         connector: str | None = None,
         log_stats: bool = False,
+        prefix: list[str] | None = None,
     ) -> None:
+        """``prefix`` runs the engine under another command, e.g. a testbed namespace's
+        ``ip netns exec NS`` (it must exec the engine, so that the pid is the engine's)."""
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         cmd = [str(PYTHON), str(ENGINE), "--model", str(model), "--role", role,
@@ -76,6 +79,8 @@ class Instance:
             cmd.append("--log-stats")
         if nice:
             cmd = ["nice", "-n", str(nice), *cmd]
+        if prefix:
+            cmd = [*prefix, *cmd]
         self._log: IO[str] = open(self.log_path, "w")  # noqa: SIM115 (closed in close())
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,

@@ -294,6 +294,9 @@ def run(a: argparse.Namespace, net: Net, work: Path, model: Path, emit: Any,
             dst = d.call({"op": "stats"})["connector"]
             pst = p.call({"op": "stats"})["connector"]
             res["layer0_lead_ms"] = (pst["forward_end_t"][-1] - dst["layer0_ready_t"][-1]) * 1e3
+            # decode's first token this long after prefill's forward pass ended: the last
+            # layer's transfer and decode's own step
+            res["after_forward_ms"] = (da["t_end"] - pst["forward_end_t"][-1]) * 1e3
             res["late_layers"] = pst["layers_pushed_late"]
         p.call({"op": "pump", "seconds": 5})
         return res
@@ -336,6 +339,8 @@ def run(a: argparse.Namespace, net: Net, work: Path, model: Path, emit: Any,
                 row["layer0_before_prefill_end_ms"] = [round(s["layer0_lead_ms"], 1)
                                                        for s in runs]
                 row["layers_pushed_after_forward_total"] = runs[-1]["late_layers"]
+                row["decode_done_after_prefill_forward_ms"] = [
+                    round(s["after_forward_ms"], 1) for s in runs]
             emit(row)
     for name, i in inst.items():
         st = i.call({"op": "stats"})

@@ -73,17 +73,25 @@ def main() -> None:
         series = data[(net, model)]
         top, bottom = axes[0][col], axes[1][col]
         kv = {r["prompt_tokens"]: r["kv_mb"] for v in series.values() for r in v}
+        clamped = False
         for conn, mode in SERIES:
             rows = series.get((conn, mode))
             if not rows:
                 continue
             x = [r["prompt_tokens"] for r in rows]
-            # push's decode-side time (end-to-end minus prefill) can be <= 0: floor it at
-            # 1 ms on the log axis, the table in BENCHMARKS.md has the signed values
-            top.plot(x, [max(r["decode_ttft_ms"], 1.0) for r in rows], "o-",
-                     color=COLOR[(conn, mode)], label=LABEL[(conn, mode)])
-            bottom.plot(x, [max(r["ratio_to_recompute"], 1e-3) for r in rows], "o-",
-                        color=COLOR[(conn, mode)], label=LABEL[(conn, mode)])
+            # push's decode-side time (decode's end-to-end minus prefill's generate()) is <= 0
+            # when decode's first token came before prefill's generate() returned: such points
+            # are drawn at 1 ms (ratio 0.001) as downward triangles; the JSON has the values
+            ys = [r["decode_ttft_ms"] for r in rows]
+            rs = [r["ratio_to_recompute"] for r in rows]
+            c = COLOR[(conn, mode)]
+            top.plot(x, [max(y, 1.0) for y in ys], "-", color=c, label=LABEL[(conn, mode)])
+            bottom.plot(x, [max(v, 1e-3) for v in rs], "-", color=c)
+            for xi, y, v in zip(x, ys, rs, strict=True):
+                m = "o" if y > 1.0 else "v"
+                top.plot([xi], [max(y, 1.0)], m, color=c)
+                bottom.plot([xi], [max(v, 1e-3)], m, color=c)
+                clamped = clamped or y <= 1.0
             base = series.get((conn, "recompute"))
             if base and mode in ("pull", "push") and (conn, mode) != ("kvlink", "pull"):
                 top.plot([r["prompt_tokens"] for r in base], [r["decode_ttft_ms"] for r in base],
@@ -102,8 +110,11 @@ def main() -> None:
             ax.set_xticks(sorted(kv))
             ax.grid(True, which="both", alpha=0.3)
         top.legend(fontsize=7)
-    fig.suptitle("vLLM 0.32 (CPU) 1P1D: decode-side TTFT with the KV transferred "
-                 "(bench/vllm_ttft.py)", fontsize=10)
+        if clamped:
+            bottom.text(0.02, 0.1, "v: decode done before prefill's generate()\nreturned "
+                        "(<= 0 ms), drawn at 1 ms", transform=bottom.transAxes, fontsize=7)
+    fig.suptitle("vLLM 0.32 (CPU) 1P1D, decode-side TTFT with the KV transferred, "
+                 "medians (bench/vllm_ttft.py)", fontsize=10)
     fig.tight_layout()
     a.png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(a.png, dpi=90)

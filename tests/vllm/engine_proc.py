@@ -6,7 +6,8 @@ each answer is one line on stdout starting with ``@@kvlink `` (vLLM's own loggin
 stderr). Requests:
 
 - ``{"op": "generate", "prompts": [[ids...], ...], "max_tokens": n, "params": [dict|null, ...]}``
-  -> ``{"outputs": [{"tokens": [...], "finish": "length", "params": {...}, "ttft_s": ...}]}``
+  -> ``{"outputs": [{"tokens": [...], "finish": "length", "params": {...}, "ttft_s": ...}],
+  "wall_s": ..., "t_end": ...}`` (t_end: time.monotonic() when generate() returned)
 - ``{"op": "pump", "seconds": s}``: step the engine (as a server's busy loop does) for s seconds
   or until it has nothing left to do -> ``{"steps": n}``
 - ``{"op": "stats", "drain": false}`` -> free KV blocks, requests the scheduler still holds, the
@@ -131,7 +132,8 @@ def main() -> None:
                         ttft = m.first_token_latency
                     res.append({"tokens": list(c.token_ids), "finish": c.finish_reason,
                                 "params": o.kv_transfer_params, "ttft_s": ttft})
-                answer({"outputs": res, "wall_s": wall})
+                # t_end: this host's monotonic clock, which every instance on it shares
+                answer({"outputs": res, "wall_s": wall, "t_end": t + wall})
             elif op == "pump":
                 end = time.monotonic() + float(req.get("seconds", 1.0))
                 steps = 0

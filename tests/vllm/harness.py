@@ -63,8 +63,8 @@ class Instance:
         log_stats: bool = False,
         prefix: list[str] | None = None,
     ) -> None:
-        """``prefix``: argv run in front of the engine's command (``ip netns exec NS``: the
-        engine then runs in a testbed namespace)."""
+        """``prefix`` runs the engine under another command, e.g. a testbed namespace's
+        ``ip netns exec NS`` (it must exec the engine, so that the pid is the engine's)."""
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         cmd = [str(PYTHON), str(ENGINE), "--model", str(model), "--role", role,

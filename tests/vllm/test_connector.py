@@ -41,7 +41,8 @@ def insts(
     vllm_model: Path, cluster_secret: str, log_dir: Path
 ) -> Iterator[dict[str, harness.Instance]]:
     common = {"nics": "loopback:2", "secret": cluster_secret}
-    dec = {**common, "load_timeout_s": 10.0, "offer_timeout_s": 10.0}
+    # connect_timeout_s: how long decode waits out a prefill whose every path is down
+    dec = {**common, "load_timeout_s": 10.0, "offer_timeout_s": 10.0, "connect_timeout_s": 2.0}
     spec = {
         "P": ("kv_producer", {**common, "load_timeout_s": 10.0}, "recompute"),
         "Pshort": ("kv_producer", {**common, "lease_s": 1.0, "load_timeout_s": 2.0}, "recompute"),
@@ -396,6 +397,44 @@ def test_churn_with_failures(insts: dict[str, harness.Instance]) -> None:
         assert st["offers"] == 0 and st["fallbacks"] == 0, st
     assert counters(bad)["leases_expired"] >= rounds * n_refused
     assert counters(short)["leases_expired"] - s_before["leases_expired"] == rounds * n_expired
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_prefill_killed_before_pushing(insts: dict[str, harness.Instance],
+                                      baseline: dict[tuple[int, ...], list[int]],
+                                      vllm_model: Path, cluster_secret: str, log_dir: Path,
+                                      policy: str) -> None:
+    """Push flow: decode has sent its offers and waits in layer 0; prefill dies before it
+    pushes. Decode sees every path to prefill DOWN and fails the load after
+    connect_timeout_s (2 s here), not after its load_timeout_s (10 s): its forward pass, and
+    every request in it, is not held for the whole load timeout. The policy then applies."""
+    d = insts["Drecompute" if policy == "recompute" else "Dfail"]
+    doomed = harness.Instance(f"Pdoomed-{policy}", vllm_model, role="kv_producer",
+                              extra={"nics": "loopback:2", "secret": cluster_secret},
+                              log_dir=log_dir)
+    prompts = prompts_of(LENGTHS[:2], 1)
+    for _ in start([doomed]):
+        pcard = doomed.call({"op": "card"})["card"]
+        before = counters(d)
+        d.send({"op": "generate", "prompts": prompts, "max_tokens": MAX_TOKENS, "params": [
+            {"do_remote_prefill": True,
+             "kvlink_push": {"transfer_id": f"doomed-{policy}-{i}", "prefill": pcard}}
+            for i in range(len(prompts))]})
+        end = time.monotonic() + 120
+        while doomed.call({"op": "stats", "drain": True})["offers"] < len(prompts):
+            assert time.monotonic() < end, "decode's offers never reached prefill"
+            time.sleep(0.1)
+        doomed.kill()
+        outs = d.recv(120)["outputs"]
+    if policy == "recompute":
+        assert [o["tokens"] for o in outs] == [baseline[tuple(q)] for q in prompts]
+    else:
+        assert [o["finish"] for o in outs] == ["error"] * len(prompts), outs
+    after = counters(d)
+    assert after["source_down_failures"] - before["source_down_failures"] == len(prompts), after
+    assert "every path to it has been down" in after["last_load_failure"], after
+    assert after["blocks_loaded"] == before["blocks_loaded"]
+    assert_nothing_held(d)
 
 
 def test_killed_prefill(insts: dict[str, harness.Instance],

@@ -422,6 +422,8 @@ class ConnectorStats:
     push_failures: int = 0  # prefill: pushes given up (blocks then wait for a pull or the lease)
     fallbacks_sent: int = 0  # prefill: offers answered with "pull these blocks instead"
     pull_fallbacks: int = 0  # decode: push loads that became pulls on prefill's fallback
+    source_down_failures: int = 0  # decode: push loads failed early, prefill's paths all down
+    last_load_failure: str = ""  # decode: why the last failed load failed (for operators, tests)
     handed_off: int = 0  # prefill: held requests freed because decode has their KV
     leases_expired: int = 0  # prefill: held requests freed by their lease
     # monotonic times (same clock in every process of a host): decode's layer 0 of a push
@@ -450,6 +452,7 @@ class _Load:
     layer_pushes: dict[int, kvlink.InboundTransfer] = dataclasses.field(default_factory=dict)
     layers_waited: set[int] = dataclasses.field(default_factory=set)
     failed: str | None = None
+    source_down_since: float | None = None  # time.monotonic(): every path to prefill DOWN
 
 
 @dataclasses.dataclass
@@ -678,6 +681,7 @@ class _WorkerSide:
     def _fail(self, load: _Load, why: str) -> None:
         if load.failed is None:
             load.failed = why
+            self.stats.last_load_failure = why[:500]
             self.stats.load_failures += 1
             self.stats.blocks_failed += len(load.job.local_blocks)
             self._errors.update(load.job.local_blocks)
@@ -706,7 +710,7 @@ class _WorkerSide:
                     if h is None:
                         h = self._inbound_or_fallback(load, i)
                     if h is not None:
-                        h.wait(timeout_s=max(0.0, load.deadline - time.monotonic()))
+                        self._wait_pushed_layer(load, h)
                         if i == 0:
                             self.stats.layer0_ready_t.append(time.monotonic())
                 if load.pull is not None:
@@ -736,6 +740,7 @@ class _WorkerSide:
                 # Short waits: between them, a fallback answer is looked for.
                 h = self.agent.inbound(tag, timeout_s=min(remaining, _FALLBACK_POLL_S))
             except kvlink.TransferTimeoutError:
+                self._check_source(load)
                 if load.layer_pushes:
                     continue  # layers are arriving: no fallback will come
                 self._drain_notifications()
@@ -747,6 +752,49 @@ class _WorkerSide:
             load.layer_pushes[i] = h
             self._watch.append((False, h))
             return h
+
+    def _wait_pushed_layer(self, load: _Load, h: kvlink.InboundTransfer) -> None:
+        """Waits for an announced layer push, in short waits with prefill's paths checked
+        between them (a sender that died mid-push sends no failure)."""
+        while True:
+            remaining = load.deadline - time.monotonic()
+            try:
+                h.wait(timeout_s=max(0.0, min(remaining, _FALLBACK_POLL_S)))
+                return
+            except kvlink.TransferTimeoutError:
+                if remaining <= _FALLBACK_POLL_S:
+                    raise
+                self._check_source(load)
+
+    def _check_source(self, load: _Load) -> None:
+        """Push load: fails it once every path to the pushing prefill has been DOWN for
+        connect_timeout_s (prefill killed, or every link cut), instead of holding decode's
+        forward pass, and every request in it, until load_timeout_s. A shorter outage (a link
+        flap) is waited out: kvlink reconnects and the pushes go on.
+
+        Raises:
+            kvlink.PeerUnreachableError: prefill has been unreachable for connect_timeout_s.
+        """
+        assert self.agent is not None
+        src = load.job.source
+        assert isinstance(src, proto.PushSource)
+        name = src.card.agent
+        states = [p.state for p in self.agent.paths() if p.peer == name]
+        now = time.monotonic()
+        down = (kvlink.PathState.DOWN, kvlink.PathState.PROBING)  # PROBING: reconnecting
+        if not states or any(st not in down for st in states):
+            load.source_down_since = None
+            return
+        if load.source_down_since is None:
+            load.source_down_since = now
+        down_s = now - load.source_down_since
+        if down_s >= self.settings.connect_timeout_s:
+            self.stats.source_down_failures += 1
+            raise kvlink.PeerUnreachableError(
+                f"prefill {name!r}: every path to it has been down for {down_s:.1f} s "
+                f"(connect_timeout_s={self.settings.connect_timeout_s}): it died or every link "
+                "is cut, so its KV will not come", peer=name,
+            )
 
     def _start_fallback_pull(self, load: _Load, fb: proto.Fallback) -> None:
         """Prefill will not push: pull its held blocks into the blocks decode offered."""

@@ -567,6 +567,7 @@ class Agent:
         segments: Any = None,
         notify: bytes | None = None,
         timeout_s: float | None = None,
+        instance: int | None = None,
     ) -> Transfer:
         """Writes local memory into a peer's region.
 
@@ -585,10 +586,13 @@ class Agent:
             UnknownRegionError, OutOfBoundsError, RemoteAccessError: a segment
                 does not fit or lacks ``remote_write`` (nothing is sent).
             UnknownPeerError: ``peer`` was not added.
-            PeerUnreachableError: every path to ``peer`` is down.
+            PeerUnreachableError: every path to ``peer`` is down; or ``instance``
+                is given and ``peer`` is another instance now (it restarted: the
+                regions and contents the caller knew are gone), nothing sent.
         """
         return self._submit(
-            Op.PUSH, peer, src, dst, nbytes, src_offset, dst_offset, segments, notify, timeout_s
+            Op.PUSH, peer, src, dst, nbytes, src_offset, dst_offset, segments, notify, timeout_s,
+            instance,
         )
 
     def pull(
@@ -603,16 +607,22 @@ class Agent:
         segments: Any = None,
         notify: bytes | None = None,
         timeout_s: float | None = None,
+        instance: int | None = None,
     ) -> Transfer:
         """Reads a peer's region (``src``) into local memory (``dst``).
 
         The mirror of :meth:`push`: the peer's region needs ``remote_read``.
+        ``instance`` (both): move bytes only if ``peer`` is still that
+        instance (``int`` of the metadata's ``instance``), the one whose
+        contents the caller means: with discovery, a peer whose paths are all
+        down is looked up again and may be replaced by its restarted instance.
 
         Raises:
             As :meth:`push`, with the roles of ``src`` and ``dst`` swapped.
         """
         return self._submit(
-            Op.PULL, peer, src, dst, nbytes, src_offset, dst_offset, segments, notify, timeout_s
+            Op.PULL, peer, src, dst, nbytes, src_offset, dst_offset, segments, notify, timeout_s,
+            instance,
         )
 
     def _submit(
@@ -627,8 +637,14 @@ class Agent:
         segments: Any,
         notify: bytes | None,
         timeout_s: float | None,
+        instance: int | None = None,
     ) -> Transfer:
         _peer_name(peer)
+        if instance is not None and (
+            isinstance(instance, bool) or not isinstance(instance, int)
+            or not 0 <= instance < 1 << 64
+        ):
+            raise int_error("instance", instance, "a peer's instance id (int of 64 bits)")
         if notify is not None and not isinstance(notify, (bytes, bytearray)):
             raise ArgumentTypeError(f"notify: expected bytes, got {type(notify).__name__}")
         tag = bytes(notify or b"")
@@ -639,6 +655,18 @@ class Agent:
             try:
                 with self._using() as a:
                     p = _native.peer_find(a, peer)
+                    if instance is not None:
+                        # Under _using() the peer cannot be replaced until this is submitted,
+                        # and a replaced peer's transfers fail: the check holds for the transfer.
+                        with self._lock:
+                            now = self._peer_md.get(peer, (None, ()))[0]
+                        if now != instance:
+                            raise PeerUnreachableError(
+                                f"peer {peer!r} is instance "
+                                f"{'unknown' if now is None else format(now, '016x')} now, not "
+                                f"{instance:016x}: it restarted, and what it held then is gone",
+                                peer=peer,
+                            )
                     if segments is not None:
                         if src is not None or dst is not None or nbytes is not None:
                             raise InvalidArgumentError(

@@ -78,3 +78,26 @@ def test_two_live_agents_of_one_name_are_refused(make_agent, spawn_peer):
     with pytest.raises(kvlink.DuplicateNameError, match=r"two live agents.*remove_peer\('rx'\)"):
         tx.add_peer(second.metadata)
     assert len(tx.paths()) == 2  # the first one is untouched
+
+
+def test_transfer_pinned_to_an_instance(make_agent):
+    """push/pull(instance=...) move bytes only while the peer is that instance: a caller
+    holding a restarted peer's old metadata (its blocks are gone) gets an error, not the new
+    instance's memory."""
+
+    rx = make_agent("rx", nics="loopback:2")
+    tx = make_agent("tx", nics="loopback:2")
+    dst = np.zeros(1 << 20, np.uint8)
+    rx.register(dst, remote_write=True, remote_read=True, name="kv")
+    src = np.full(1 << 20, 9, np.uint8)
+    tx.register(src)
+    tx.add_peer(rx.metadata())
+    with pytest.raises(kvlink.PeerUnreachableError, match="it restarted"):
+        tx.push("rx", src=src, dst="kv", instance=rx.instance_id ^ 1)
+    with pytest.raises(kvlink.PeerUnreachableError, match="it restarted"):
+        tx.pull("rx", src="kv", dst=src, instance=rx.instance_id ^ 1)
+    assert not dst.any()  # nothing was sent
+    with pytest.raises(kvlink.InvalidArgumentError, match="instance"):
+        tx.push("rx", src=src, dst="kv", instance=-1)
+    tx.push("rx", src=src, dst="kv", instance=rx.instance_id).wait(timeout_s=30)
+    assert (dst == 9).all()

@@ -661,6 +661,7 @@ class _WorkerSide:
                     load.pull = self.agent.pull(
                         peer, segments=segs, notify=job.source.tag.encode(),
                         timeout_s=max(0.001, load.deadline - now),
+                        instance=proto.instance_of(job.source.card),
                     )
                     self._watch.append((False, load.pull))
                 else:
@@ -816,7 +817,7 @@ class _WorkerSide:
         segs = kv.block_segments(src.card.layout, self.layout, fb.blocks, load.job.local_blocks)
         load.pull = self.agent.pull(
             self._peer(src.card), segments=segs, notify=fb.tag.encode(),
-            timeout_s=max(0.001, load.deadline - now),
+            timeout_s=max(0.001, load.deadline - now), instance=proto.instance_of(src.card),
         )
         self._watch.append((False, load.pull))
         self.stats.pull_fallbacks += 1
@@ -861,7 +862,7 @@ class _WorkerSide:
                 )
                 t = self.agent.push(
                     peer, segments=segs, notify=proto.layer_tag(tid, layer),
-                    timeout_s=remaining,
+                    timeout_s=remaining, instance=proto.instance_of(s.push.decode),
                 )
                 s.pushes.append(t)
                 self._watch.append((True, t))

@@ -21,6 +21,7 @@ proxy author sees what to fix.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from typing import Any
 
@@ -92,6 +93,19 @@ class Card:
         except (ValueError, TypeError, KeyError) as exc:
             raise ParamsError(f"{where}['layout']: {exc}") from exc
         return cls(d["agent"], d.get("metadata"), layout, d["block_size"], d.get("instance"))
+
+
+def instance_of(card: Card) -> int | None:
+    """The kvlink instance id a card was made by (None when its metadata does not say): a
+    transfer to its agent moves bytes only while the agent is still that instance, so the
+    blocks a card names are never read from or written into a restarted worker."""
+    if card.instance is not None:
+        return int(card.instance, 16)
+    try:
+        md = json.loads(card.metadata or "")
+        return int(md["instance"], 16)
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _block_list(value: Any, where: str) -> list[int]:

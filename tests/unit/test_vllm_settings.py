@@ -140,3 +140,16 @@ def test_discovery_cards(make_agent) -> None:  # type: ignore[no-untyped-def]
     assert "metadata" not in d and proto.Card.from_dict(d, "x") == slim
     with pytest.raises(proto.ParamsError, match="neither 'metadata'"):
         proto.Card.from_dict({**d, "instance": "xyz"}, "x")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), "1", True, None])
+def test_offer_and_fallback_expiry_must_be_finite(bad: object) -> None:
+    # An expiry that never passes would keep its entry in decode's or prefill's tables forever.
+    offer = proto.make_offer("t1", [3, 4], 1e9)
+    offer["expires"] = bad
+    with pytest.raises(proto.ParamsError, match="expires"):
+        proto.parse_offer(offer)
+    fb = proto.make_fallback(proto.Fallback("t1", [5], "tag", 1e9, 30.0))
+    fb["max_pull_s"] = bad
+    with pytest.raises(proto.ParamsError, match="max_pull_s"):
+        proto.parse_fallback(fb)

@@ -52,6 +52,19 @@ log = logging.getLogger("vllm.kvlink")
 # Decode, push: how often a wait for layer 0 also looks for prefill's fallback answer. Short
 # against a pull's time, long enough that the poll costs nothing measurable.
 _FALLBACK_POLL_S = 0.05
+# Announcements peers send ahead of their use (pull notifications, offers, fallbacks) wait in
+# tables until a request claims them or they expire; a peer must not grow them without limit.
+_MAX_PENDING = 4096
+
+
+def _bounded_put(table: dict[Any, Any], key: Any, value: Any) -> None:
+    """table[key] = value, dropping the oldest entry first when ``table`` is full."""
+    if key not in table and len(table) >= _MAX_PENDING:
+        dropped = next(iter(table))
+        del table[dropped]
+        log.warning("more than %d unclaimed peer announcements: dropped the oldest (%s)",
+                    _MAX_PENDING, dropped)
+    table[key] = value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -496,7 +509,7 @@ class _WorkerSide:
         self._sends: dict[str, _Send] = {}
         self._offers: dict[str, tuple[str, list[int], float]] = {}  # transfer id -> offer
         self._fallbacks: dict[str, proto.Fallback] = {}  # decode: transfer id -> prefill's answer
-        self._pulled: set[str] = set()  # tags decode has pulled
+        self._pulled: dict[str, None] = {}  # tags decode has pulled (insertion-ordered)
         self._step_pushes: list[_Send] = []
         self.stats = ConnectorStats()
         # vLLM's metrics: transfers watched until done (read once each, then dropped), the
@@ -879,7 +892,7 @@ class _WorkerSide:
         assert self.agent is not None
         for note in self.agent.notifications(timeout_s=0):
             if note.op == kvlink.Op.PULL:
-                self._pulled.add(note.tag.decode(errors="replace"))
+                _bounded_put(self._pulled, note.tag.decode(errors="replace"), None)
             elif note.op == kvlink.Op.PREPARE:
                 try:
                     layout = note.prepare_request().get("layout")
@@ -889,9 +902,9 @@ class _WorkerSide:
                     log.warning("ignored an announcement from %s: %s", note.peer, exc)
                     continue
                 if offer is not None:
-                    self._offers[offer[0]] = offer
+                    _bounded_put(self._offers, offer[0], offer)
                 if fallback is not None:
-                    self._fallbacks[fallback.transfer_id] = fallback
+                    _bounded_put(self._fallbacks, fallback.transfer_id, fallback)
         # Offers and fallbacks nobody claims (a request that never came here, or one that gave
         # up) are dropped once expired.
         now = time.time()
@@ -976,7 +989,7 @@ class _WorkerSide:
                 log.warning("request %s: a push to decode failed; the blocks stay held for a "
                             "pull until the lease ends", req_id)
             if s.tag in self._pulled:
-                self._pulled.discard(s.tag)
+                del self._pulled[s.tag]
                 reason = None
             elif s.push is not None and s.layers_pushed == num_layers and pushes_done and all(
                 t.ok for t in s.pushes

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from typing import Any
 
@@ -116,6 +117,25 @@ def _block_list(value: Any, where: str) -> list[int]:
     return value
 
 
+def _number(d: dict[str, Any], key: str, where: str) -> float:
+    """A finite number (NaN or inf would never expire: what holds on it would never be freed)."""
+    value = d.get(key)
+    if (
+        isinstance(value, bool) or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+    ):
+        raise ParamsError(f"{where}[{key!r}]: missing or not a finite number")
+    return float(value)
+
+
+def _pull_lease(d: dict[str, Any], where: str) -> tuple[str, float, float]:
+    """(tag, expires, max_pull_s) of a pull answer: prefill's params or its fallback."""
+    tag = d.get("tag")
+    if not isinstance(tag, str) or not tag:
+        raise ParamsError(f"{where}['tag']: missing")
+    return tag, _number(d, "expires", where), _number(d, "max_pull_s", where)
+
+
 def _transfer_id(value: Any, where: str) -> str:
     if not isinstance(value, str) or not _TRANSFER_ID.match(value):
         raise ParamsError(
@@ -167,18 +187,10 @@ def parse_decode_params(params: dict[str, Any]) -> PullSource | PushSource:
             "{'transfer_id': ..., 'prefill': <prefill's card>})"
         )
     blocks = _block_list(params.get("remote_block_ids"), "kv_transfer_params['remote_block_ids']")
-    tag = info.get("tag")
-    if not isinstance(tag, str) or not tag:
-        raise ParamsError("kv_transfer_params['kvlink']['tag']: missing")
-    numbers = []
-    for key in ("expires", "max_pull_s"):
-        value = info.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-            raise ParamsError(f"kv_transfer_params['kvlink'][{key!r}]: missing or not a number")
-        numbers.append(float(value))
+    tag, expires, max_pull_s = _pull_lease(info, "kv_transfer_params['kvlink']")
     return PullSource(
         Card.from_dict(info.get("card"), "kv_transfer_params['kvlink']['card']"),
-        blocks, tag, numbers[0], numbers[1],
+        blocks, tag, expires, max_pull_s,
     )
 
 
@@ -246,10 +258,8 @@ def parse_offer(layout: Any) -> tuple[str, list[int], float] | None:
     if layout.get("v") != VERSION:
         raise ParamsError(f"offer: version {layout.get('v')!r}, this connector speaks {VERSION}")
     tid = _transfer_id(layout[OFFER_KEY], "offer['kvlink_offer']")
-    expires = layout.get("expires")
-    if not isinstance(expires, (int, float)) or isinstance(expires, bool):
-        raise ParamsError("offer['expires']: expected unix seconds")
-    return tid, unruns(layout.get("blocks"), "offer['blocks']"), float(expires)
+    expires = _number(layout, "expires", "offer")
+    return tid, unruns(layout.get("blocks"), "offer['blocks']"), expires
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,13 +293,7 @@ def parse_fallback(layout: Any) -> Fallback | None:
     if layout.get("v") != VERSION:
         raise ParamsError(f"fallback: version {layout.get('v')!r}, this connector speaks {VERSION}")
     tid = _transfer_id(layout[FALLBACK_KEY], "fallback['kvlink_fallback']")
-    tag = layout.get("tag")
-    if not isinstance(tag, str) or not tag:
-        raise ParamsError("fallback['tag']: missing")
-    numbers = []
-    for key in ("expires", "max_pull_s"):
-        value = layout.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-            raise ParamsError(f"fallback[{key!r}]: missing or not a number")
-        numbers.append(float(value))
-    return Fallback(tid, unruns(layout.get("blocks"), "fallback['blocks']"), tag, *numbers)
+    tag, expires, max_pull_s = _pull_lease(layout, "fallback")
+    return Fallback(
+        tid, unruns(layout.get("blocks"), "fallback['blocks']"), tag, expires, max_pull_s
+    )

@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --upgrade pip setuptools wheel cffi
 	# torch 2.13.0 CPU comes from the local wheel folder (PIP_FIND_LINKS) where present
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,ucx]'
 	touch $(STAMP)
 
 # Rebuild the C core whenever a C source or the header changed.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import threading
@@ -13,12 +14,13 @@ from typing import Any
 
 import numpy as np
 
-from . import _native, _nics
+from . import _native, _nics, _transport
 from ._args import bool_arg, int_error, timeout_arg
 from ._config import Config
 from ._errors import (
     ArgumentTypeError,
     ClosedError,
+    ConfigError,
     DuplicateNameError,
     InvalidArgumentError,
     NotRegisteredError,
@@ -80,6 +82,15 @@ class Agent:
         self._idle = threading.Condition(self._lock)
         self._regions = RegionTable()
         addrs = _nics.resolve(cfg.nics)
+        if cfg.transport == "ucx":
+            ok, why = _transport.ucx_status()
+            raise ConfigError(
+                "transport='ucx': "
+                + (f"{why} loaded, but" if ok else f"{why}; and")
+                + " kvlink's engine does not carry chunks over UCX yet (docs/ucx.md, Status);"
+                " use transport='auto' (TCP until then) or 'tcp'"
+            )
+        self._transport = _transport.path_transport(cfg.transport)
         with _live_lock:
             if name in _live_names:
                 raise DuplicateNameError(
@@ -659,7 +670,12 @@ class Agent:
             ClosedError: the agent is closed.
         """
         with self._using() as a:
-            return _native.paths(a)
+            return self._with_transport(_native.paths(a))
+
+    def _with_transport(self, paths: list[PathInfo]) -> list[PathInfo]:
+        """Each path with the transport it runs and why (docs/ucx.md)."""
+        tp, note = self._transport
+        return [dataclasses.replace(p, transport=tp, transport_note=note) for p in paths]
 
 
 def _peer_name(peer: Any) -> str:

@@ -632,6 +632,17 @@ def paths(a: Handle) -> list[PathInfo]:
     ]
 
 
+# ---- transports ----------------------------------------------------------------
+
+
+def ucx_load(lib_path: str | None) -> tuple[bool, str]:
+    """kvl_ucx_load_lib: (True, version) if UCX loads, else (False, why)."""
+    rc = lib.kvl_ucx_load_lib(lib_path.encode() if lib_path else ffi.NULL)
+    if rc != ErrorCode.OK:
+        return False, last_error()
+    return True, cstr(lib.kvl_ucx_loaded_version())
+
+
 # ---- integrity -----------------------------------------------------------------
 
 

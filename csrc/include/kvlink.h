@@ -496,6 +496,19 @@ kvl_err kvl_next_notification(kvl_agent *agent, uint32_t timeout_ms,
  * total.  Thread-safe, does not block. */
 kvl_err kvl_paths(kvl_agent *agent, kvl_path_info *out, size_t cap, size_t *n);
 
+/* ---- transports ----------------------------------------------------------- */
+
+/* Loads UCX's libucp for the UCX transport (docs/ucx.md), once per process:
+ * lib is a path to libucp.so.0 (NULL: the loader's search path).  KVL_OK if
+ * UCX is usable; else KVL_ERR_SYSTEM and kvl_last_error() says why (kvlink
+ * built without UCX headers, library missing, too old); the first attempt
+ * decides for the whole process.  Blocks (dlopen); thread-safe. */
+kvl_err kvl_ucx_load_lib(const char *lib);
+
+/* The loaded UCX's version ("1.22.0"), "" before a successful load.  The
+ * string is static.  Thread-safe. */
+const char *kvl_ucx_loaded_version(void);
+
 #ifdef __cplusplus
 }
 #endif

@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "internal.h"
 #include "ucx.h"
 
 #ifdef KVL_HAVE_UCX
@@ -91,3 +92,13 @@ const char *kvl_ucx_version(void)
     pthread_mutex_unlock(&load_mu);
     return v;
 }
+
+kvl_err kvl_ucx_load_lib(const char *lib)
+{
+    char why[512];
+    if (kvl_ucx_load(lib, why, sizeof why) != 0)
+        return kvl_fail(KVL_ERR_SYSTEM, "%s", why);
+    return KVL_OK;
+}
+
+const char *kvl_ucx_loaded_version(void) { return kvl_ucx_version(); }

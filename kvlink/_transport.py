@@ -1,0 +1,55 @@
+"""Which transports this process can use (docs/ucx.md).
+
+UCX is loaded by the C core at run time (``dlopen``), never linked: this module
+finds the library (the ``libucx-cu12`` wheel that ``kvlink[ucx]`` installs,
+else the system's) and asks the core to load it, once per process.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from pathlib import Path
+
+from . import _native
+
+_HINT = "pip install 'kvlink[ucx]'"
+
+
+def ucx_library() -> str | None:
+    """Path of the ``libucx-cu12`` wheel's libucp, or None (then the loader's
+    search path decides, e.g. a system libucx)."""
+    spec = importlib.util.find_spec("libucx")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    lib = Path(next(iter(spec.submodule_search_locations))) / "lib" / "libucp.so.0"
+    return str(lib) if lib.is_file() else None
+
+
+@functools.cache
+def ucx_status() -> tuple[bool, str]:
+    """(True, "UCX 1.22.0 from PATH") when UCX loads in this process, else
+    (False, why, with what to do).  The first call decides for the process."""
+    lib = ucx_library()
+    ok, detail = _native.ucx_load(lib)
+    where = lib or "the loader's search path"
+    if ok:
+        return True, f"UCX {detail} from {where}"
+    if lib is None and "cannot load" in detail:
+        detail += f" ({_HINT})"
+    return False, detail
+
+
+def path_transport(requested: str) -> tuple[str, str]:
+    """The transport a new data path runs and why, for ``Config.transport``
+    ``requested`` ("auto" or "tcp"; "ucx" is refused before this is asked).
+
+    The engine does not carry chunks over UCX yet (docs/ucx.md, "Status"), so
+    every path runs TCP; the note says why, for ``paths()``.
+    """
+    if requested == "tcp":
+        return "tcp", "transport='tcp'"
+    ok, why = ucx_status()
+    if not ok:
+        return "tcp", f"UCX unavailable: {why}"
+    return "tcp", f"{why} loaded; the engine's UCX data path is not built yet (docs/ucx.md)"

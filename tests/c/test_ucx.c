@@ -207,6 +207,25 @@ int main(int argc, char **argv)
     CHECK(kvl_ucx_flush_start(ab, &seq) == KVL_OK);
     CHECK(wait_flushed(ab, seq, epfd));
 
+    /* What this UCX enforces, recorded (not asserted: it depends on the
+     * transport): a put through region dst's valid key aimed at a buffer the
+     * receiver never registered.  Over UCX's TCP (software RMA) it lands:
+     * the key does not bound the address, kvlink's checks must (ucx.md). */
+    {
+        uint8_t *other = calloc(1, 4096);
+        kvl_ucx_rkey *lie = NULL;
+        if (CHECK(other) &&
+            kvl_ucx_rkey_unpack(ab, key, klen, (uint64_t)(uintptr_t)other, 4096, &lie) == KVL_OK &&
+            kvl_ucx_put(ab, src, 64, lie, 0) == KVL_OK && kvl_ucx_flush_start(ab, &seq) == KVL_OK) {
+            wait_flushed(ab, seq, epfd);
+            printf("put through a key outside its region: %s\n",
+                   memcmp(other, src, 64) == 0 ? "LANDED (no check by this transport)"
+                                                : "did not land");
+        }
+        kvl_ucx_rkey_destroy(lie);
+        free(other);
+    }
+
     /* after the receiver unmaps, a put through the old key must not land
      * where it used to be: here we only record what this UCX does */
     kvl_ucx_rkey_destroy(rbig);

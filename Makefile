@@ -31,7 +31,8 @@ demo: build
 # C tests under ASan/UBSan (with a bounded libFuzzer run over the frame decoders and a bounded
 # hostile-client run against a live agent: tests/c/Makefile), then the threaded ones (two
 # whole agents included) under ThreadSanitizer.  sysdeps: clang for the fuzzer.
-test-c: sysdeps
+# $(STAMP): the venv's UCX wheel (kvlink[ucx]) is what test_ucx builds and runs against
+test-c: sysdeps $(STAMP)
 	$(MAKE) -C tests/c test
 	$(MAKE) -C tests/c tsan
 

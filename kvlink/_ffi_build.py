@@ -44,18 +44,24 @@ def ucx_cflags() -> list[str]:
     (docs/ucx.md), so without UCX kvlink builds and runs the TCP transport.
     KVLINK_BUILD_UCX=0 builds without UCX even where it is found.
     """
-    if os.environ.get("KVLINK_BUILD_UCX") == "0" or not shutil.which("pkg-config"):
+    if os.environ.get("KVLINK_BUILD_UCX") == "0":
         return []
     env = dict(os.environ)
+    wheel: Path | None = None
     try:
         import libucx  # type: ignore[import-not-found]
 
-        pc = Path(libucx.__file__).resolve().parent / "lib" / "pkgconfig"
+        wheel = Path(libucx.__file__).resolve().parent
         env["PKG_CONFIG_PATH"] = os.pathsep.join(
-            p for p in (str(pc), env.get("PKG_CONFIG_PATH", "")) if p
+            p for p in (str(wheel / "lib" / "pkgconfig"), env.get("PKG_CONFIG_PATH", "")) if p
         )
     except ImportError:
         pass
+    if not shutil.which("pkg-config"):
+        # no pkg-config: the wheel's headers are still where the wheel puts them
+        if wheel is not None and (wheel / "include" / "ucp" / "api" / "ucp.h").is_file():
+            return ["-DKVL_HAVE_UCX", f"-isystem{wheel / 'include'}"]
+        return []
     r = subprocess.run(
         ["pkg-config", "--define-prefix", "--cflags", "ucx"],
         env=env,

@@ -28,7 +28,7 @@
 
 enum {
     F_HDR, F_HELLO, F_HELLO_ACK, F_CHUNK, F_STATUS, F_NOTIFY, F_ANNOUNCE, F_TOKEN,
-    F_CHALLENGE, F_AUTH, F_UCX_SETUP, F_UCX_KEYS, F_UCX_REFUSE, F_UCX_DONE, F_N
+    F_CHALLENGE, F_AUTH, F_UCX_SETUP, F_UCX_KEYS, F_UCX_REFUSE, F_N
 };
 
 #define REQUIRE(cond)                                                                     \
@@ -234,14 +234,6 @@ static int fuzz_body(int k, const uint8_t *body, size_t len)
         REQUIRE(strnlen(msg, sizeof msg) < sizeof msg);
         break;
     }
-    case F_UCX_DONE: {
-        kvl_ucx_done d;
-        if ((e = kvl_ucx_dec_done(body, len, &d)) != KVL_OK)
-            break;
-        kvl_ucx_enc_done(&b, &d);
-        same_bytes(&b, 0, body, len);
-        break;
-    }
     default:
         break;
     }
@@ -429,10 +421,6 @@ int main(int argc, char **argv)
         kvl_buf_free(&b);
         kvl_ucx_enc_refuse(&b, 7, "UCX not loaded");
         seed(F_UCX_REFUSE, b.p, b.len);
-        kvl_buf_free(&b);
-        kvl_ucx_done d = {7, 3, 2, 0xdeadbeef};
-        kvl_ucx_enc_done(&b, &d);
-        seed(F_UCX_DONE, b.p, b.len);
     }
     kvl_buf_free(&b);
     printf("fuzz_wire: %d seeds in %s\n", n_seeds, seed_dir);

@@ -92,7 +92,7 @@ int main(void)
         CHECKF(kvl_ucx_dec_setup(bad[i].body, bad[i].len, 1, &s) == KVL_ERR_PROTOCOL, "%s",
                bad[i].what);
 
-    /* REFUSE and DATA_DONE */
+    /* REFUSE */
     kvl_buf rb = {0};
     kvl_ucx_enc_refuse(&rb, 7, "UCX not loaded: libucp.so.0: cannot open shared object file");
     uint32_t st = 0;
@@ -108,14 +108,6 @@ int main(void)
     CHECK(kvl_ucx_dec_refuse(rb.p, rb.len, &st, msg) == KVL_OK && strlen(msg) == 255);
     kvl_buf_free(&rb);
 
-    kvl_ucx_done d = {0x1122334455667788ull, 3, 2, 0xdeadbeef}, d2;
-    kvl_buf db = {0};
-    kvl_ucx_enc_done(&db, &d);
-    CHECK(db.len == KVL_UCX_DONE_BYTES);
-    CHECK(kvl_ucx_dec_done(db.p, db.len, &d2) == KVL_OK && d2.xid == d.xid &&
-          d2.chunk == 3 && d2.attempt == 2 && d2.crc == 0xdeadbeef);
-    CHECK(kvl_ucx_dec_done(db.p, db.len - 1, &d2) == KVL_ERR_PROTOCOL);
-    kvl_buf_free(&db);
 
     /* random bodies and random mutations of a valid one: never a crash or a
      * leak (ASan), and whatever decodes re-encodes to the same bytes */
@@ -140,8 +132,6 @@ int main(void)
             kvl_buf_free(&again);
             kvl_ucx_setup_free(&t);
         }
-        kvl_ucx_done dd;
-        kvl_ucx_dec_done(junk, n, &dd);
         kvl_ucx_dec_refuse(junk, n, &st, msg);
     }
     CHECK(reencoded);

@@ -206,26 +206,3 @@ kvl_err kvl_ucx_dec_refuse(const uint8_t *body, size_t len, uint32_t *status, ch
     msg[n] = '\0';
     return KVL_OK;
 }
-
-/* ---- DATA_DONE ---- */
-
-void kvl_ucx_enc_done(kvl_buf *b, const kvl_ucx_done *d)
-{
-    put_le(b, d->xid, 8);
-    put_le(b, d->chunk, 4);
-    put_le(b, d->attempt, 4);
-    put_le(b, d->crc, 4);
-}
-
-kvl_err kvl_ucx_dec_done(const uint8_t *body, size_t len, kvl_ucx_done *out)
-{
-    if (len != KVL_UCX_DONE_BYTES)
-        return kvl_fail(KVL_ERR_PROTOCOL, "DATA_DONE: %zu bytes, expected %d", len,
-                        KVL_UCX_DONE_BYTES);
-    cur c = {body, body + len, 0};
-    out->xid = get_le(&c, 8);
-    out->chunk = (uint32_t)get_le(&c, 4);
-    out->attempt = (uint32_t)get_le(&c, 4);
-    out->crc = (uint32_t)get_le(&c, 4);
-    return KVL_OK;
-}

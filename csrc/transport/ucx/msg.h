@@ -2,9 +2,11 @@
  * (docs/ucx.md, "Connection set-up" and "A chunk over a UCX path").
  *
  * Not yet sent by anyone: the frame types that will carry these bodies
- * (UCX_OFFER, UCX_ACCEPT, UCX_KEYS, UCX_REFUSE, DATA_DONE) belong to the
- * engine integration, which is not built.  The codec is here, tested and
- * fuzzed, so that integration starts from checked decoders.
+ * (UCX_OFFER, UCX_ACCEPT, UCX_KEYS, UCX_REFUSE) belong to the engine
+ * integration, which is not built.  The codec is here, tested and fuzzed,
+ * so that integration starts from checked decoders.  A chunk's completion
+ * needs no message of its own: it is the frame's crc32c trailer, sent after
+ * the flush (docs/ucx.md).
  *
  * All integers little-endian, as in docs/wire-protocol.md.
  *
@@ -14,7 +16,6 @@
  *     n_keys x { u64 region | u64 base | u64 size | u16 key_len (1..KVL_UCX_RKEY_MAX) | key }
  *     region ids strictly increasing; size > 0; base + size does not wrap
  *   REFUSE:    u32 status | u16 len (0..255) | message bytes
- *   DATA_DONE: u64 xid | u32 chunk | u32 attempt | u32 crc32c      (20 bytes)
  *
  * Decoders read only inside [body, body + len), return KVL_ERR_PROTOCOL
  * (with the reason in kvl_last_error) for anything else, including trailing
@@ -31,7 +32,6 @@
 
 /* The most keys one SETUP carries: the region table's own limit. */
 #define KVL_UCX_MAX_KEYS 8192
-#define KVL_UCX_DONE_BYTES 20
 
 typedef struct kvl_ucx_key_view {
     uint64_t region, base, size;
@@ -45,11 +45,6 @@ typedef struct kvl_ucx_setup {
     uint32_t n_keys;
     kvl_ucx_key_view *keys; /* n_keys entries, owned: kvl_ucx_setup_free */
 } kvl_ucx_setup;
-
-typedef struct kvl_ucx_done {
-    uint64_t xid;
-    uint32_t chunk, attempt, crc;
-} kvl_ucx_done;
 
 /* Appends a SETUP body to b (b->oom on allocation failure).  The caller
  * passes keys sorted by region and within the limits above; the encoder
@@ -66,8 +61,5 @@ const kvl_ucx_key_view *kvl_ucx_setup_key(const kvl_ucx_setup *s, uint64_t regio
 void kvl_ucx_enc_refuse(kvl_buf *b, uint32_t status, const char *msg);
 /* msg: at least 256 bytes; gets the message, NUL-terminated. */
 kvl_err kvl_ucx_dec_refuse(const uint8_t *body, size_t len, uint32_t *status, char *msg);
-
-void kvl_ucx_enc_done(kvl_buf *b, const kvl_ucx_done *d);
-kvl_err kvl_ucx_dec_done(const uint8_t *body, size_t len, kvl_ucx_done *out);
 
 #endif

@@ -45,11 +45,11 @@ def path_transport(requested: str) -> tuple[str, str]:
     ``requested`` ("auto" or "tcp"; "ucx" is refused before this is asked).
 
     The engine does not carry chunks over UCX yet (docs/ucx.md, "Status"), so
-    every path runs TCP; the note says why, for ``paths()``.
+    every path runs TCP; the note says why, for ``paths()``.  UCX is not
+    loaded for that: loading libucp makes UCX catch SIGHUP (its
+    UCX_DEBUG_SIGNO) and a real-time signal in the whole process, which an
+    agent that does not use UCX must not impose.
     """
     if requested == "tcp":
         return "tcp", "transport='tcp'"
-    ok, why = ucx_status()
-    if not ok:
-        return "tcp", f"UCX unavailable: {why}"
-    return "tcp", f"{why} loaded; the engine's UCX data path is not built yet (docs/ucx.md)"
+    return "tcp", "UCX not used: the engine's UCX data path is not built yet (docs/ucx.md)"

@@ -186,8 +186,10 @@ int main(int argc, char **argv)
     }
 
     /* idle: both workers armed, epoll sleeps, the process burns ~no CPU */
-    while (kvl_ucx_worker_progress(wa) != 1 || kvl_ucx_worker_progress(wb) != 1)
-        ;
+    int armed = 0;
+    for (int i = 0; i < 100000 && !armed; i++)
+        armed = kvl_ucx_worker_progress(wa) == 1 && kvl_ucx_worker_progress(wb) == 1;
+    CHECK(armed);
     double c0 = cpu_s(), w0 = now_s();
     struct epoll_event evs[2];
     int woke = 0;

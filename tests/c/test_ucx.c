@@ -235,6 +235,61 @@ int main(int argc, char **argv)
     free(bs);
     free(bd);
 
+    /* a peer that dies (its worker destroyed: the process-exit case) shows
+     * as a failed endpoint, and puts and flushes on it then fail with
+     * CONN_LOST instead of hanging: what the path monitor will act on */
+    {
+        kvl_ucx_worker *wc = NULL;
+        kvl_ucx_ep *ac = NULL;
+        kvl_ucx_mem *mc = NULL;
+        kvl_ucx_rkey *kc = NULL;
+        uint8_t addr_c[KVL_UCX_ADDR_MAX], kcb[KVL_UCX_RKEY_MAX];
+        size_t lc = 0;
+        uint32_t kcl = 0;
+        uint8_t *cbuf = calloc(1, 1u << 20);
+        if (CHECK(cbuf && kvl_ucx_worker_create("lo", opts, &wc) == KVL_OK) &&
+            CHECK(kvl_ucx_worker_address(wc, addr_c, sizeof addr_c, &lc) == KVL_OK) &&
+            CHECK(kvl_ucx_ep_create(wa, addr_c, lc, &ac) == KVL_OK) &&
+            CHECK(kvl_ucx_mem_map(wc, cbuf, 1u << 20, &mc, kcb, &kcl) == KVL_OK) &&
+            CHECK(kvl_ucx_rkey_unpack(ac, kcb, kcl, (uint64_t)(uintptr_t)cbuf, 1u << 20, &kc) ==
+                  KVL_OK)) {
+            /* one put that lands while the peer lives: the connection exists */
+            CHECK(kvl_ucx_put(ac, src, 4096, kc, 0) == KVL_OK);
+            CHECK(kvl_ucx_flush_start(ac, &seq) == KVL_OK);
+            double until = now_s() + 10;
+            while (kvl_ucx_flushed(ac) < seq && now_s() < until) {
+                kvl_ucx_worker_progress(wa);
+                kvl_ucx_worker_progress(wc);
+            }
+            CHECK(memcmp(cbuf, src, 4096) == 0);
+            kvl_ucx_mem_unmap(mc);
+            kvl_ucx_worker_destroy(wc); /* the peer is gone */
+            wc = NULL;
+            int failed = 0;
+            until = now_s() + 10;
+            while (!failed && now_s() < until) {
+                kvl_err pe = kvl_ucx_put(ac, src, 4096, kc, 0);
+                uint64_t s2 = 0;
+                kvl_err fe = pe ? pe : kvl_ucx_flush_start(ac, &s2);
+                for (int i = 0; i < 1000 && !fe && kvl_ucx_flushed(ac) < s2 &&
+                                kvl_ucx_ep_status(ac, NULL, 0) == 0;
+                     i++)
+                    kvl_ucx_worker_progress(wa);
+                failed = pe == KVL_ERR_CONN_LOST || fe == KVL_ERR_CONN_LOST ||
+                         kvl_ucx_ep_status(ac, NULL, 0) != 0;
+            }
+            char why[160] = "";
+            kvl_ucx_ep_status(ac, why, sizeof why);
+            printf("dead peer: %s after %.2f s\n", failed ? why : "NOT DETECTED",
+                   10 - (until - now_s()));
+            CHECKF(failed, "a put to a destroyed peer worker did not fail within 10 s");
+        }
+        kvl_ucx_rkey_destroy(kc);
+        kvl_ucx_ep_close(ac, 1, 2000);
+        kvl_ucx_worker_destroy(wc);
+        free(cbuf);
+    }
+
     kvl_ucx_rkey_destroy(rk);
     kvl_ucx_ep_close(ab, 0, 2000);
     kvl_ucx_ep_close(ba, 1, 2000);

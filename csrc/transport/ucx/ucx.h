@@ -70,7 +70,10 @@ int kvl_ucx_worker_progress(kvl_ucx_worker *w);
 
 /* Connects to a peer worker from its address (len bytes from the network:
  * 0 < len <= KVL_UCX_ADDR_MAX, else KVL_ERR_PROTOCOL before UCX sees it).
- * Errors of the peer later show in kvl_ucx_ep_status. */
+ * Only for an address from an authenticated peer: libucp 1.22 aborts the
+ * process on most malformed addresses (docs/ucx.md, ucx-addr-probe), which
+ * no bound checked here prevents.  Errors of the peer later show in
+ * kvl_ucx_ep_status. */
 kvl_err kvl_ucx_ep_create(kvl_ucx_worker *w, const uint8_t *addr, size_t len, kvl_ucx_ep **out);
 /* 0 while healthy; else a negative ucs_status_t (and its text in why). */
 int kvl_ucx_ep_status(const kvl_ucx_ep *ep, char *why, size_t why_len);

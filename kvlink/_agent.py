@@ -21,13 +21,16 @@ from ._errors import (
     ArgumentTypeError,
     ClosedError,
     ConfigError,
+    DiscoveryError,
     DuplicateNameError,
     InvalidArgumentError,
     NotRegisteredError,
     OutOfBoundsError,
     PeerUnreachableError,
     RegistrationError,
+    RemoteAccessError,
     SizeMismatchError,
+    UnknownPeerError,
     UnknownRegionError,
 )
 from ._inbound import InboundTransfer
@@ -36,7 +39,7 @@ from ._memory import as_span
 from ._regions import RegionTable
 from ._segments import SEGMENT_DTYPE, as_segment_array
 from ._transfer import Transfer
-from ._types import Notification, Op, PathInfo, PathState, Region, RemoteRegion
+from ._types import Notification, Op, PathInfo, PathState, PeerInfo, Region, RemoteRegion
 from .kv import PagedLayout
 
 log = logging.getLogger("kvlink")
@@ -102,6 +105,25 @@ class Agent:
             _live_names[name] = self
         self.instance_id = _native.agent_instance(self._a)
         self.addresses = _native.agent_addresses(self._a)
+        self._peer_md: dict[str, tuple[int, tuple[tuple[str, int], ...]]] = {}
+        self._discover_lock = threading.Lock()
+        self._discovery: Any = None
+        self._metrics: Any = None
+        self._metrics_server: Any = None
+        try:
+            if cfg.metrics_port is not None:
+                from ._metrics import MetricsServer
+
+                self._metrics_server = MetricsServer(
+                    self.metrics(), cfg.metrics_host, cfg.metrics_port
+                )
+            if cfg.discovery is not None:
+                from ._discovery import Discovery
+
+                self._discovery = Discovery(self, cfg, cfg.resolved_secret())
+        except BaseException:
+            self.close()
+            raise
         log.info("agent %s listening on %s", name, self.addresses)
 
     # ---- lifecycle -------------------------------------------------------
@@ -144,6 +166,10 @@ class Agent:
             self._closed = True
             while self._users:
                 self._idle.wait()
+        if self._discovery is not None:
+            self._discovery.close()  # revokes the lease: peers see this agent go
+        if self._metrics_server is not None:
+            self._metrics_server.close()
         self._drain.close_agent()  # stops the log thread, then closes the native agent
         self._a = None
         self._regions.clear()
@@ -229,6 +255,8 @@ class Agent:
                 _keepalive=span.keepalive,
             )
             self._regions.add(region)
+        if self._discovery is not None and (remote_read or remote_write):
+            self._discovery.republish(self)  # the record carries the new region's key
         return region
 
     def deregister(self, region: Region | int) -> None:
@@ -257,6 +285,8 @@ class Agent:
         with self._using() as a:
             _native.region_deregister(a, rid)
             self._regions.remove(rid)
+        if self._discovery is not None:
+            self._discovery.republish(self)
 
     def regions(self) -> list[Region]:
         """This agent's registered regions.
@@ -293,23 +323,31 @@ class Agent:
         Raises:
             ClosedError: the agent is closed.
         """
-        with self._using() as a:
-            # the access key of every exposed region: whoever holds this
-            # metadata may write / read them (docs/security.md)
-            keys = {
-                str(r.id): _native.region_key(a, r.id).hex()
-                for r in self._regions.snapshot()
-                if r.remote_read or r.remote_write
-            }
+        ident = self._identity()
         return json.dumps(
             {
                 "kvlink": METADATA_VERSION,
                 "name": self.name,
                 "instance": f"{self.instance_id:016x}",
                 "addrs": [[h, p] for h, p in self.addresses],
-                "keys": keys,
+                "keys": {str(rid): key.hex() for rid, key in ident["keys"].items()},
             }
         ).encode()
+
+    def _identity(self) -> dict[str, Any]:
+        """Instance, addresses and the access key of every exposed region:
+        whoever holds the keys may write / read those regions (docs/security.md).
+
+        Raises:
+            ClosedError: the agent is closed.
+        """
+        with self._using() as a:
+            keys = {
+                r.id: _native.region_key(a, r.id)
+                for r in self._regions.snapshot()
+                if r.remote_read or r.remote_write
+            }
+        return {"instance": self.instance_id, "addrs": list(self.addresses), "keys": keys}
 
     def add_peer(self, metadata: bytes | str | dict[str, Any]) -> str:
         """Connects to a peer: a control connection plus one data connection per
@@ -339,6 +377,8 @@ class Agent:
             with self._alone() as a:
                 p = _native.peer_connect(a, md["name"], md["instance"], md["addrs"])
                 self._take_keys(p, md)
+        with self._lock:
+            self._peer_md[md["name"]] = (md["instance"], tuple(md["addrs"]))
         return str(md["name"])
 
     @staticmethod
@@ -363,7 +403,93 @@ class Agent:
         _peer_name(peer)
         with self._alone() as a:
             _native.peer_remove(a, peer)
+            self._peer_md.pop(peer, None)
+        if self._discovery is not None:
+            self._discovery.forget(peer)
 
+    def peers(self) -> list[PeerInfo]:
+        """Every peer this agent knows: those discovery lists now (with
+        ``Config(discovery=...)``) and those added, by hand or through
+        discovery, sorted by name.
+
+        Raises:
+            ClosedError: the agent is closed.
+        """
+        with self._using():
+            added = dict(self._peer_md)
+        table = self._discovery.table() if self._discovery is not None else {}
+        out = []
+        for name in sorted(set(added) | set(table)):
+            rec = table.get(name)
+            instance, addrs = (rec.instance, rec.addrs) if rec is not None else added[name]
+            out.append(PeerInfo(name, instance, addrs, rec is not None, name in added))
+        return out
+
+    @property
+    def discovery(self) -> Any:
+        """The agent's discovery (None with static exchange): ``url``,
+        ``lease``, ``republished`` (times it re-published after etcd lost its
+        record) and ``errors`` (failed rounds)."""
+        return self._discovery
+
+    def _ensure_peer(self, peer: str) -> None:
+        """With discovery: connects to ``peer`` if it is not added yet.
+
+        Raises:
+            UnknownPeerError: discovery lists no agent of that name.
+            DiscoveryError: etcd cannot be reached or holds a malformed record.
+            PeerUnreachableError, HandshakeError: as add_peer.
+        """
+        d = self._discovery
+        if d is None:
+            return
+        mine: list[PathInfo] = []
+        with self._using() as a:
+            known = _native.peer_find(a, peer, missing_ok=True) is not None
+            if known and d.manages(peer):
+                mine = [p for p in _native.paths(a) if p.peer == peer]
+        if known:
+            if mine and all(
+                p.state in (PathState.DOWN, PathState.PROBING) for p in mine
+            ):
+                # every path down: it may have restarted since discovery's last round
+                with self._discover_lock, contextlib.suppress(DiscoveryError):
+                    d.reconnect_if_restarted(self, peer)
+            return
+        with self._discover_lock:  # one look-up per peer, however many threads push
+            with self._using() as a:
+                if _native.peer_find(a, peer, missing_ok=True) is not None:
+                    return
+            rec = d.lookup(peer)
+            if rec is None:
+                raise UnknownPeerError(
+                    f"peer {peer!r}: not added, and discovery ({d.url}) lists no agent of that "
+                    "name: is it running, with the same discovery URL and prefix?",
+                    peer=peer,
+                )
+            d.connect(self, rec)
+
+    def _refresh_keys(self, peer: str, exc: RemoteAccessError) -> None:
+        """A submit lacked a region key of a discovered peer: read its record
+        again (it may have registered the region since).
+
+        Raises:
+            RemoteAccessError: ``exc``, with the reason when no key can come.
+        """
+        d = self._discovery
+        rec = d.lookup(peer) if d is not None else None
+        if rec is None or rec.keys is None:
+            why = (
+                "this agent has no cluster secret, and discovery publishes region keys only "
+                "sealed under it"
+                if self.config.resolved_secret() is None
+                else "the peer published no keys this agent can open (no secret there, or "
+                "another one)"
+            )
+            raise RemoteAccessError(
+                f"{exc} (discovery: {why}; docs/cluster.md)", code=exc.code, peer=peer
+            ) from exc
+        d.connect(self, rec)
     def remote_regions(self, peer: str, *, refresh: bool = False) -> list[RemoteRegion]:
         """Regions ``peer`` exposes, as of the handshake (``refresh`` asks again).
 
@@ -412,6 +538,7 @@ class Agent:
             raise int_error("nbytes", nbytes, "a non-negative int")
         timeout = timeout_arg(timeout_s, none_ok=False)
         tag = _prepare_tag(nbytes, layout)
+        self._ensure_peer(peer)
         deadline = time.monotonic() + (timeout or 0.0)
         while True:
             mine = [p for p in self.paths() if p.peer == peer]
@@ -518,19 +645,67 @@ class Agent:
         tag = bytes(notify or b"")
         timeout = timeout_arg(timeout_s)
         deadline_s = self.config.transfer_timeout_s if timeout is None else timeout
-        with self._using() as a:
-            p = _native.peer_find(a, peer)
-            if segments is not None:
-                if src is not None or dst is not None or nbytes is not None:
-                    raise InvalidArgumentError(
-                        "segments: pass either segments or src/dst/nbytes, not both"
-                    )
-                segs = as_segment_array(segments)
-                _refuse_overlapping_destinations(segs)
-            else:
-                segs = self._simple_segment(op, p, peer, src, dst, nbytes, src_offset, dst_offset)
-            x = _native.xfer_submit(a, p, peer, op, segs, tag, deadline_s)
-            return Transfer(x, op, peer, int(segs["len"].sum()))
+        self._ensure_peer(peer)
+        for attempt in range(2):
+            try:
+                with self._using() as a:
+                    p = _native.peer_find(a, peer)
+                    if segments is not None:
+                        if src is not None or dst is not None or nbytes is not None:
+                            raise InvalidArgumentError(
+                                "segments: pass either segments or src/dst/nbytes, not both"
+                            )
+                        segs = as_segment_array(segments)
+                        _refuse_overlapping_destinations(segs)
+                    else:
+                        segs = self._simple_segment(
+                            op, p, peer, src, dst, nbytes, src_offset, dst_offset
+                        )
+                    x = _native.xfer_submit(a, p, peer, op, segs, tag, deadline_s)
+                    t = Transfer(x, op, peer, int(segs["len"].sum()), self._why_gone)
+                if self._metrics is not None:
+                    self._metrics.track(t)  # once per transfer: nothing per chunk
+                return t
+            except RemoteAccessError as exc:
+                # a discovered peer may have registered the region after we read its record
+                if attempt or self._discovery is None or "no access key" not in str(exc):
+                    raise
+                self._refresh_keys(peer, exc)
+
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    # ---- metrics ---------------------------------------------------------
+
+    def metrics(self) -> Any:
+        """This agent's Prometheus metrics, as a ``prometheus_client``
+        collector read at scrape time: ``registry.register(agent.metrics())``
+        in a process that serves its own registry (docs/cluster.md lists
+        them).  The first call starts the accounting: transfers submitted
+        before it are not counted.  Always the same object.
+
+        Raises:
+            ClosedError: the agent is closed.
+        """
+        with self._lock:
+            if self._closed:
+                raise self._closed_error()
+            if self._metrics is None:
+                from ._metrics import AgentMetrics
+
+                self._metrics = AgentMetrics(self)
+                self._drain.on_record = self._metrics.on_log
+            return self._metrics
+
+    @property
+    def metrics_address(self) -> tuple[str, int] | None:
+        """(host, port) of the metrics server ``Config(metrics_port=...)``
+        started (``http://host:port/metrics``), or None."""
+        server = self._metrics_server
+        return server.address if server is not None else None
+
+    def _why_gone(self, peer: str) -> str | None:
+        """Why discovery removed ``peer``, for the errors of its transfers."""
+        return self._discovery.why_gone(peer) if self._discovery is not None else None
 
     def _simple_segment(
         self,
@@ -640,7 +815,10 @@ class Agent:
                 f"tag: {len(raw)} bytes; notify tags are at most {_native.MAX_TAG_BYTES}"
             )
         timeout_arg(timeout_s)
-        return InboundTransfer(_native.inbound_next(self._using, raw, timeout_s))
+        h = InboundTransfer(_native.inbound_next(self._using, raw, timeout_s))
+        if self._metrics is not None:
+            self._metrics.track_inbound(h)  # once per push: nothing per chunk
+        return h
 
     def notifications(self, timeout_s: float = 0.0) -> list[Notification]:
         """Inbound notifications; waits up to ``timeout_s`` for the first one,
@@ -659,6 +837,8 @@ class Agent:
                 n = _native.next_notification(a, left)
             if n is not None:
                 out.append(n)
+                if self._metrics is not None:
+                    self._metrics.notified(n.peer)
                 continue
             if out or time.monotonic() >= deadline:
                 return out

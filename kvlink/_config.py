@@ -127,6 +127,35 @@ class Config:
     # so today every path runs TCP and paths() says why.  "ucx": every path
     # must run UCX: refused at Agent() until that data path exists.
     transport: str = "auto"
+    # Where agents find each other.  None: static exchange (pass metadata()
+    # to add_peer yourself).  "etcd://HOST[:PORT][,HOST[:PORT]...][/PREFIX]"
+    # (etcds:// for TLS): publish this agent there under a lease and look
+    # peers up by name (docs/cluster.md).
+    discovery: str | None = None
+    # A stopped agent disappears from discovery this long after its last
+    # keep-alive (renewed every third of it): long enough to ride out a
+    # loaded host or an etcd leader election, short enough to drop a dead peer.
+    discovery_ttl_s: float = 10.0
+    # How often the peer table is read (restarts and expiries are noticed
+    # within this, plus a grace of 3 refreshes before a peer is removed).
+    discovery_refresh_s: float = 1.0
+    # One etcd request (connect + answer); etcd answers in milliseconds.
+    discovery_timeout_s: float = 2.0
+    # TLS to etcd (etcds://): the CA to trust, and a client certificate.
+    discovery_ca_file: str | None = None
+    discovery_cert_file: str | None = None
+    discovery_key_file: str | None = None
+    # etcd authentication (etcd's own users, not the cluster secret); the
+    # password is never printed.
+    discovery_user: str | None = None
+    discovery_password: str | None = field(default=None, repr=False)
+    # Serve Prometheus metrics over HTTP on this port (0: any free port,
+    # Agent.metrics_address says which).  None: no server; Agent.metrics()
+    # still gives them to a host process's own registry.
+    metrics_port: int | None = None
+    # Loopback by default: the metrics name peers and addresses, which is
+    # for operators, not for every host that can reach this one.
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         nics = self.nics
@@ -177,6 +206,38 @@ class Config:
         object.__setattr__(self, "transport", tp.strip().lower())
         if self.secret is not None:
             _check_secret("secret", self.secret)
+        if self.discovery is not None:
+            from ._discovery import parse_url  # cryptography loads only when asked for
+
+            parse_url(self.discovery)
+        _float_range("discovery_ttl_s", self.discovery_ttl_s, 2.0, 3600.0)
+        _float_range("discovery_refresh_s", self.discovery_refresh_s, 0.05, 600.0)
+        _float_range("discovery_timeout_s", self.discovery_timeout_s, 0.05, 60.0)
+        if self.discovery_refresh_s > self.discovery_ttl_s / 2:
+            raise ConfigError(
+                f"discovery_refresh_s: {self.discovery_refresh_s} s is more than half of "
+                f"discovery_ttl_s ({self.discovery_ttl_s} s); a peer's expiry would be noticed "
+                "too late: make it smaller or the TTL longer"
+            )
+        for name in ("discovery_ca_file", "discovery_cert_file", "discovery_key_file"):
+            path = getattr(self, name)
+            if path is not None and (not isinstance(path, str) or not os.path.isfile(path)):
+                raise ConfigError(f"{name}: {path!r} is not a readable file")
+        if self.discovery_key_file is not None and self.discovery_cert_file is None:
+            raise ConfigError("discovery_key_file: given without discovery_cert_file")
+        for name in ("discovery_user", "discovery_password"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str):
+                raise ConfigError(f"{name}: expected str or None, got {type(v).__name__}")
+        if (self.discovery_user is None) != (self.discovery_password is None):
+            raise ConfigError(
+                "discovery_user: etcd authentication needs both discovery_user and "
+                "discovery_password (KVLINK_DISCOVERY_PASSWORD), or neither"
+            )
+        if self.metrics_port is not None:
+            _int_range("metrics_port", self.metrics_port, 0, 65535)
+        if not isinstance(self.metrics_host, str) or not self.metrics_host:
+            raise ConfigError(f"metrics_host: expected an address, got {self.metrics_host!r}")
         if not isinstance(self.allow_unauthenticated, bool):
             raise ConfigError(
                 f"allow_unauthenticated: expected True or False, got {self.allow_unauthenticated!r}"
@@ -245,7 +306,7 @@ class Config:
             # name the variable a user set, not a field name they never typed
             field_name = str(exc).split(":", 1)[0]
             var = f"KVLINK_{field_name.upper()}"
-            if field_name in from_env and field_name != "secret":
+            if field_name in from_env and field_name not in ("secret", "discovery_password"):
                 raise ConfigError(
                     f"{var}={os.environ.get(var)!r} (from the environment): {exc}"
                 ) from None
@@ -345,6 +406,8 @@ def _coerce(name: str, var: str, raw: str) -> Any:
         )
     if name.endswith("_bytes"):
         return _size(var, raw)
+    if name == "metrics_port":
+        default = 0  # an int when given, None when not
     try:
         if isinstance(default, int):
             return int(raw, 0)

@@ -165,6 +165,13 @@ class AuthenticationError(HandshakeError, PermissionError):
     default_code = ErrorCode.AUTH
 
 
+class DiscoveryError(KvlinkError, ConnectionError):
+    """etcd could not be reached, refused a request, or answered something that
+    is not what discovery stores (docs/cluster.md)."""
+
+    default_code = ErrorCode.UNREACHABLE
+
+
 class ProtocolError(KvlinkError):
     """A malformed frame arrived."""
 

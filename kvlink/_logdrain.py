@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 from . import _native
 from ._errors import KvlinkError
@@ -44,6 +45,8 @@ class LogDrain:
         self._a = agent
         self._stop = False
         self._free_on_exit = False
+        # also handed every record (the metrics count state changes, retries ...)
+        self.on_record: Callable[[_native.LogRecord], None] | None = None
         self._thread = threading.Thread(target=self._run, name=f"kvlink-log-{name}", daemon=True)
         self._thread.start()
 
@@ -55,6 +58,9 @@ class LogDrain:
             except KvlinkError:  # woken by close_agent
                 break
             if rec is not None:
+                hook = self.on_record
+                if hook is not None:
+                    hook(rec)
                 _emit(rec)
         if self._free_on_exit:
             _native.agent_close(self._a)

@@ -443,6 +443,7 @@ def xfer_info(x: Handle) -> TransferInfo:
         retries=int(out.retries),
         t_submit_ns=int(out.t_submit_ns),
         t_first_byte_ns=int(out.t_first_byte_ns),
+        t_first_layer_ns=int(out.t_first_layer_ns),
         t_done_ns=int(out.t_done_ns),
         error_code=ErrorCode(out.err) if out.state == TransferState.FAILED else ErrorCode.OK,
         message=cstr(out.message),

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from . import _native
 from ._args import int_error
-from ._errors import InvalidArgumentError, KvlinkError, error_for
+from ._errors import ConnectionLostError, InvalidArgumentError, KvlinkError, error_for
 from ._types import ChunkEvent, Op, TransferInfo, TransferState
 
 
@@ -28,8 +28,16 @@ def check_layer(layer: object, layers: int | None = None) -> int:
 class Transfer:
     """Handle of a push or pull.  Thread-safe; waits release the GIL."""
 
-    def __init__(self, handle: _native.Handle, op: Op, peer: str, nbytes: int) -> None:
+    def __init__(
+        self,
+        handle: _native.Handle,
+        op: Op,
+        peer: str,
+        nbytes: int,
+        why_gone: Callable[[str], str | None] | None = None,
+    ) -> None:
         self._x = handle
+        self._why_gone = why_gone
         self.op = op
         self.peer = peer
         self.nbytes = nbytes
@@ -70,9 +78,17 @@ class Transfer:
         i = self.info()
         if i.state != TransferState.FAILED:
             return None
-        return error_for(
-            i.error_code, i.message, transfer=True, peer=self.peer, transfer_id=self.id
+        return self._explain(
+            error_for(i.error_code, i.message, transfer=True, peer=self.peer, transfer_id=self.id)
         )
+
+    def _explain(self, exc: KvlinkError) -> KvlinkError:
+        """A lost connection to a peer that discovery removed says why."""
+        why = self._why_gone(self.peer) if self._why_gone is not None else None
+        if why and isinstance(exc, ConnectionLostError) and why not in exc.message:
+            exc.message = f"{exc.message} (discovery removed peer {self.peer!r}: {why})"
+            exc.args = (exc.message,)
+        return exc
 
     def wait(self, timeout_s: float | None = None) -> Transfer:
         """Blocks until every byte is verified at the destination.
@@ -84,7 +100,10 @@ class Transfer:
                 on), or the transfer's own deadline passed (it failed).
             TransferError: the transfer failed; the subclass says why.
         """
-        _native.xfer_wait(self._x, timeout_s, peer=self.peer, transfer_id=self.id)
+        try:
+            _native.xfer_wait(self._x, timeout_s, peer=self.peer, transfer_id=self.id)
+        except ConnectionLostError as exc:
+            raise self._explain(exc) from None
         return self
 
     def wait_layer(self, layer: int, timeout_s: float | None = None) -> None:
@@ -95,7 +114,12 @@ class Transfer:
             TransferTimeoutError, TransferError: as :meth:`wait`.
         """
         check_layer(layer)
-        _native.xfer_wait_layer(self._x, layer, timeout_s, peer=self.peer, transfer_id=self.id)
+        try:
+            _native.xfer_wait_layer(
+                self._x, layer, timeout_s, peer=self.peer, transfer_id=self.id
+            )
+        except ConnectionLostError as exc:
+            raise self._explain(exc) from None
 
     def chunks(self, timeout_s: float | None = None) -> Iterator[ChunkEvent]:
         """Yields chunks as they are verified, in completion order, until the
@@ -106,7 +130,12 @@ class Transfer:
             TransferError: the transfer failed.
         """
         while True:
-            ev = _native.xfer_next_event(self._x, timeout_s, peer=self.peer, transfer_id=self.id)
+            try:
+                ev = _native.xfer_next_event(
+                    self._x, timeout_s, peer=self.peer, transfer_id=self.id
+                )
+            except ConnectionLostError as exc:
+                raise self._explain(exc) from None
             if ev is None:
                 return
             yield ev

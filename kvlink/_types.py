@@ -115,6 +115,7 @@ class TransferInfo:
     t_done_ns: int
     error_code: ErrorCode
     message: str
+    t_first_layer_ns: int = 0  # every chunk of layer 0 verified (0: not yet)
 
 
 @dataclass(frozen=True)
@@ -187,3 +188,19 @@ class PathInfo:
     last_error: str
     transport: str = "tcp"  # what carries this path's payload: "tcp" (or "ucx", docs/ucx.md)
     transport_note: str = ""  # why this transport (Config.transport "auto": why not UCX)
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """A peer as :meth:`Agent.peers` sees it.
+
+    ``discovered``: discovery (etcd) lists it now; ``connected``: this agent
+    has added it (by hand or through discovery); ``instance`` changes when the
+    peer's process restarts.
+    """
+
+    name: str
+    instance: int
+    addresses: tuple[tuple[str, int], ...]
+    discovered: bool
+    connected: bool

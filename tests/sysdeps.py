@@ -24,6 +24,8 @@ TOOLS: dict[str, str] = {
     "setpriv": "util-linux",  # dropping root in the "not root" test
     # libFuzzer over the frame decoders (make -C tests/c fuzz-short); the runtime is apart
     "clang": "clang libclang-rt-dev",
+    # discovery tests start and stop their own etcd servers (tests/integration/test_cluster*.py)
+    "etcd": "etcd-server",
 }
 # the smallest libFuzzer program: clang links it only with the runtime installed
 _FUZZ_PROBE = b"int LLVMFuzzerTestOneInput(const char *d, unsigned long n) { return 0; }\n"

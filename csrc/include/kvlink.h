@@ -162,6 +162,8 @@ typedef struct kvl_xfer_info {
     uint32_t retries;      /* chunk sends beyond the first */
     uint64_t t_submit_ns;
     uint64_t t_first_byte_ns; /* first chunk verified; 0 if none yet */
+    uint64_t t_first_layer_ns; /* every chunk of layer 0 verified: the receiver may start
+                                  on it (CLOCK_MONOTONIC); 0 if not yet */
     uint64_t t_done_ns;
     char message[512];     /* error text when FAILED */
 } kvl_xfer_info;

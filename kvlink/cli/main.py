@@ -3,6 +3,8 @@
 Commands:
   testbed    build and drive the emulated multi-NIC testbed (root); kvlink testbed --help
   bench      the same as kvlink-bench; kvlink bench --help
+  top        a live view of an agent's paths, from its metrics endpoint; kvlink top --help
+  paths      an agent's paths once, as a table or JSON; kvlink paths --help
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-COMMANDS = ("testbed", "bench")
+COMMANDS = ("testbed", "bench", "top", "paths")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -34,6 +36,10 @@ def _main(argv: Sequence[str] | None) -> int:
         from . import bench
 
         return bench.main(argv[1:], prog="kvlink bench")
+    if argv[:1] in (["top"], ["paths"]):
+        from . import top
+
+        return top.main(argv[1:], prog=f"kvlink {argv[0]}", command=argv[0])
     parser = argparse.ArgumentParser(
         prog="kvlink", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

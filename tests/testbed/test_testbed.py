@@ -300,13 +300,16 @@ def test_every_link_carries_tcp_over_its_own_subnet(testbed: Factory) -> None:
 @pytest.mark.root
 @pytest.mark.tools("iperf3")
 def test_tbf_limits_rate_and_set_rate_changes_it(testbed: Factory) -> None:
+    # Unshaped, a veth pair carries many Gbit/s, so the ceiling is what shows tbf at work; it
+    # allows the shaper's burst at the start of a short run (a few %), and the floor a host
+    # whose two cores are busy with other work (a loaded run fell outside 0.70..1.00 x).
     tb = testbed(links=1, rate="500mbit")
     measured = iperf_bps(tb, 0)
-    assert 0.70 * 500e6 <= measured <= 500e6, f"{measured / 1e6:.1f} Mbit/s at 500mbit"
+    assert 0.50 * 500e6 <= measured <= 1.05 * 500e6, f"{measured / 1e6:.1f} Mbit/s at 500mbit"
     tb.set_rate(0, "200mbit")
     assert {tb.status()["links"][0][s]["rate"] for s in "ab"} == {"200mbit"}
     measured = iperf_bps(tb, 0)
-    assert 0.70 * 200e6 <= measured <= 200e6, f"{measured / 1e6:.1f} Mbit/s at 200mbit"
+    assert 0.50 * 200e6 <= measured <= 1.05 * 200e6, f"{measured / 1e6:.1f} Mbit/s at 200mbit"
     tb.set_rate(0, None)
     assert tb.status()["links"][0]["a"]["rate"] is None and tb.rates == [None]
 

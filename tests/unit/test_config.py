@@ -204,3 +204,61 @@ def test_io_threads_from_the_environment(monkeypatch):
     monkeypatch.setenv("KVLINK_IO_THREADS", "lots")
     with pytest.raises(kvlink.ConfigError, match="io_threads"):
         kvlink.Config.load()
+
+
+@pytest.mark.parametrize(
+    "url,match",
+    [
+        ("http://127.0.0.1:2379", "discovery: unknown scheme"),
+        ("127.0.0.1:2379", "discovery: unknown scheme"),
+        ("etcd://", "discovery: no etcd host"),
+        ("etcd://a:2379,,b:2379/x", "discovery: no etcd host"),
+        ("etcd://host:99999/x", "discovery: bad host"),
+        ("etcd://user:pw@host:2379/x", r"discovery: .* carries credentials"),
+        ("etcd://host:2379/x?y=1", r"discovery: .* query"),
+        ("etcd://host:2379/a b", "discovery: prefix"),
+        (42, "discovery: expected etcd://"),
+    ],
+)
+def test_bad_discovery_urls_are_named(url, match):
+    with pytest.raises(kvlink.ConfigError, match=match):
+        kvlink.Config(discovery=url)
+
+
+def test_discovery_url_parts():
+    from kvlink._discovery import parse_url
+
+    u = parse_url("etcds://a,b:2390,[::1]:2391/prod/kv/")
+    assert u.endpoints == (("a", 2379), ("b", 2390), ("::1", 2391))
+    assert u.prefix == "/prod/kv/" and u.tls
+    assert parse_url("etcd://h").prefix == "/kvlink/"
+
+
+def test_discovery_settings_from_env_and_checks(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVLINK_DISCOVERY", "etcd://127.0.0.1:2379/p")
+    monkeypatch.setenv("KVLINK_METRICS_PORT", "9400")
+    c = kvlink.Config.load()
+    assert c.discovery == "etcd://127.0.0.1:2379/p" and c.metrics_port == 9400
+    monkeypatch.setenv("KVLINK_DISCOVERY", "etcd:/oops")
+    with pytest.raises(kvlink.ConfigError, match=r"KVLINK_DISCOVERY='etcd:/oops'"):
+        kvlink.Config.load()
+    monkeypatch.delenv("KVLINK_DISCOVERY")
+    monkeypatch.setenv("KVLINK_DISCOVERY_PASSWORD", "hunter2-not-shown")
+    with pytest.raises(kvlink.ConfigError, match="needs both") as info:
+        kvlink.Config.load()
+    assert "hunter2" not in str(info.value)
+    assert "hunter2" not in repr(kvlink.Config(discovery_user="u", discovery_password="hunter2"))
+    with pytest.raises(kvlink.ConfigError, match="discovery_ca_file"):
+        kvlink.Config(discovery_ca_file=str(tmp_path / "missing.pem"))
+    with pytest.raises(kvlink.ConfigError, match=r"discovery_refresh_s: .* more than half"):
+        kvlink.Config(discovery_ttl_s=4, discovery_refresh_s=3)
+    with pytest.raises(kvlink.ConfigError, match="metrics_port"):
+        kvlink.Config(metrics_port=70000)
+
+
+def test_a_ca_file_that_is_not_pem_is_named(tmp_path):
+    bad = tmp_path / "ca.pem"
+    bad.write_text("not a certificate")
+    with pytest.raises(kvlink.ConfigError, match=r"discovery_ca_file .*cannot set up TLS"):
+        kvlink.Agent("tls", nics="loopback:1", discovery="etcds://127.0.0.1:1/x",
+                     discovery_ca_file=str(bad))

@@ -33,7 +33,6 @@
 
 #include "tcp.h"
 
-#define POLL_MS 100            /* an idle thread wakes this often: only to notice stop */
 #define SCRATCH (256u << 10)   /* drain buffer for payload bytes nobody may receive */
 
 typedef struct kvl_tcp_pool kvl_tcp_pool;
@@ -153,7 +152,7 @@ static void *io_main(void *arg)
         fds[n].fd = t->efd;
         fds[n].events = POLLIN;
         fds[n].revents = 0;
-        int r = poll(fds, n + 1, POLL_MS);
+        int r = poll(fds, n + 1, -1); /* a job, a kill and stop all come with a wakeup */
         if (r > 0 && fds[n].revents) {
             uint64_t v;
             ssize_t rc = read(t->efd, &v, sizeof v);

@@ -1,0 +1,171 @@
+"""The connector's settings: ``kv_connector_extra_config`` parsed and validated.
+
+Everything here is plain Python (no vLLM import), so bad settings are caught and tested without
+an engine. Every error names the key as the user wrote it and says what is accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import kvlink
+from kvlink._units import parse_size
+
+WHERE = "kv_connector_extra_config"
+
+
+class Mode(enum.Enum):
+    """Which flows an instance serves; the proxy picks the flow of each request."""
+
+    #: both flows, as each request's kv_transfer_params ask
+    AUTO = "auto"
+    #: decode reads prefill's blocks (NixlConnector's flow): prefill answers first with where its
+    #: blocks are; the proxy hands that to decode.
+    PULL = "pull"
+    #: prefill writes into blocks decode allocated, layer by layer while it computes; the proxy
+    #: sends the request to both at once with one transfer id.
+    PUSH = "push"
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Validated ``kv_connector_extra_config`` (docs/vllm.md lists every key)."""
+
+    # A proxy picks the flow per request; "auto" serves both.
+    mode: Mode = Mode.AUTO
+    # Pull and push both need the peer's regions on the network; "auto" = every NIC, as kvlink.
+    nics: str | tuple[str, ...] = "auto"
+    # None: kvlink's own default (64 MiB, shrunk per transfer so every path gets work).
+    chunk_bytes: int | None = None
+    # None: KVLINK_SECRET / KVLINK_SECRET_FILE from the environment, as for any kvlink agent.
+    secret: bytes | None = dataclasses.field(default=None, repr=False)
+    allow_unauthenticated: bool = False
+    # NixlConnector's lease is 30 s too: long enough for a decode queue, short enough that a
+    # dead decode does not starve prefill of blocks for long.
+    lease_s: float = 30.0
+    # Every decode-side wait for one request's KV (the pull, or a pushed layer) ends by then
+    # and its blocks are reported as failed: a dead prefill never hangs decode.
+    load_timeout_s: float = 30.0
+    # Push: how long after prefill computed the KV it still waits for decode's destination
+    # before it gives the push up (decode then times out and recomputes or fails).
+    offer_timeout_s: float = 10.0
+    connect_timeout_s: float = 5.0
+    # None: "vllm-<engine id>-<rank>", unique per engine and worker.
+    agent_name: str | None = None
+
+    def kvlink_config(self) -> kvlink.Config:
+        """The kvlink.Config of the worker's agent (KVLINK_* variables fill what is unset).
+
+        Raises:
+            kvlink.ConfigError: a value kvlink refuses, with the key named.
+        """
+        fields: dict[str, Any] = {
+            "nics": list(self.nics) if isinstance(self.nics, tuple) else self.nics,
+            "connect_timeout_s": self.connect_timeout_s,
+            "transfer_timeout_s": self.load_timeout_s,
+        }
+        if self.allow_unauthenticated:
+            fields["allow_unauthenticated"] = True
+        if self.chunk_bytes is not None:
+            fields["chunk_bytes"] = self.chunk_bytes
+            fields["min_chunk_bytes"] = min(self.chunk_bytes, 1 << 20)
+        if self.secret is not None:
+            fields["secret"] = self.secret
+        try:
+            return kvlink.Config.load(**fields)
+        except kvlink.ConfigError as exc:
+            raise kvlink.ConfigError(f"{WHERE}: {exc}") from exc
+
+
+_KEYS = tuple(f.name for f in dataclasses.fields(Settings))
+
+
+def _closest(name: str) -> str:
+    match = difflib.get_close_matches(name, _KEYS, n=1, cutoff=0.6)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def _seconds(key: str, value: Any, lo: float, hi: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise kvlink.ConfigError(f"{WHERE}[{key!r}]: expected seconds as a number, got {value!r}")
+    if math.isnan(value) or not lo <= value <= hi:
+        raise kvlink.ConfigError(f"{WHERE}[{key!r}]: {value} is outside [{lo}, {hi}] seconds")
+    return float(value)
+
+
+def parse_settings(extra: Mapping[str, Any] | None) -> Settings:
+    """``kv_connector_extra_config`` as :class:`Settings`.
+
+    Raises:
+        kvlink.ConfigError: an unknown key (naming the closest known one) or a bad value (naming
+            the key and what it accepts).
+    """
+    if extra is None:
+        return Settings()
+    if not isinstance(extra, Mapping):
+        raise kvlink.ConfigError(f"{WHERE}: expected a dict, got {type(extra).__name__}")
+    out: dict[str, Any] = {}
+    for key, value in extra.items():
+        if key not in _KEYS:
+            raise kvlink.ConfigError(
+                f"{WHERE}: unknown key {key!r}{_closest(str(key))}; keys: " + ", ".join(_KEYS)
+            )
+        if key == "mode":
+            names = [m.value for m in Mode]
+            if value not in names:
+                raise kvlink.ConfigError(
+                    f"{WHERE}['mode']: {value!r} is not a mode; use 'auto', 'pull' or 'push'"
+                )
+            out[key] = Mode(value)
+        elif key == "nics":
+            if isinstance(value, str) and value:
+                out[key] = value
+            elif isinstance(value, (list, tuple)) and value and all(
+                isinstance(v, str) and v for v in value
+            ):
+                out[key] = tuple(value)
+            else:
+                raise kvlink.ConfigError(
+                    f"{WHERE}['nics']: expected 'auto', 'loopback:N', 'eth2,eth3' or a list of "
+                    f"interface names / IPv4 addresses, got {value!r}"
+                )
+        elif key == "chunk_bytes":
+            if value is None:
+                continue
+            try:
+                if isinstance(value, bool) or not isinstance(value, (int, str)):
+                    raise ValueError(f"expected bytes as an int or a size string, got {value!r}")
+                out[key] = parse_size(value)
+            except ValueError as exc:
+                raise kvlink.ConfigError(
+                    f"{WHERE}['chunk_bytes']: {exc} (e.g. 4194304 or '4MiB')"
+                ) from None
+        elif key == "secret":
+            if value is None:
+                continue
+            if isinstance(value, str):
+                value = value.encode()
+            if not isinstance(value, bytes) or not 16 <= len(value) <= 256:
+                raise kvlink.ConfigError(
+                    f"{WHERE}['secret']: expected a str of 16..256 bytes shared by every "
+                    "instance (e.g. `openssl rand -hex 32`), or leave it out and set KVLINK_SECRET"
+                )
+            out[key] = value
+        elif key == "allow_unauthenticated":
+            if not isinstance(value, bool):
+                raise kvlink.ConfigError(f"{WHERE}['allow_unauthenticated']: expected true/false")
+            out[key] = value
+        elif key in ("lease_s", "load_timeout_s", "offer_timeout_s"):
+            out[key] = _seconds(key, value, 0.001, 3600.0)
+        elif key == "connect_timeout_s":
+            out[key] = _seconds(key, value, 0.001, 600.0)
+        elif key == "agent_name":
+            if not isinstance(value, str) or not 1 <= len(value.encode()) <= 63:
+                raise kvlink.ConfigError(f"{WHERE}['agent_name']: expected a str of 1..63 bytes")
+            out[key] = value
+    return Settings(**out)

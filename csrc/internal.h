@@ -62,7 +62,8 @@ int kvl_cond_wait_until(pthread_cond_t *cv, pthread_mutex_t *mu, int (*pred)(voi
  * bytes of payload followed by a 4-byte crc32c trailer when payload_len > 0.
  * All integers little-endian. */
 #define KVL_MAGIC 0x4b4c564bu /* "KVLK" */
-#define KVL_PROTO_VERSION 3 /* 2: ANNOUNCE, NOTIFY_ACK, END with status; 3: CHALLENGE, AUTH */
+#define KVL_PROTO_VERSION 4 /* 2: ANNOUNCE, NOTIFY_ACK, END with status; 3: CHALLENGE, AUTH;
+                              4: UCX set-up frames, HELLO flag UCX, header flag REMOTE */
 #define KVL_HDR_BYTES 24
 #define KVL_MAX_BODY (1u << 20)
 
@@ -83,10 +84,21 @@ enum kvl_frame_type {
     KVL_F_ANNOUNCE = 14,   /* push: tag, size and chunk-to-layer map, before its first DATA */
     KVL_F_CHALLENGE = 15,  /* listener -> initiator: its nonce and proof of the secret */
     KVL_F_AUTH = 16,       /* initiator -> listener: its proof of the secret */
-    KVL_F_TYPE_MAX = 16
+    /* data connections only, after the handshake (docs/ucx.md; bodies: transport/ucx/msg.h) */
+    KVL_F_UCX_OFFER = 17,  /* initiator -> listener: its worker address and keys */
+    KVL_F_UCX_ACCEPT = 18, /* listener -> initiator: its worker address and keys */
+    KVL_F_UCX_KEYS = 19,   /* either way: the sender's keys changed (regions registered) */
+    KVL_F_UCX_REFUSE = 20, /* listener -> initiator: no UCX on this path, and why */
+    KVL_F_TYPE_MAX = 20
 };
 
 enum kvl_conn_kind { KVL_CONN_CONTROL = 0, KVL_CONN_DATA = 1 };
+
+/* Header flags.  REMOTE: the payload's bytes travel one-sided (UCX put) and
+ * are not in the stream; the frame ends with its crc32c trailer only, sent
+ * after the puts were flushed (docs/ucx.md).  Legal on DATA / READ_RESP with
+ * a payload, on a path whose UCX set-up succeeded (proto.c checks that). */
+enum { KVL_HF_REMOTE = 1 };
 
 typedef struct kvl_frame_hdr {
     uint8_t type;
@@ -115,14 +127,16 @@ typedef struct kvl_wire_piece {
 #define KVL_NONCE_BYTES 16
 #define KVL_MAC_BYTES 32        /* HMAC-SHA256 */
 #define KVL_TOKEN_BYTES 16
-enum { KVL_HELLO_AUTH = 1 };     /* hello flags: the initiator holds a secret */
+/* hello flags: AUTH: the initiator holds a secret; UCX: a UCX_OFFER follows
+ * HELLO_ACK on this data connection (docs/ucx.md) */
+enum { KVL_HELLO_AUTH = 1, KVL_HELLO_UCX = 2 };
 
 typedef struct kvl_msg_hello {
     uint64_t instance;
     uint8_t kind;   /* kvl_conn_kind */
     uint16_t path;  /* path index for data connections */
     char name[KVL_NAME_MAX];
-    uint8_t flags;  /* KVL_HELLO_AUTH */
+    uint8_t flags;  /* KVL_HELLO_AUTH | KVL_HELLO_UCX */
     uint8_t nonce[KVL_NONCE_BYTES]; /* the initiator's challenge (with KVL_HELLO_AUTH) */
     uint8_t token[KVL_TOKEN_BYTES]; /* the initiator's session with this listener: random,
                                        the same on every connection of one kvl_peer */
@@ -323,6 +337,8 @@ typedef struct kvl_path {
     double jitter_ms;          /* longest silence the path recovered from (decays) */
     uint64_t chunks_done;
     char last_error[160];
+    int ucx;                   /* the connection's payloads travel by UCX put (docs/ucx.md) */
+    char tnote[128];           /* why this transport (kvl_path_info.transport_note) */
 } kvl_path;
 
 struct kvl_peer {

@@ -188,6 +188,11 @@ kvl_err kvl_hdr_decode(const uint8_t in[KVL_HDR_BYTES], kvl_frame_hdr *h)
     int may_carry = h->type == KVL_F_DATA || h->type == KVL_F_READ_RESP;
     if (h->payload_len && !may_carry)
         return kvl_fail(KVL_ERR_PROTOCOL, "frame type %u cannot carry a payload", h->type);
+    if (h->flags & ~KVL_HF_REMOTE)
+        return kvl_fail(KVL_ERR_PROTOCOL, "unknown header flags %#x", h->flags);
+    if ((h->flags & KVL_HF_REMOTE) && !h->payload_len)
+        return kvl_fail(KVL_ERR_PROTOCOL, "header flag REMOTE on frame type %u without a payload",
+                        h->type);
     return KVL_OK;
 }
 
@@ -254,8 +259,10 @@ kvl_err kvl_dec_hello(const uint8_t *body, size_t len, kvl_msg_hello *m)
         return kvl_fail(KVL_ERR_PROTOCOL, "HELLO: empty agent name");
     if (m->kind == KVL_CONN_DATA && m->path >= KVL_MAX_PATHS)
         return kvl_fail(KVL_ERR_PROTOCOL, "HELLO: path index %u out of range", m->path);
-    if (m->flags & ~KVL_HELLO_AUTH)
+    if (m->flags & ~(KVL_HELLO_AUTH | KVL_HELLO_UCX))
         return kvl_fail(KVL_ERR_PROTOCOL, "HELLO: unknown flags %#x", m->flags);
+    if ((m->flags & KVL_HELLO_UCX) && m->kind != KVL_CONN_DATA)
+        return kvl_fail(KVL_ERR_PROTOCOL, "HELLO: UCX offered on a control connection");
     return KVL_OK;
 }
 

@@ -101,6 +101,14 @@ static kvl_err answer_challenge(kvl_agent *a, kvl_peer *p, kvl_ep *ep, const kvl
     return KVL_OK;
 }
 
+/* Whether a connection of this kind offers UCX after its handshake: data
+ * paths of an agent configured for it (engine.c checked the secret and that
+ * UCX is loaded). */
+static int offers_ucx(const kvl_agent *a, int kind)
+{
+    return kind == KVL_CONN_DATA && a->cfg.transport == KVL_TRANSPORT_UCX && a->secret_len;
+}
+
 /* HELLO on ep, with a secret the challenge-response (auth.c), then the
  * HELLO_ACK.  Fills *instance; on a control connection the region table
  * is copied into p. */
@@ -108,7 +116,8 @@ static kvl_err handshake(kvl_agent *a, kvl_peer *p, kvl_ep *ep, int kind, uint16
                          const char *where, uint64_t deadline, uint64_t *instance)
 {
     kvl_msg_hello m = {.instance = a->instance, .kind = (uint8_t)kind, .path = path,
-                       .flags = a->secret_len ? KVL_HELLO_AUTH : 0};
+                       .flags = (a->secret_len ? KVL_HELLO_AUTH : 0) |
+                                (offers_ucx(a, kind) ? KVL_HELLO_UCX : 0)};
     strcpy(m.name, a->name);
     memcpy(m.token, p->token, sizeof m.token);
     if (a->secret_len && kvl_auth_nonce(m.nonce))
@@ -217,7 +226,10 @@ static kvl_err open_conn(kvl_agent *a, kvl_peer *p, const char *local, const cha
     kvl_err e = a->tp->connect(a, local, host, port, a->cfg.connect_timeout_ms, ep);
     if (e)
         return kvl_fail(e, "peer '%s': %s", p->name, kvl_last_error());
-    if ((e = handshake(a, p, *ep, kind, path, where, deadline, instance))) {
+    e = handshake(a, p, *ep, kind, path, where, deadline, instance);
+    if (!e && offers_ucx(a, kind) && (e = a->tp->remote_offer(*ep, local, deadline)))
+        e = kvl_fail(e, "peer '%s' at %s: UCX set-up: %s", p->name, where, kvl_last_error());
+    if (e) {
         a->tp->discard(*ep);
         *ep = NULL;
     }

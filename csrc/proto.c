@@ -31,6 +31,8 @@ struct kvl_conn {
     char peer_name[KVL_NAME_MAX]; /* inbound: from HELLO */
     kvl_inbound *ib;
     int rx_path;           /* inbound data: the sender's path index (HELLO) */
+    int ucx_due;           /* inbound data: HELLO said a UCX_OFFER follows (docs/ucx.md) */
+    int ucx_on;            /* data: UCX set up on this path: frames may carry REMOTE */
     uint64_t serial;       /* unique per agent: tells a reconnected path's connection apart */
     uint64_t t_open_ns;
     int dead;
@@ -145,6 +147,10 @@ void kvl_conn_bind_outbound(kvl_conn *c, kvl_peer *p, int path)
     c->path = path;
     c->kind = path < 0 ? KVL_CONN_CONTROL : KVL_CONN_DATA;
     strcpy(c->peer_name, p->name);
+    if (path >= 0) { /* what carries this path's payloads from now on, and why */
+        kvl_path *pa = &p->paths[path];
+        pa->ucx = c->ucx_on = tp(c)->remote_note(c->ep, pa->tnote, sizeof pa->tnote);
+    }
 }
 
 int kvl_conn_is_dead(const kvl_conn *c) { return c->dead; }
@@ -206,6 +212,7 @@ static int send_frame(kvl_conn *c, kvl_tp_frame *f)
     if (c->dead) {
         kvl_proto_release(c->a, &f->hold);
         free(f->payload);
+        free(f->dst);
         kvl_buf_free(&f->head);
         return -1;
     }
@@ -242,6 +249,13 @@ int kvl_conn_send_chunk(kvl_conn *c, kvl_xfer *x, uint32_t ci)
     kvl_tp_frame f = {.is_chunk = 1, .xid = x->id, .chunk = ci, .attempt = x->attempt[ci]};
     kvl_frame_start(&f.head);
     kvl_enc_chunk(&f.head, x->id, ci, x->attempt[ci], ch->n_pieces);
+    if (push && c->ucx_on) { /* the transport may put the payload one-sided */
+        f.dst = malloc(ch->n_pieces * sizeof *f.dst);
+        if (!f.dst)
+            f.head.oom = 1;
+        else
+            f.n_dst = ch->n_pieces;
+    }
     uint32_t n_keys = 0, mark = ++x->key_frames; /* key_used[k] == mark: this frame has key k */
     uint64_t prev_region = 0;
     for (uint32_t i = 0; i < ch->n_pieces; i++) {
@@ -252,6 +266,8 @@ int kvl_conn_send_chunk(kvl_conn *c, kvl_xfer *x, uint32_t ci)
             .len = pc[i].len,
         };
         kvl_enc_piece(&f.head, &wp);
+        if (f.dst)
+            f.dst[i] = wp;
         if (i && wp.region == prev_region)
             continue; /* pieces of one region come in runs: its key is marked already */
         prev_region = wp.region;
@@ -282,6 +298,7 @@ int kvl_conn_send_chunk(kvl_conn *c, kvl_xfer *x, uint32_t ci)
     if (f.head.oom) {
         kvl_proto_release(c->a, &f.hold);
         free(f.payload);
+        free(f.dst);
         kvl_buf_free(&f.head);
         return -1;
     }
@@ -645,9 +662,26 @@ static void admit(kvl_conn *c, const kvl_msg_hello *hello)
         ib->conns++;
         c->ib = ib;
     }
+    c->ucx_due = status == KVL_OK && (m.flags & KVL_HELLO_UCX) != 0;
     send_region_table(c, KVL_F_HELLO_ACK, status, msg);
     if (status != KVL_OK)
         tp(c)->refuse(c->ep); /* nothing behind a refused HELLO is read */
+}
+
+/* UCX_OFFER: once per data connection whose HELLO announced it.  The
+ * transport answers (UCX_ACCEPT or UCX_REFUSE); only a peer that proved the
+ * cluster secret gets an answer other than a refusal (docs/ucx.md: libucp
+ * parses worker addresses unchecked). */
+static void on_ucx_offer(kvl_conn *c)
+{
+    if (!c->ucx_due) {
+        kvl_conn_fail(c, KVL_ERR_PROTOCOL, "UCX_OFFER without the HELLO flag, or a second one");
+        return;
+    }
+    c->ucx_due = 0;
+    int r = tp(c)->remote_answer(c->ep, c->body, c->h->body_len, c->a->secret_len != 0);
+    if (r == 1)
+        c->ucx_on = 1;
 }
 
 static void on_data(kvl_conn *c)
@@ -924,6 +958,11 @@ void kvl_proto_on_frame(kvl_conn *c, const kvl_frame_hdr *h, const uint8_t *body
     int in_ctrl = !c->outbound && c->kind == KVL_CONN_CONTROL;
     int out_data = c->outbound && c->kind == KVL_CONN_DATA;
     int out_ctrl = c->outbound && c->kind == KVL_CONN_CONTROL;
+    if ((h->flags & KVL_HF_REMOTE) && !c->ucx_on) {
+        kvl_conn_fail(c, KVL_ERR_PROTOCOL,
+                      "a frame with header flag REMOTE on a path without UCX set up");
+        return;
+    }
     if (!c->handshaken && c->auth_wait) {
         if (t != KVL_F_AUTH)
             kvl_conn_fail(c, KVL_ERR_PROTOCOL, "the frame after CHALLENGE is not an AUTH");
@@ -958,6 +997,8 @@ void kvl_proto_on_frame(kvl_conn *c, const kvl_frame_hdr *h, const uint8_t *body
         on_notify_ack(c);
     else if (t == KVL_F_ANNOUNCE && in_data)
         on_announce(c);
+    else if (t == KVL_F_UCX_OFFER && in_data)
+        on_ucx_offer(c);
     else {
         char why[96];
         snprintf(why, sizeof why, "unexpected frame type %u on this connection", t);

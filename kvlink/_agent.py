@@ -87,12 +87,14 @@ class Agent:
         addrs = _nics.resolve(cfg.nics)
         if cfg.transport == "ucx":
             ok, why = _transport.ucx_status()
-            raise ConfigError(
-                "transport='ucx': "
-                + (f"{why} loaded, but" if ok else f"{why}; and")
-                + " kvlink's engine does not carry chunks over UCX yet (docs/ucx.md, Status);"
-                " use transport='auto' (TCP until then) or 'tcp'"
-            )
+            if not ok:
+                raise ConfigError(f"transport='ucx': {why}; or use transport='tcp'")
+            if cfg.resolved_secret() is None:
+                raise ConfigError(
+                    "transport='ucx' needs a cluster secret (Config.secret or KVLINK_SECRET): "
+                    "UCX is set up only between agents that proved it, because libucp parses "
+                    "a peer's worker address unchecked (docs/ucx.md)"
+                )
         self._transport = _transport.path_transport(cfg.transport)
         with _live_lock:
             if name in _live_names:
@@ -854,8 +856,10 @@ class Agent:
 
     def _with_transport(self, paths: list[PathInfo]) -> list[PathInfo]:
         """Each path with the transport it runs and why (docs/ucx.md)."""
-        tp, note = self._transport
-        return [dataclasses.replace(p, transport=tp, transport_note=note) for p in paths]
+        _, note = self._transport
+        return [
+            p if p.transport_note else dataclasses.replace(p, transport_note=note) for p in paths
+        ]
 
 
 def _peer_name(peer: Any) -> str:

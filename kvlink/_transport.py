@@ -42,14 +42,21 @@ def ucx_status() -> tuple[bool, str]:
 
 def path_transport(requested: str) -> tuple[str, str]:
     """The transport a new data path runs and why, for ``Config.transport``
-    ``requested`` ("auto" or "tcp"; "ucx" is refused before this is asked).
+    ``requested``, where the engine says nothing of its own (``paths()``).
 
-    The engine does not carry chunks over UCX yet (docs/ucx.md, "Status"), so
-    every path runs TCP; the note says why, for ``paths()``.  UCX is not
-    loaded for that: loading libucp makes UCX catch SIGHUP (its
-    UCX_DEBUG_SIGNO) and a real-time signal in the whole process, which an
-    agent that does not use UCX must not impose.
+    "ucx": the engine offers UCX on every path and says per path what came of
+    it.  "auto" does not offer UCX yet: the only UCX here is its TCP
+    emulation, which gives a peer write access to the whole process and is
+    no faster than kvlink's TCP (docs/ucx.md); "auto" will use UCX where the
+    transport enforces key bounds (RDMA, shared memory).  UCX is not loaded
+    for "auto" or "tcp": loading libucp makes UCX catch SIGHUP (its
+    UCX_DEBUG_SIGNO) and a real-time signal in the whole process.
     """
     if requested == "tcp":
         return "tcp", "transport='tcp'"
-    return "tcp", "UCX not used: the engine's UCX data path is not built yet (docs/ucx.md)"
+    if requested == "ucx":
+        return "ucx", ""
+    return "tcp", (
+        "UCX not offered by transport='auto': only UCX over TCP is available, which does not "
+        "enforce key bounds (docs/ucx.md); transport='ucx' opts in"
+    )

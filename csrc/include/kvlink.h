@@ -115,7 +115,16 @@ typedef struct kvl_config {
                                     peer opens 1 + its paths); more are closed at accept */
     uint32_t io_threads;         /* threads that move payload bytes and their crc32c, 0..64;
                                     0: all I/O on the engine thread */
+    uint32_t transport;          /* kvl_transport_mode: what carries data paths' payloads */
 } kvl_config;
+
+/* kvl_config.transport (docs/ucx.md).  AUTO: TCP until kvlink can tell UCX
+ * over a transport that enforces key bounds (RDMA, shared memory) from UCX's
+ * TCP emulation, which does not: UCX is not offered.  TCP: never.  UCX: every
+ * data path offers UCX (needs a cluster secret and UCX loaded,
+ * kvl_ucx_load_lib); a path whose offer is refused or fails runs TCP on the
+ * same connection, and kvl_path_info.transport_note says why. */
+enum kvl_transport_mode { KVL_TRANSPORT_AUTO = 0, KVL_TRANSPORT_TCP = 1, KVL_TRANSPORT_UCX = 2 };
 
 /* One contiguous byte range.  Region ids are those of the side that owns the
  * memory: for a push src is local and dst remote, for a pull the reverse. */
@@ -188,6 +197,8 @@ typedef struct kvl_path_info {
     uint64_t t_down_ns;    /* CLOCK_MONOTONIC time it last left service, STALLED or
                               DOWN (0: never) */
     char last_error[160];
+    char transport[8];     /* what carries this path's payload: "tcp" or "ucx" */
+    char transport_note[128]; /* why (UCX refused or failed: the reason) */
 } kvl_path_info;
 
 typedef struct kvl_notification {

@@ -28,6 +28,7 @@
 #include <unistd.h>
 
 #include "../../internal.h"
+#include "../ucx/path.h"
 #include "tcp.h"
 
 #define IO_BATCH (2u << 20)  /* bytes per syscall: fewer wakeups, and the crc pass still hits L2 */
@@ -50,6 +51,10 @@ struct kvl_out {
     size_t trailer_sent;
     int cancelled;         /* the rest of the payload comes from zeros, not our memory */
     int in_job;            /* engine: handed to the I/O thread (started, whatever head_sent says) */
+    int remote;            /* the payload goes by UCX put (ep->ucx): header, puts, flush, trailer */
+    int posted;            /* remote: puts and flush posted (the source is read until flushed) */
+    int flushed;           /* remote: the flush completed: the trailer may go */
+    uint64_t fseq;         /* remote: the flush's number */
 };
 
 /* A cancelled DATA frame's remaining payload is sent from here: the stream
@@ -63,6 +68,7 @@ static void out_free(kvl_ep *ep, kvl_out *o)
     ep->sq_bytes -= o->f.head.len;
     kvl_proto_release(ep->a, &o->f.hold);
     free(o->f.payload);
+    free(o->f.dst);
     kvl_buf_free(&o->f.head);
     free(o);
 }
@@ -90,11 +96,16 @@ static int tcp_send(kvl_ep *ep, kvl_tp_frame *f)
     if (!o) {
         kvl_proto_release(ep->a, &f->hold);
         free(f->payload);
+        free(f->dst);
         kvl_buf_free(&f->head);
         return -1;
     }
     o->f = *f;
     memset(f, 0, sizeof *f);
+    if (ep->ucx && o->f.payload_len && kvl_ucx_path_covers(ep->ucx, o->f.dst, o->f.n_dst)) {
+        o->remote = 1; /* header flag REMOTE: the stream carries no payload bytes */
+        o->f.head.p[6] |= KVL_HF_REMOTE;
+    }
     ep->sq_bytes += o->f.head.len;
     if (ep->sq_tail)
         ep->sq_tail->next = o;
@@ -165,6 +176,19 @@ static int tcp_cancel(kvl_ep *ep, uint64_t xid, uint32_t chunk, uint32_t attempt
                 watch(ep, 0);
             return 1;
         }
+        if (o->remote && o->posted && !o->flushed) {
+            /* puts cannot be called back: the memory is let go of only once
+             * they are placed (docs/ucx.md, cancel on a UCX endpoint) */
+            uint64_t until = kvl_now_ns() + (uint64_t)ep->a->cfg.connect_timeout_ms * 1000000ull;
+            int r = kvl_ucx_path_wait_flush(ep->ucx, o->fseq, until);
+            if (r != 1) { /* fence: close the path; nothing more is read or lands */
+                kvl_proto_on_error(ep->c, KVL_ERR_CONN_LOST,
+                                   r ? "UCX endpoint failed while cancelling a copy"
+                                     : "UCX flush did not complete while cancelling a copy");
+                return 1;
+            }
+            o->flushed = 1;
+        }
         if (o->in_job)
             pthread_mutex_lock(&ep->jmu); /* the I/O thread is between two sends */
         if (o->f.payload_len && !o->cancelled) {
@@ -219,7 +243,7 @@ static int out_iov(kvl_out *o, struct iovec *v)
         uint64_t rest = o->f.payload_len - o->payload_sent;
         v[n].iov_base = (void *)zeros;
         v[n++].iov_len = rest < sizeof zeros ? (size_t)rest : sizeof zeros;
-    } else if (o->payload_sent < o->f.payload_len) {
+    } else if (o->payload_sent < o->f.payload_len && !o->remote) {
         int idx = o->iov_idx;
         size_t off = o->iov_off;
         while (n < MAX_IOV && idx < o->f.n_payload && want < IO_BATCH) {
@@ -232,7 +256,8 @@ static int out_iov(kvl_out *o, struct iovec *v)
             idx++;
             off = 0;
         }
-    } else if (o->f.payload_len && o->trailer_sent < 4) {
+    } else if (o->f.payload_len && o->trailer_sent < 4 && (!o->remote || o->flushed)) {
+        /* a REMOTE frame's trailer only once its puts are flushed: it says "placed" */
         if (o->trailer_sent == 0) {
             uint32_t t = o->cancelled ? ~o->crc : o->crc; /* a cancelled copy never verifies */
             for (int i = 0; i < 4; i++)
@@ -251,12 +276,47 @@ static void fail(kvl_ep *ep, kvl_err err, const char *what, int errnum)
     kvl_proto_on_error(ep->c, err, why);
 }
 
-enum { OUT_DONE = 1, OUT_MORE = 0, OUT_BLOCKED = -1, OUT_ERROR = -2 };
+enum { OUT_DONE = 1, OUT_MORE = 0, OUT_BLOCKED = -1, OUT_ERROR = -2, OUT_WAIT = -3,
+       OUT_FAILED = -4 };
+
+/* A REMOTE frame whose header is out: posts its puts and flush once, then
+ * OUT_MORE when the flush completed (the trailer goes next), OUT_WAIT while
+ * it has not (the worker's event calls ep_write again), OUT_FAILED when the
+ * UCX endpoint failed (the core was told). */
+static int remote_step(kvl_ep *ep, kvl_out *o)
+{
+    char why[160] = "";
+    if (!o->posted) {
+        o->posted = 1;
+        kvl_err e = kvl_ucx_path_post(ep->ucx, o->f.payload, o->f.n_payload, o->f.dst,
+                                      o->f.n_dst, o->f.payload_len, &o->crc, &o->fseq);
+        if (e) {
+            snprintf(why, sizeof why, "UCX put: %s", kvl_last_error());
+            kvl_proto_on_error(ep->c, KVL_ERR_CONN_LOST, why);
+            return OUT_FAILED;
+        }
+        o->payload_sent = o->f.payload_len;
+        __atomic_fetch_add(&ep->tx_payload, o->f.payload_len, __ATOMIC_RELAXED);
+    }
+    int r = kvl_ucx_path_flushed(ep->ucx, o->fseq, why, sizeof why);
+    if (r < 0) {
+        kvl_proto_on_error(ep->c, KVL_ERR_CONN_LOST, why);
+        return OUT_FAILED;
+    }
+    if (!r)
+        return OUT_WAIT;
+    o->flushed = 1;
+    ep->ucx_acked += o->f.payload_len;
+    return OUT_MORE;
+}
 
 /* One sendmsg of o (ep's head frame): OUT_DONE once all of it is out,
- * OUT_MORE, OUT_BLOCKED (the socket is full) or OUT_ERROR (errno). */
+ * OUT_MORE, OUT_BLOCKED (the socket is full) or OUT_ERROR (errno); a REMOTE
+ * frame also OUT_WAIT and OUT_FAILED (remote_step). */
 static int out_step(kvl_ep *ep, kvl_out *o, size_t *budget)
 {
+    if (o->remote && !o->flushed && o->head_sent == o->f.head.len)
+        return remote_step(ep, o);
     struct iovec v[MAX_IOV + 2];
     int n = out_iov(o, v);
     if (n == 0)
@@ -309,7 +369,7 @@ static void ep_write(kvl_ep *ep)
     size_t budget = IO_BUDGET;
     while (ep->sq && budget && !ep->dead && !ep->tx_busy) {
         kvl_out *o = ep->sq;
-        if (ep->io && o->f.payload_len) {
+        if (ep->io && o->f.payload_len && !o->remote) {
             /* the payload goes out on the I/O thread; tcp_progress goes on */
             o->in_job = 1;
             ep->tx_busy = 1;
@@ -320,7 +380,9 @@ static void ep_write(kvl_ep *ep)
         int r = out_step(ep, o, &budget);
         if (r == OUT_ERROR)
             fail(ep, KVL_ERR_CONN_LOST, "send", errno);
-        if (r == OUT_ERROR || r == OUT_BLOCKED)
+        if (r == OUT_WAIT) /* the UCX worker's event goes on (kvl_tcp_ucx_progressed) */
+            watch(ep, 0);
+        if (r == OUT_ERROR || r == OUT_BLOCKED || r == OUT_WAIT || r == OUT_FAILED)
             return;
         if (r == OUT_MORE)
             continue;
@@ -462,13 +524,39 @@ int kvl_tcp_rx_step(kvl_ep *ep, uint8_t *scratch, size_t scratch_len)
     return 0; /* its turn is over: the others on this thread go next */
 }
 
+/* A REMOTE frame's trailer is in: the crc32c over the bytes the puts placed
+ * in the sink (what the trailer vouches for, checked at the destination).  A
+ * copy that may not place (drained) cannot verify. */
+static uint32_t placed_crc(kvl_ep *ep, uint32_t want)
+{
+    int n;
+    const struct iovec *dst = kvl_proto_sink(ep->c, &n);
+    if (!kvl_proto_payload_live(ep->c))
+        return ~want;
+    uint32_t crc = 0;
+    for (int i = 0; i < n; i++) {
+        if (!dst[i].iov_base)
+            return ~want;
+        crc = kvl_crc32c(crc, dst[i].iov_base, dst[i].iov_len);
+    }
+    return crc;
+}
+
 /* Header and body are in: the core routes the frame; a payload follows. */
 static void on_body(kvl_ep *ep)
 {
     kvl_proto_on_frame(ep->c, &ep->h, ep->body);
     if (ep->dead || ep->refused)
         return;
-    if (ep->h.payload_len) {
+    if (ep->h.payload_len && (ep->h.flags & KVL_HF_REMOTE)) {
+        /* the bytes were put into the sink already (the core allowed REMOTE
+         * on this path only): only the trailer follows, sent after the flush */
+        ep->rs = RS_TRAILER;
+        ep->rx_remote = 1;
+        ep->pay_got = ep->h.payload_len;
+        ep->crc = 0;
+        ep->trailer_got = 0;
+    } else if (ep->h.payload_len) {
         ep->rs = RS_PAYLOAD;
         ep->dst_idx = 0;
         ep->dst_off = 0;
@@ -601,6 +689,10 @@ static void ep_read(kvl_ep *ep)
                     ep->rx_payload += ep->h.payload_len;
                 ep->rs = RS_HDR;
                 ep->hdr_got = 0;
+                if (ep->rx_remote) {
+                    ep->rx_remote = 0;
+                    ep->crc = placed_crc(ep, want);
+                }
                 kvl_proto_on_payload(ep->c, ep->crc, want);
             }
             break;
@@ -699,6 +791,10 @@ static kvl_err tcp_attach(kvl_ep *ep, kvl_conn *c)
     ep->watched = 1;
     ep->ev_mask = EPOLLIN;
     ep->io = kvl_tcp_pool_pick(ep->a);
+    if (ep->ucx && kvl_ucx_path_watch(ep)) { /* cannot progress it: the path stays TCP */
+        kvl_ucx_path_free(ep, ep->a->cfg.connect_timeout_ms);
+        snprintf(ep->ucx_note, sizeof ep->ucx_note, "UCX worker cannot be watched: TCP");
+    }
     return KVL_OK;
 }
 
@@ -794,8 +890,18 @@ static void accept_all(kvl_ep *l)
     }
 }
 
+void kvl_tcp_ucx_progressed(kvl_ep *ep)
+{
+    if (!ep->dead && ep->sq && !ep->tx_busy)
+        ep_write(ep);
+}
+
 static void tcp_on_event(kvl_ep *ep, uint32_t events)
 {
+    if (ep->ucx_owner) { /* a UCX worker's fd */
+        kvl_ucx_path_on_event(ep);
+        return;
+    }
     if (ep->dead)
         return;
     if (ep->listener) {
@@ -829,6 +935,8 @@ static void tcp_close(kvl_ep *ep, int abortive)
     if (ep->spare >= 0)
         close(ep->spare);
     ep->spare = -1;
+    /* before the frames let go of the memory their puts read */
+    kvl_ucx_path_free(ep, ep->a->cfg.connect_timeout_ms);
     while (ep->sq) {
         kvl_out *o = ep->sq;
         ep->sq = o->next;
@@ -843,6 +951,7 @@ void kvl_tcp_ep_free(kvl_ep *ep)
     if (!ep)
         return;
     kvl_tcp_job_forget(ep);
+    kvl_ucx_path_free(ep, 0); /* a detached endpoint's: no engine watch, nothing in flight */
     if (ep->fd >= 0)
         close(ep->fd);
     if (ep->spare >= 0)
@@ -861,7 +970,19 @@ void kvl_tcp_ep_free(kvl_ep *ep)
 
 static int tcp_sample_ep(const kvl_ep *ep, kvl_tp_sample *out)
 {
-    return ep->dead ? -1 : kvl_tcp_sample(ep->fd, out);
+    if (ep->dead || kvl_tcp_sample(ep->fd, out) != 0)
+        return -1;
+    if (ep->ucx) { /* payloads move on the UCX worker: its events are the path's progress */
+        out->bytes_acked += ep->ucx_acked;
+        uint64_t now = kvl_now_ns();
+        uint64_t ms = ep->t_ucx_ns && now > ep->t_ucx_ns ? (now - ep->t_ucx_ns) / 1000000ull
+                                                          : UINT32_MAX;
+        if (ms < out->last_ack_recv_ms)
+            out->last_ack_recv_ms = (uint32_t)ms;
+        if (ms < out->last_data_recv_ms)
+            out->last_data_recv_ms = (uint32_t)ms;
+    }
+    return 0;
 }
 
 static uint64_t tcp_bytes_sent(const kvl_ep *ep)
@@ -910,4 +1031,7 @@ const kvl_transport_ops kvl_tcp_ops = {
     .stop = kvl_tcp_pool_stop,
     .progress = tcp_progress,
     .revoke = tcp_revoke,
+    .remote_offer = kvl_ucx_path_offer,
+    .remote_note = kvl_ucx_path_note,
+    .remote_answer = kvl_ucx_path_answer,
 };

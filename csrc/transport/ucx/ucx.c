@@ -29,14 +29,22 @@ kvl_err kvl_ucx_netdev_of(const char *ip, char *dev, size_t dev_len)
     if (getifaddrs(&ifs) != 0)
         return kvl_fail_errno("getifaddrs");
     kvl_err err = kvl_fail(KVL_ERR_INVALID_ARG, "UCX: no interface holds %s", ip);
-    for (struct ifaddrs *i = ifs; i; i = i->ifa_next) {
-        if (!i->ifa_addr || i->ifa_addr->sa_family != AF_INET)
-            continue;
-        const struct sockaddr_in *sa = (const struct sockaddr_in *)(const void *)i->ifa_addr;
-        if (sa->sin_addr.s_addr == want.s_addr && strlen(i->ifa_name) < dev_len) {
-            snprintf(dev, dev_len, "%s", i->ifa_name);
-            err = KVL_OK;
-            break;
+    /* the interface holding ip itself, else the one whose subnet holds it
+     * (loopback paths use 127.0.0.2.., which lo answers for 127.0.0.0/8) */
+    for (int pass = 0; pass < 2 && err; pass++) {
+        for (struct ifaddrs *i = ifs; i; i = i->ifa_next) {
+            if (!i->ifa_addr || i->ifa_addr->sa_family != AF_INET || strlen(i->ifa_name) >= dev_len)
+                continue;
+            const struct sockaddr_in *sa = (const struct sockaddr_in *)(const void *)i->ifa_addr;
+            const struct sockaddr_in *nm = (const struct sockaddr_in *)(const void *)i->ifa_netmask;
+            uint32_t mask = pass == 0 || !nm ? 0xffffffffu : nm->sin_addr.s_addr;
+            if (pass == 1 && !nm)
+                continue;
+            if ((sa->sin_addr.s_addr & mask) == (want.s_addr & mask)) {
+                snprintf(dev, dev_len, "%s", i->ifa_name);
+                err = KVL_OK;
+                break;
+            }
         }
     }
     freeifaddrs(ifs);

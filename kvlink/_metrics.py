@@ -254,6 +254,12 @@ class AgentMetrics(Collector):
                 if "crc32c" in msg:
                     self._checksum[peer] = self._checksum.get(peer, 0) + 1
 
+    def state_changes(self) -> dict[tuple[str, str, str, str, str], int]:
+        """Path and control-connection state changes counted so far, keyed by (peer, path,
+        from state, to state, reason); a copy, safe to read from any thread."""
+        with self._lock:
+            return dict(self._state_changes)
+
     def notified(self, peer: str, n: int = 1) -> None:
         with self._lock:
             self._notifications[peer] = self._notifications.get(peer, 0) + n

@@ -831,8 +831,7 @@ class _WorkerSide:
                 self._last_paths[key] = (p.bytes_sent, p.bytes_recv)
             m = self._agent_metrics
             if m is not None:
-                with m._lock:
-                    changes = list(m._state_changes.items())
+                changes = list(m.state_changes().items())
                 total = sum(n for _, n in changes)
                 down = sum(n for k, n in changes if k[3] in ("DOWN", "STALLED"))
                 st.add("path_state_changes", max(0, total - self._last_changes[0]))

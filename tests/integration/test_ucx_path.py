@@ -171,3 +171,26 @@ def test_no_hedged_copies_onto_or_from_ucx_paths(make_agent):
     paths = tx.paths()
     assert all(p.transport == "ucx" for p in paths), paths
     assert sum(p.hedges for p in paths) == 0, [(p.index, p.hedges) for p in paths]
+
+
+def test_one_push_mixes_put_and_in_stream_chunks(make_agent):
+    """One transfer whose destinations are a region with a UCX key on the
+    paths (chunks go by put) and one registered after the set-up (chunks go
+    in-stream on the same connections): both land byte-exact."""
+    rx, tx = pair(make_agent)
+    early = np.zeros(8 * MiB, dtype=np.uint8)
+    r_early = rx.register(early, remote_write=True, name="early")
+    tx.add_peer(rx.metadata())
+    late = np.zeros(8 * MiB + 5, dtype=np.uint8)
+    r_late = rx.register(late, remote_write=True, name="late")
+    tx.add_peer(rx.metadata())  # the late region's access key
+    src = pattern(early.size + late.size, 9)
+    r_src = tx.register(src)
+    segs = [
+        kvlink.Segment(r_src.id, 0, r_early.id, 0, early.size),
+        kvlink.Segment(r_src.id, early.size, r_late.id, 0, late.size),
+    ]
+    tx.push("rx", segments=segs).wait(timeout_s=60)
+    assert np.array_equal(src[: early.size], early)
+    assert np.array_equal(src[early.size :], late)
+    assert all(p.transport == "ucx" for p in tx.paths())

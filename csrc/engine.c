@@ -68,6 +68,7 @@ void kvl_engine_snapshot_paths(kvl_agent *a)
             snprintf(o->remote_addr, sizeof o->remote_addr, "%s", pa->remote);
             o->bytes_sent = pa->bytes_sent_prev + (pa->conn ? kvl_conn_bytes_sent(pa->conn) : 0);
             o->bytes_recv = pa->bytes_recv_prev + (pa->conn ? kvl_conn_bytes_recv(pa->conn) : 0);
+            o->bytes_put = pa->bytes_put_prev + (pa->conn ? kvl_conn_bytes_put(pa->conn) : 0);
             o->rtt_us = pa->rtt_us;
             o->delivery_gbps = pa->delivery_Bps / 1e9;
             o->nic_other_gbps = pa->nic_other_Bps / 1e9;
@@ -216,7 +217,10 @@ static void run_commands(kvl_agent *a)
     while (cmd) {
         kvl_cmd *next = cmd->next;
         kvl_peer *p = cmd->type == KVL_CMD_SUBMIT ? cmd->xfer->peer : cmd->peer;
-        if (cmd->type == KVL_CMD_ADOPT_PEER) {
+        if (cmd->type == KVL_CMD_REGIONS) {
+            for (kvl_conn *c = a->conns; c; c = kvl_conn_next(c))
+                kvl_conn_regions_changed(c);
+        } else if (cmd->type == KVL_CMD_ADOPT_PEER) {
             adopt_peer(a, p);
         } else if (p && p->retiring && cmd->type != KVL_CMD_PROBED) {
             /* removed or replaced: new work fails, nothing else is started */

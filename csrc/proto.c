@@ -149,6 +149,9 @@ void kvl_conn_bind_outbound(kvl_conn *c, kvl_peer *p, int path)
     strcpy(c->peer_name, p->name);
     if (path >= 0) { /* what carries this path's payloads from now on, and why */
         kvl_path *pa = &p->paths[path];
+        pthread_mutex_lock(&p->mu); /* the peer's keys must agree with its region table */
+        tp(c)->remote_check(c->ep, p->regions, p->n_regions);
+        pthread_mutex_unlock(&p->mu);
         pa->ucx = c->ucx_on = tp(c)->remote_note(c->ep, pa->tnote, sizeof pa->tnote);
     }
 }
@@ -170,6 +173,12 @@ void kvl_conn_abort(kvl_conn *c, const char *why)
 
 uint64_t kvl_conn_bytes_sent(const kvl_conn *c) { return tp(c)->bytes_sent(c->ep); }
 uint64_t kvl_conn_bytes_recv(const kvl_conn *c) { return tp(c)->bytes_recv(c->ep); }
+uint64_t kvl_conn_bytes_put(const kvl_conn *c) { return tp(c)->bytes_put(c->ep); }
+void kvl_conn_regions_changed(kvl_conn *c)
+{
+    if (!c->dead && c->ucx_on)
+        tp(c)->remote_sync(c->ep);
+}
 kvl_conn *kvl_conn_next(const kvl_conn *c) { return c->next; }
 int kvl_conn_has_output(const kvl_conn *c) { return !c->dead && tp(c)->has_output(c->ep); }
 void kvl_conn_drop_unstarted(kvl_conn *c)
@@ -282,6 +291,11 @@ int kvl_conn_send_chunk(kvl_conn *c, kvl_xfer *x, uint32_t ci)
     for (size_t k = 0; k < x->n_keys; k++)
         if (x->key_used[k] == mark)
             kvl_enc_key(&f.head, x->keys[k].id, x->keys[k].key);
+    int want_put = !push && c->ucx_on; /* pull over UCX: say where the bytes go here */
+    for (uint32_t i = 0; want_put && i < ch->n_pieces; i++) {
+        const kvl_segment *s = &x->segs[pc[i].seg];
+        kvl_enc_dst(&f.head, s->dst_region, s->dst_offset + pc[i].seg_offset);
+    }
     if (push) {
         f.payload = malloc(ch->n_pieces * sizeof *f.payload);
         if (!f.payload)
@@ -295,6 +309,8 @@ int kvl_conn_send_chunk(kvl_conn *c, kvl_xfer *x, uint32_t ci)
         x->io_refs++;
     }
     kvl_frame_finish(&f.head, push ? KVL_F_DATA : KVL_F_READ_REQ, f.payload_len);
+    if (want_put && !f.head.oom)
+        f.head.p[6] |= KVL_HF_DST;
     if (f.head.oom) {
         kvl_proto_release(c->a, &f.hold);
         free(f.payload);
@@ -732,7 +748,7 @@ static void on_data(kvl_conn *c)
 static void on_read_req(kvl_conn *c)
 {
     kvl_msg_chunk m;
-    if (kvl_dec_chunk(c->body, c->h->body_len, &m)) {
+    if (kvl_dec_chunk_flags(c->body, c->h->body_len, c->h->flags, &m)) {
         kvl_conn_fail(c, KVL_ERR_PROTOCOL, kvl_last_error());
         return;
     }
@@ -747,6 +763,18 @@ static void on_read_req(kvl_conn *c)
             return;
         }
         memcpy(iov, c->dst, (size_t)c->ndst * sizeof *iov);
+        if (m.dst) { /* pull over UCX: the transport may put into the initiator's pieces */
+            f.dst = malloc(m.n_pieces * sizeof *f.dst);
+            if (!f.dst) {
+                free(iov);
+                release_prefs(c);
+                kvl_conn_fail(c, KVL_ERR_NOMEM, "out of memory for a READ_RESP");
+                return;
+            }
+            f.n_dst = m.n_pieces;
+            for (uint32_t i = 0; i < m.n_pieces; i++)
+                kvl_dec_dst_piece(&m, i, &f.dst[i]);
+        }
         f.payload = iov;
         f.n_payload = c->ndst;
         f.payload_len = total;
@@ -958,9 +986,11 @@ void kvl_proto_on_frame(kvl_conn *c, const kvl_frame_hdr *h, const uint8_t *body
     int in_ctrl = !c->outbound && c->kind == KVL_CONN_CONTROL;
     int out_data = c->outbound && c->kind == KVL_CONN_DATA;
     int out_ctrl = c->outbound && c->kind == KVL_CONN_CONTROL;
-    if ((h->flags & KVL_HF_REMOTE) && !c->ucx_on) {
+    if ((h->flags & (KVL_HF_REMOTE | KVL_HF_DST)) && !c->ucx_on) {
         kvl_conn_fail(c, KVL_ERR_PROTOCOL,
-                      "a frame with header flag REMOTE on a path without UCX set up");
+                      (h->flags & KVL_HF_REMOTE)
+                          ? "a frame with header flag REMOTE on a path without UCX set up"
+                          : "a frame with header flag DST on a path without UCX set up");
         return;
     }
     if (!c->handshaken && c->auth_wait) {
@@ -999,6 +1029,15 @@ void kvl_proto_on_frame(kvl_conn *c, const kvl_frame_hdr *h, const uint8_t *body
         on_announce(c);
     else if (t == KVL_F_UCX_OFFER && in_data)
         on_ucx_offer(c);
+    else if (t == KVL_F_UCX_KEYS && (in_data || out_data) && c->ucx_on) {
+        /* the peer mapped regions registered after the set-up (docs/ucx.md step 3) */
+        if (tp(c)->remote_keys(c->ep, c->body, c->h->body_len) != 0)
+            kvl_conn_fail(c, KVL_ERR_PROTOCOL, kvl_last_error());
+        else if (c->outbound && c->path >= 0) { /* paths() shows the keys it holds now */
+            kvl_path *pa = &c->peer->paths[c->path];
+            tp(c)->remote_note(c->ep, pa->tnote, sizeof pa->tnote);
+        }
+    }
     else {
         char why[96];
         snprintf(why, sizeof why, "unexpected frame type %u on this connection", t);
@@ -1103,6 +1142,7 @@ static void conn_close(kvl_conn *c, int abortive, kvl_err err, const char *why)
         c->px = NULL;
     }
     uint64_t sent = tp(c)->bytes_sent(c->ep), recv = tp(c)->bytes_recv(c->ep);
+    uint64_t put = tp(c)->bytes_put(c->ep);
     tp(c)->close(c->ep, abortive);
     if (c->ib)
         c->ib->conns--;
@@ -1116,6 +1156,7 @@ static void conn_close(kvl_conn *c, int abortive, kvl_err err, const char *why)
             kvl_path *pa = &c->peer->paths[c->path];
             pa->bytes_sent_prev += sent;
             pa->bytes_recv_prev += recv;
+            pa->bytes_put_prev += put;
             kvl_sched_path_down(c->peer, (uint32_t)c->path, why);
         } else if (c->peer->ctrl == c) {
             c->peer->ctrl = NULL;

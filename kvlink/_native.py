@@ -634,6 +634,7 @@ def paths(a: Handle) -> list[PathInfo]:
             t_down_ns=int(p.t_down_ns),
             transport=cstr(p.transport) or "tcp",
             transport_note=cstr(p.transport_note),
+            bytes_put=int(p.bytes_put),
             last_error=cstr(p.last_error),
         )
         for p in arr[0 : min(n[0], cap)]

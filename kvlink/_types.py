@@ -188,6 +188,7 @@ class PathInfo:
     last_error: str
     transport: str = "tcp"  # what carries this path's payload: "tcp" (or "ucx", docs/ucx.md)
     transport_note: str = ""  # why this transport (Config.transport "auto": why not UCX)
+    bytes_put: int = 0  # payload moved by UCX put: pushed (of bytes_sent) or pulled (of bytes_recv)
 
 
 @dataclass(frozen=True)

@@ -199,6 +199,9 @@ typedef struct kvl_path_info {
     char last_error[160];
     char transport[8];     /* what carries this path's payload: "tcp" or "ucx" */
     char transport_note[128]; /* why (UCX refused or failed: the reason) */
+    uint64_t bytes_put;    /* payload bytes moved by UCX put, across connections: pushed
+                              (part of bytes_sent, flushed) or pulled (part of bytes_recv);
+                              the rest went in-stream over TCP (docs/ucx.md) */
 } kvl_path_info;
 
 typedef struct kvl_notification {

@@ -141,6 +141,10 @@ typedef struct kvl_transport_ops {
     /* Payload bytes sent / received over ep. */
     uint64_t (*bytes_sent)(const kvl_ep *ep);
     uint64_t (*bytes_recv)(const kvl_ep *ep);
+    /* Payload bytes placed one-sided: sent (a put whose flush completed;
+     * part of bytes_sent) and received (a REMOTE frame whose trailer came;
+     * part of bytes_recv); 0 without one-sided writes.  Engine thread. */
+    uint64_t (*bytes_put)(const kvl_ep *ep);
     /* Closes ep (abortive: drop what is queued both ways at once) and
      * releases its queued frames.  ep stays allocated until free(). */
     void (*close)(kvl_ep *ep, int abortive);
@@ -168,6 +172,22 @@ typedef struct kvl_transport_ops {
      * when the connection itself failed or the peer broke the protocol
      * (the caller discards ep then).  Blocks; any thread. */
     kvl_err (*remote_offer)(kvl_ep *ep, const char *local, uint64_t deadline_ns);
+    /* Engine thread, when the core takes an outbound data endpoint over
+     * (the peer's region table is known then; regions: n entries, borrowed
+     * for the call): checks the peer's one-sided keys against the table.
+     * A key that disagrees with it (size, rights) drops ep's one-sided
+     * companion: its payloads go in-stream and remote_note says which key
+     * and why.  Returns 1 if ep's payloads still travel one-sided. */
+    int (*remote_check)(kvl_ep *ep, const kvl_region_info *regions, size_t n);
+    /* Engine thread: the agent's regions changed.  A one-sided ep maps the
+     * regions it shows the peer that are new (and tells the peer their keys)
+     * and unmaps those deregistered.  Failures leave ep usable (new regions
+     * then go in-stream on it). */
+    void (*remote_sync)(kvl_ep *ep);
+    /* Engine thread: a UCX_KEYS body arrived on a one-sided ep: the peer's
+     * keys of regions it registered after the set-up.  0, or -1 with the
+     * reason (kvl_last_error) when the peer broke the protocol. */
+    int (*remote_keys)(kvl_ep *ep, const uint8_t *body, size_t len);
     /* 1 if ep's payloads travel one-sided; note (len bytes): why, or "". */
     int (*remote_note)(const kvl_ep *ep, char *note, size_t len);
     /* Engine thread: a UCX_OFFER body arrived on an accepted data endpoint

@@ -64,7 +64,9 @@ static int fuzz_hdr(const uint8_t *in, size_t len)
     REQUIRE(h.type >= 1 && h.type <= KVL_F_TYPE_MAX);
     REQUIRE(h.body_len <= KVL_MAX_BODY && h.payload_len <= KVL_MAX_CHUNK);
     REQUIRE(h.payload_len == 0 || h.type == KVL_F_DATA || h.type == KVL_F_READ_RESP);
-    REQUIRE((h.flags & ~KVL_HF_REMOTE) == 0 && (!(h.flags & KVL_HF_REMOTE) || h.payload_len));
+    REQUIRE((h.flags & ~(KVL_HF_REMOTE | KVL_HF_DST)) == 0 &&
+            (!(h.flags & KVL_HF_REMOTE) || h.payload_len) &&
+            (!(h.flags & KVL_HF_DST) || h.type == KVL_F_READ_REQ));
     uint8_t again[KVL_HDR_BYTES];
     kvl_hdr_encode(again, &h);
     REQUIRE(memcmp(again, in, KVL_HDR_BYTES) == 0);
@@ -120,8 +122,18 @@ static int fuzz_body(int k, const uint8_t *body, size_t len)
     case F_CHUNK: {
         kvl_msg_chunk m;
         memset(&m, 0xa5, sizeof m);
+        if (kvl_dec_chunk_flags(body, len, KVL_HF_DST, &m) == KVL_OK) {
+            /* a DST READ_REQ: the destinations fill the rest of the body */
+            REQUIRE(m.dst && m.dst + (size_t)m.n_pieces * KVL_WIRE_DST_BYTES == end);
+            for (uint32_t i = 0; i < m.n_pieces; i++) {
+                kvl_wire_piece d;
+                kvl_dec_dst_piece(&m, i, &d);
+            }
+        }
+        memset(&m, 0xa5, sizeof m);
         if ((e = kvl_dec_chunk(body, len, &m)) != KVL_OK)
             break;
+        REQUIRE(m.dst == NULL);
         REQUIRE(m.n_pieces >= 1 && m.n_pieces <= KVL_MAX_PIECES);
         REQUIRE(m.n_keys >= 1 && m.n_keys <= m.n_pieces);
         REQUIRE(m.pieces >= body &&

@@ -286,7 +286,9 @@ static void test_header(void)
         {"version 2", 4, 2, {KVL_F_HELLO, 0, 10, 0, 0}, KVL_ERR_HANDSHAKE},
         {"version 3", 4, 3, {KVL_F_HELLO, 0, 10, 0, 0}, KVL_ERR_HANDSHAKE},
         {"version 5", 4, 5, {KVL_F_HELLO, 0, 10, 0, 0}, KVL_ERR_HANDSHAKE},
-        {"unknown header flag 2", -1, 0, {KVL_F_DATA, 2, 10, 0, 4096}, KVL_ERR_PROTOCOL},
+        {"unknown header flag 4", -1, 0, {KVL_F_DATA, 4, 10, 0, 4096}, KVL_ERR_PROTOCOL},
+        {"DST on a DATA", -1, 0, {KVL_F_DATA, KVL_HF_DST, 10, 0, 4096}, KVL_ERR_PROTOCOL},
+        {"DST on a READ_RESP", -1, 0, {KVL_F_READ_RESP, KVL_HF_DST, 10, 0, 0}, KVL_ERR_PROTOCOL},
         {"header flags 0xffff", -1, 0, {KVL_F_DATA, 0xffff, 10, 0, 4096}, KVL_ERR_PROTOCOL},
         {"REMOTE without a payload", -1, 0, {KVL_F_DATA, KVL_HF_REMOTE, 10, 0, 0},
          KVL_ERR_PROTOCOL},
@@ -701,6 +703,54 @@ static void test_chunk(void)
 
 /* ---- ACK / READ_RESP ---- */
 
+/* A READ_REQ with header flag DST (pull over UCX): the body ends with
+ * where each piece goes in the initiator's regions, 16 bytes a piece. */
+static void test_chunk_dst(void)
+{
+    kvl_frame_hdr ok = {KVL_F_READ_REQ, KVL_HF_DST, 10, 0, 0}, got;
+    uint8_t raw[KVL_HDR_BYTES];
+    kvl_hdr_encode(raw, &ok);
+    CHECKF(kvl_hdr_decode(raw, &got) == KVL_OK && got.flags == KVL_HF_DST,
+           "READ_REQ with DST: %s", kvl_last_error());
+    frame f = {0};
+    kvl_frame_start(&f.b);
+    kvl_enc_chunk(&f.b, 77, 5, 2, 3);
+    for (uint32_t i = 0; i < 3; i++) {
+        kvl_wire_piece p = {9, (uint64_t)i * 100, (uint64_t)i + 10};
+        kvl_enc_piece(&f.b, &p);
+    }
+    uint8_t key[KVL_KEY_BYTES] = {1};
+    kvl_enc_keys(&f.b, 1);
+    kvl_enc_key(&f.b, 9, key);
+    for (uint32_t i = 0; i < 3; i++)
+        kvl_enc_dst(&f.b, 40 + i, (uint64_t)i << 40);
+    frame_done(&f, KVL_F_READ_REQ, 0);
+    uint8_t *body = dup_exact(f.body, f.len);
+    kvl_msg_chunk m;
+    if (CHECKF(kvl_dec_chunk_flags(body, f.len, KVL_HF_DST, &m) == KVL_OK, "DST: %s",
+               kvl_last_error()) &&
+        CHECK(m.dst != NULL)) {
+        for (uint32_t i = 0; i < 3; i++) {
+            kvl_wire_piece d;
+            kvl_dec_dst_piece(&m, i, &d);
+            CHECKF(d.region == 40 + i && d.offset == (uint64_t)i << 40 && d.len == i + 10,
+                   "destination %u differs after the round trip", i);
+        }
+    }
+    /* without the flag the same body has trailing bytes; every truncation of
+     * the DST section runs past the body */
+    CHECK(kvl_dec_chunk(body, f.len, &m) == KVL_ERR_PROTOCOL &&
+          strstr(kvl_last_error(), "trailing"));
+    for (size_t n = 0; n < f.len; n++) {
+        uint8_t *cut = dup_exact(f.body, n);
+        CHECKF(kvl_dec_chunk_flags(cut, n, KVL_HF_DST, &m) == KVL_ERR_PROTOCOL,
+               "DST body cut to %zu bytes accepted", n);
+        free(cut);
+    }
+    free(body);
+    kvl_buf_free(&f.b);
+}
+
 static void test_status(void)
 {
     for (int c = 0; c < 4; c++) {
@@ -949,6 +999,7 @@ int main(void)
     test_hello();
     test_hello_ack();
     test_chunk();
+    test_chunk_dst();
     test_status();
     test_notify();
     test_announce();

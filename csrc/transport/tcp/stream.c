@@ -55,6 +55,7 @@ struct kvl_out {
     int posted;            /* remote: puts and flush posted (the source is read until flushed) */
     int flushed;           /* remote: the flush completed: the trailer may go */
     uint64_t fseq;         /* remote: the flush's number */
+    int dst_req;           /* a READ_REQ with DST: once sent, counts in ep->ucx_reads */
 };
 
 /* A cancelled DATA frame's remaining payload is sent from here: the stream
@@ -106,6 +107,8 @@ static int tcp_send(kvl_ep *ep, kvl_tp_frame *f)
         o->remote = 1; /* header flag REMOTE: the stream carries no payload bytes */
         o->f.head.p[6] |= KVL_HF_REMOTE;
     }
+    o->dst_req = o->f.head.len >= KVL_HDR_BYTES && o->f.head.p[5] == KVL_F_READ_REQ &&
+                 (o->f.head.p[6] & KVL_HF_DST);
     ep->sq_bytes += o->f.head.len;
     if (ep->sq_tail)
         ep->sq_tail->next = o;
@@ -158,10 +161,31 @@ static void tcp_drop_unstarted(kvl_ep *ep)
     }
 }
 
+/* Pull over UCX: a READ_REQ sent with DST lets the peer put into our memory
+ * until its READ_RESP has ended, and a put cannot be called back.  So a
+ * cancelled copy that may be such a read destroys the path's UCX end at
+ * once (over UCX's TCP nothing is placed but by our worker's progress; on
+ * RDMA the unmapped memory invalidates the keys): once this returns nothing
+ * lands (docs/ucx.md, "Cancel and duplicate copies").  The connection is
+ * failed from the event loop, not from inside the core's cancel. */
+static void ucx_fence(kvl_ep *ep, const char *why)
+{
+    kvl_ucx_path_free(ep, ep->a->cfg.connect_timeout_ms);
+    kvl_log(ep->a, KVL_LOG_WARNING, NULL, -1,
+            "UCX fenced: %s (%u reads outstanding): the path's UCX end is destroyed, its "
+            "connection closes and reconnects",
+            why, ep->ucx_reads);
+    snprintf(ep->ucx_note, sizeof ep->ucx_note, "UCX fenced: %s", why);
+    snprintf(ep->ucx_broken_why, sizeof ep->ucx_broken_why, "UCX fenced: %s", why);
+    ep->ucx_broken = 1;
+    watch(ep, 1);
+}
+
 static int tcp_cancel(kvl_ep *ep, uint64_t xid, uint32_t chunk, uint32_t attempt)
 {
     if (ep->dead)
         return 0;
+    int found = 0;
     for (kvl_out **pp = &ep->sq, *prev = NULL; *pp; prev = *pp, pp = &(*pp)->next) {
         kvl_out *o = *pp;
         if (!o->f.is_chunk || o->f.xid != xid || o->f.chunk != chunk || o->f.attempt != attempt)
@@ -176,11 +200,16 @@ static int tcp_cancel(kvl_ep *ep, uint64_t xid, uint32_t chunk, uint32_t attempt
                 watch(ep, 0);
             return 1;
         }
+        if (o->dst_req) { /* part-way out: the peer will read it and may put */
+            if (ep->ucx)
+                ucx_fence(ep, "a pull the peer may be putting was cancelled");
+            return 1;
+        }
         if (o->remote && o->posted && !o->flushed) {
             /* puts cannot be called back: the memory is let go of only once
              * they are placed (docs/ucx.md, cancel on a UCX endpoint) */
             uint64_t until = kvl_now_ns() + (uint64_t)ep->a->cfg.connect_timeout_ms * 1000000ull;
-            int r = kvl_ucx_path_wait_flush(ep->ucx, o->fseq, until);
+            int r = ep->ucx ? kvl_ucx_path_wait_flush(ep->ucx, o->fseq, until) : -1;
             if (r != 1) {
                 /* the puts may still read our memory: the frame keeps its
                  * hold, goes out cancelled, and the connection is failed
@@ -206,9 +235,14 @@ static int tcp_cancel(kvl_ep *ep, uint64_t xid, uint32_t chunk, uint32_t attempt
         }
         if (o->in_job)
             pthread_mutex_unlock(&ep->jmu);
-        return 1;
+        found = 1;
+        break;
     }
-    return 0;
+    /* a copy no longer queued here may be a pull read whose answer is still
+     * to come: while any is (conservatively: not only this copy), fence */
+    if (!found && ep->ucx && ep->ucx_reads)
+        ucx_fence(ep, "a pull the peer may be putting was cancelled");
+    return found;
 }
 
 /* Advances o over n payload bytes just sent, folding them into the crc. */
@@ -382,7 +416,9 @@ static void ep_write(kvl_ep *ep)
     size_t budget = IO_BUDGET;
     if (ep->ucx_broken) {
         kvl_proto_on_error(ep->c, KVL_ERR_CONN_LOST,
-                           "UCX flush of a cancelled copy did not complete: path closed");
+                           ep->ucx_broken_why[0]
+                               ? ep->ucx_broken_why
+                               : "UCX flush of a cancelled copy did not complete: path closed");
         return;
     }
     while (ep->sq && budget && !ep->dead && !ep->tx_busy) {
@@ -400,6 +436,8 @@ static void ep_write(kvl_ep *ep)
             fail(ep, KVL_ERR_CONN_LOST, "send", errno);
         if (r == OUT_WAIT) /* the UCX worker's event goes on (kvl_tcp_ucx_progressed) */
             watch(ep, 0);
+        if (r == OUT_BLOCKED && !ep->epout)
+            watch(ep, 1); /* resumed by a UCX event after OUT_WAIT: the socket's turn now */
         if (r == OUT_ERROR || r == OUT_BLOCKED || r == OUT_WAIT || r == OUT_FAILED)
             return;
         if (r == OUT_MORE)
@@ -408,8 +446,12 @@ static void ep_write(kvl_ep *ep)
         ep->sq_len--;
         if (!ep->sq)
             ep->sq_tail = NULL;
+        if (o->dst_req)
+            ep->ucx_reads++;
         out_free(ep, o);
     }
+    if (ep->sq && !ep->dead && !ep->tx_busy && !ep->epout)
+        watch(ep, 1); /* out of budget after a UCX resume: go on when writable */
     if (!ep->sq && !ep->dead) {
         watch(ep, 0);
         if (ep->refused)
@@ -566,7 +608,10 @@ static void on_body(kvl_ep *ep)
     kvl_proto_on_frame(ep->c, &ep->h, ep->body);
     if (ep->dead || ep->refused)
         return;
-    if (ep->h.payload_len && (ep->h.flags & KVL_HF_REMOTE)) {
+    int remote = ep->h.payload_len && (ep->h.flags & KVL_HF_REMOTE);
+    if (ep->h.type == KVL_F_READ_RESP && !remote && ep->ucx_reads)
+        ep->ucx_reads--; /* in-stream or a refusal: the peer puts nothing for it */
+    if (remote) {
         /* the bytes were put into the sink already (the core allowed REMOTE
          * on this path only): only the trailer follows, sent after the flush */
         ep->rs = RS_TRAILER;
@@ -710,6 +755,9 @@ static void ep_read(kvl_ep *ep)
                 if (ep->rx_remote) {
                     ep->rx_remote = 0;
                     ep->crc = placed_crc(ep, want);
+                    ep->ucx_put_rx += ep->h.payload_len;
+                    if (ep->h.type == KVL_F_READ_RESP && ep->ucx_reads)
+                        ep->ucx_reads--; /* flushed before its trailer: placed */
                 }
                 kvl_proto_on_payload(ep->c, ep->crc, want);
             }
@@ -970,6 +1018,10 @@ void kvl_tcp_ep_free(kvl_ep *ep)
         return;
     kvl_tcp_job_forget(ep);
     kvl_ucx_path_free(ep, 0); /* a detached endpoint's: no engine watch, nothing in flight */
+    if (ep->ucx_wk_gone) {
+        pthread_mutex_destroy(&ep->ucx_wk_gone->jmu);
+        free(ep->ucx_wk_gone);
+    }
     if (ep->fd >= 0)
         close(ep->fd);
     if (ep->spare >= 0)
@@ -1008,6 +1060,7 @@ static uint64_t tcp_bytes_sent(const kvl_ep *ep)
     return __atomic_load_n(&ep->tx_payload, __ATOMIC_RELAXED);
 }
 static uint64_t tcp_bytes_recv(const kvl_ep *ep) { return ep->rx_payload; }
+static uint64_t tcp_bytes_put(const kvl_ep *ep) { return ep->ucx_acked + ep->ucx_put_rx; }
 
 static kvl_err tcp_reg_mem(kvl_agent *a, void *base, uint64_t len, uint32_t mem, uint8_t *rkey,
                            uint32_t *rkey_len)
@@ -1042,6 +1095,7 @@ const kvl_transport_ops kvl_tcp_ops = {
     .sample = tcp_sample_ep,
     .bytes_sent = tcp_bytes_sent,
     .bytes_recv = tcp_bytes_recv,
+    .bytes_put = tcp_bytes_put,
     .close = tcp_close,
     .free = kvl_tcp_ep_free,
     .reg_mem = tcp_reg_mem,
@@ -1050,6 +1104,9 @@ const kvl_transport_ops kvl_tcp_ops = {
     .progress = tcp_progress,
     .revoke = tcp_revoke,
     .remote_offer = kvl_ucx_path_offer,
+    .remote_check = kvl_ucx_path_check,
+    .remote_sync = kvl_ucx_path_sync,
+    .remote_keys = kvl_ucx_path_keys,
     .remote_note = kvl_ucx_path_note,
     .remote_answer = kvl_ucx_path_answer,
 };

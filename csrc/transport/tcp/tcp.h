@@ -75,7 +75,14 @@ struct kvl_ep {
     int rx_remote;         /* the payload arriving was put: only its trailer comes */
     uint64_t t_ucx_ns;     /* the worker's last event: UCX progress for the path's samples */
     uint64_t ucx_acked;    /* payload bytes of flushed puts (the samples' bytes_acked) */
-    int ucx_broken;        /* a cancelled copy's flush failed: fail ep from the event loop */
+    uint64_t ucx_put_rx;   /* payload bytes the peer put here (REMOTE frames ended) */
+    int ucx_broken;        /* a cancelled copy's flush failed, or a pull over UCX was
+                              fenced: fail ep from the event loop (why: ucx_broken_why) */
+    char ucx_broken_why[128];
+    uint32_t ucx_reads;    /* READ_REQs with DST sent whose READ_RESP has not ended: the
+                              peer may be putting into our memory (pull over UCX) */
+    kvl_ep *ucx_wk_gone;   /* the worker fd's pseudo endpoint after kvl_ucx_path_free:
+                              freed with ep (an event for it may be pending) */
 };
 
 /* ---- I/O threads (iopool.c) ---- */

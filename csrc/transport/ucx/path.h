@@ -24,8 +24,11 @@
 typedef struct kvl_ucx_path kvl_ucx_path;
 struct kvl_ucx_rkey;
 
-/* transport ops (transport.h: remote_offer, remote_note, remote_answer) */
+/* transport ops (transport.h: remote_offer, remote_check, remote_note, remote_answer) */
 kvl_err kvl_ucx_path_offer(kvl_ep *ep, const char *local, uint64_t deadline_ns);
+int kvl_ucx_path_check(kvl_ep *ep, const kvl_region_info *regions, size_t n);
+void kvl_ucx_path_sync(kvl_ep *ep);
+int kvl_ucx_path_keys(kvl_ep *ep, const uint8_t *body, size_t len);
 int kvl_ucx_path_note(const kvl_ep *ep, char *note, size_t len);
 int kvl_ucx_path_answer(kvl_ep *ep, const uint8_t *body, size_t len, int proven);
 

@@ -357,7 +357,14 @@ typedef struct kvl_path {
     char last_error[160];
     int ucx;                   /* the connection's payloads travel by UCX put (docs/ucx.md) */
     char tnote[128];           /* why this transport (kvl_path_info.transport_note) */
+    /* a connection that carried UCX died: the path's next connections run TCP on the
+     * same NIC (no offer) until this CLOCK_MONOTONIC time; atomic (the connecting
+     * threads read it) */
+    uint64_t ucx_off_until_ns;
+    char ucx_died[96];         /* engine: why it died (for the fallen-back path's note) */
 } kvl_path;
+/* How long a path whose UCX connection died runs TCP before offering UCX again. */
+#define KVL_UCX_FALLBACK_MS 60000u
 
 struct kvl_peer {
     kvl_agent *agent;

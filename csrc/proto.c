@@ -153,6 +153,15 @@ void kvl_conn_bind_outbound(kvl_conn *c, kvl_peer *p, int path)
         tp(c)->remote_check(c->ep, p->regions, p->n_regions);
         pthread_mutex_unlock(&p->mu);
         pa->ucx = c->ucx_on = tp(c)->remote_note(c->ep, pa->tnote, sizeof pa->tnote);
+        uint64_t off = __atomic_load_n(&pa->ucx_off_until_ns, __ATOMIC_RELAXED);
+        uint64_t now = kvl_now_ns();
+        if (!pa->ucx && now < off && c->a->cfg.transport == KVL_TRANSPORT_UCX) {
+            char died[sizeof pa->ucx_died];
+            memcpy(died, pa->ucx_died, sizeof died);
+            snprintf(pa->tnote, sizeof pa->tnote,
+                     "UCX path died (%.60s): TCP on the same NIC; UCX again in %llu s", died,
+                     (unsigned long long)((off - now) / 1000000000ull));
+        }
     }
 }
 
@@ -1143,6 +1152,10 @@ static void conn_close(kvl_conn *c, int abortive, kvl_err err, const char *why)
     }
     uint64_t sent = tp(c)->bytes_sent(c->ep), recv = tp(c)->bytes_recv(c->ep);
     uint64_t put = tp(c)->bytes_put(c->ep);
+    /* a path whose connection still ran UCX (not fenced: that is no failure) */
+    char note[8];
+    int ucx_died = c->outbound && c->path >= 0 && c->ucx_on && !atomic_load(&a->closing) &&
+                   tp(c)->remote_note(c->ep, note, sizeof note);
     tp(c)->close(c->ep, abortive);
     if (c->ib)
         c->ib->conns--;
@@ -1157,6 +1170,12 @@ static void conn_close(kvl_conn *c, int abortive, kvl_err err, const char *why)
             pa->bytes_sent_prev += sent;
             pa->bytes_recv_prev += recv;
             pa->bytes_put_prev += put;
+            if (ucx_died) { /* the "a UCX path that dies falls back to TCP" */
+                snprintf(pa->ucx_died, sizeof pa->ucx_died, "%s", why);
+                __atomic_store_n(&pa->ucx_off_until_ns,
+                                 kvl_now_ns() + KVL_UCX_FALLBACK_MS * 1000000ull,
+                                 __ATOMIC_RELAXED);
+            }
             kvl_sched_path_down(c->peer, (uint32_t)c->path, why);
         } else if (c->peer->ctrl == c) {
             c->peer->ctrl = NULL;

@@ -411,10 +411,20 @@ class RewritingProxy:
             return
         self._pipe(up, down)
 
-    def close(self) -> None:
+    def cut(self) -> None:
+        """Reset every proxied connection at once (a path dying); new ones are still
+        accepted, so the agent's paths reconnect through the proxy."""
         with self._lock:
-            socks, self._socks = self._socks + self._conns, []
-            self._conns = []
+            conns, self._conns = self._conns, []
+        for s in conns:
+            with contextlib.suppress(OSError):
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                s.close()
+
+    def close(self) -> None:
+        self.cut()
+        with self._lock:
+            socks, self._socks = self._socks, []
         for s in socks:
             with contextlib.suppress(OSError):
                 s.close()

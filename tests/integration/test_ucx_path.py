@@ -466,3 +466,47 @@ def test_failed_pull_over_ucx_fences_before_it_reports(make_agent, caplog):
     tx.pull("rx", src="kv", dst=local).wait(timeout_s=120)
     assert np.array_equal(local, remote)
 
+
+def test_a_ucx_path_that_dies_falls_back_to_tcp_on_the_same_nic(make_agent):
+    """The issue: "a UCX path that fails to connect or dies falls back to TCP
+    on the same NIC".  Every connection of a UCX pair is reset mid-life (the
+    proxy drops them); the paths reconnect on the same addresses without
+    offering UCX, paths() says why, and the next push runs in-stream on them,
+    byte-exact.  UCX is offered again on a reconnect after 60 s."""
+    rx, tx = pair(make_agent)
+    dst = np.zeros(8 * MiB, dtype=np.uint8)
+    rx.register(dst, remote_write=True, name="kv")
+    src = pattern(dst.size, 41)
+    tx.register(src)
+    proxy = RewritingProxy(rx.metadata(), lambda body: body)
+    try:
+        tx.add_peer(proxy.metadata())
+        before = tx.paths()
+        assert [p.transport for p in before] == ["ucx", "ucx"], before
+        tx.push("rx", src=src, dst="kv").wait(timeout_s=60)
+        assert np.array_equal(src, dst)
+        put = [p.bytes_put for p in tx.paths()]
+        assert sum(put) == dst.size
+        proxy.cut()
+
+        def back_on_tcp():
+            ps = tx.paths()
+            return all(
+                p.state == kvlink.PathState.UP and p.transport == "tcp" and p.reconnects >= 1
+                for p in ps
+            )
+
+        assert wait_for(back_on_tcp, 30), tx.paths()
+        for p, b in zip(tx.paths(), before, strict=True):
+            assert p.local == b.local and p.remote == b.remote  # the same NIC pair
+            assert p.transport_note.startswith("UCX path died ("), p.transport_note
+            assert "TCP on the same NIC; UCX again in " in p.transport_note
+        src2 = pattern(dst.size, 42)
+        tx.register(src2)
+        tx.push("rx", src=src2, dst="kv").wait(timeout_s=60)
+        assert np.array_equal(src2, dst)
+        after = tx.paths()
+        assert [p.bytes_put for p in after] == put  # nothing more by put: in-stream
+        assert sum(p.bytes_sent for p in after) >= 2 * dst.size
+    finally:
+        proxy.close()

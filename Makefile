@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --upgrade pip setuptools wheel cffi
 	# torch 2.13.0 CPU comes from the local wheel folder (PIP_FIND_LINKS) where present
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test,bench]'
+	$(PIP) install -q -e '.[test,bench,ucx]'
 	touch $(STAMP)
 
 # Rebuild the C core whenever a C source or the header changed.
@@ -31,7 +31,8 @@ demo: build
 # C tests under ASan/UBSan (with a bounded libFuzzer run over the frame decoders and a bounded
 # hostile-client run against a live agent: tests/c/Makefile), then the threaded ones (two
 # whole agents included) under ThreadSanitizer.  sysdeps: clang for the fuzzer.
-test-c: sysdeps
+# $(STAMP): the venv's UCX wheel (kvlink[ucx]) is what test_ucx builds and runs against
+test-c: sysdeps $(STAMP)
 	$(MAKE) -C tests/c test
 	$(MAKE) -C tests/c tsan
 

@@ -68,6 +68,7 @@ void kvl_engine_snapshot_paths(kvl_agent *a)
             snprintf(o->remote_addr, sizeof o->remote_addr, "%s", pa->remote);
             o->bytes_sent = pa->bytes_sent_prev + (pa->conn ? kvl_conn_bytes_sent(pa->conn) : 0);
             o->bytes_recv = pa->bytes_recv_prev + (pa->conn ? kvl_conn_bytes_recv(pa->conn) : 0);
+            o->bytes_put = pa->bytes_put_prev + (pa->conn ? kvl_conn_bytes_put(pa->conn) : 0);
             o->rtt_us = pa->rtt_us;
             o->delivery_gbps = pa->delivery_Bps / 1e9;
             o->nic_other_gbps = pa->nic_other_Bps / 1e9;
@@ -79,6 +80,8 @@ void kvl_engine_snapshot_paths(kvl_agent *a)
             o->inflight_bytes = pa->inflight_bytes;
             o->est_gbps = pa->bw_Bps / 1e9;
             snprintf(o->last_error, sizeof o->last_error, "%s", pa->last_error);
+            snprintf(o->transport, sizeof o->transport, "%s", pa->ucx ? "ucx" : "tcp");
+            snprintf(o->transport_note, sizeof o->transport_note, "%s", pa->tnote);
         }
     }
     a->n_snap = k;
@@ -214,7 +217,10 @@ static void run_commands(kvl_agent *a)
     while (cmd) {
         kvl_cmd *next = cmd->next;
         kvl_peer *p = cmd->type == KVL_CMD_SUBMIT ? cmd->xfer->peer : cmd->peer;
-        if (cmd->type == KVL_CMD_ADOPT_PEER) {
+        if (cmd->type == KVL_CMD_REGIONS) {
+            for (kvl_conn *c = a->conns; c; c = kvl_conn_next(c))
+                kvl_conn_regions_changed(c);
+        } else if (cmd->type == KVL_CMD_ADOPT_PEER) {
             adopt_peer(a, p);
         } else if (p && p->retiring && cmd->type != KVL_CMD_PROBED) {
             /* removed or replaced: new work fails, nothing else is started */
@@ -383,6 +389,17 @@ static kvl_err check_config(const kvl_config *cfg)
                         KVL_MAX_IO_THREADS, cfg->io_threads);
     if (!cfg->max_connections)
         return kvl_fail(KVL_ERR_INVALID_ARG, "config.max_connections must be positive");
+    if (cfg->transport > KVL_TRANSPORT_UCX)
+        return kvl_fail(KVL_ERR_INVALID_ARG, "config.transport must be 0..2 (got %u)",
+                        cfg->transport);
+    if (cfg->transport == KVL_TRANSPORT_UCX && !cfg->secret_len)
+        return kvl_fail(KVL_ERR_INVALID_ARG,
+                        "config.transport UCX needs a cluster secret: libucp parses a peer's "
+                        "worker address unchecked, so UCX is set up only between agents that "
+                        "proved the secret (docs/ucx.md)");
+    if (cfg->transport == KVL_TRANSPORT_UCX && !kvl_ucx_loaded_version()[0])
+        return kvl_fail(KVL_ERR_INVALID_ARG,
+                        "config.transport UCX: UCX is not loaded (kvl_ucx_load_lib first)");
     if (!cfg->connect_timeout_ms || !cfg->monitor_interval_ms || !cfg->max_attempts ||
         !cfg->window_chunks || !cfg->stall_factor || !cfg->probe_backoff_max_ms)
         return kvl_fail(KVL_ERR_INVALID_ARG,

@@ -62,7 +62,8 @@ int kvl_cond_wait_until(pthread_cond_t *cv, pthread_mutex_t *mu, int (*pred)(voi
  * bytes of payload followed by a 4-byte crc32c trailer when payload_len > 0.
  * All integers little-endian. */
 #define KVL_MAGIC 0x4b4c564bu /* "KVLK" */
-#define KVL_PROTO_VERSION 3 /* 2: ANNOUNCE, NOTIFY_ACK, END with status; 3: CHALLENGE, AUTH */
+#define KVL_PROTO_VERSION 4 /* 2: ANNOUNCE, NOTIFY_ACK, END with status; 3: CHALLENGE, AUTH;
+                              4: UCX set-up frames, HELLO flag UCX, header flag REMOTE */
 #define KVL_HDR_BYTES 24
 #define KVL_MAX_BODY (1u << 20)
 
@@ -83,10 +84,25 @@ enum kvl_frame_type {
     KVL_F_ANNOUNCE = 14,   /* push: tag, size and chunk-to-layer map, before its first DATA */
     KVL_F_CHALLENGE = 15,  /* listener -> initiator: its nonce and proof of the secret */
     KVL_F_AUTH = 16,       /* initiator -> listener: its proof of the secret */
-    KVL_F_TYPE_MAX = 16
+    /* data connections only, after the handshake (docs/ucx.md; bodies: transport/ucx/msg.h) */
+    KVL_F_UCX_OFFER = 17,  /* initiator -> listener: its worker address and keys */
+    KVL_F_UCX_ACCEPT = 18, /* listener -> initiator: its worker address and keys */
+    KVL_F_UCX_KEYS = 19,   /* either way: the sender's keys changed (regions registered) */
+    KVL_F_UCX_REFUSE = 20, /* listener -> initiator: no UCX on this path, and why */
+    KVL_F_TYPE_MAX = 20
 };
 
 enum kvl_conn_kind { KVL_CONN_CONTROL = 0, KVL_CONN_DATA = 1 };
+
+/* Header flags.  REMOTE: the payload's bytes travel one-sided (UCX put) and
+ * are not in the stream; the frame ends with its crc32c trailer only, sent
+ * after the puts were flushed (docs/ucx.md).  Legal on DATA / READ_RESP with
+ * a payload, on a path whose UCX set-up succeeded (proto.c checks that).
+ * DST: a READ_REQ whose body ends with where each piece goes in the
+ * initiator's regions (pull over UCX: the responder may put the bytes there
+ * and answer with a REMOTE READ_RESP).  Legal on READ_REQ only, on a path
+ * whose UCX set-up succeeded. */
+enum { KVL_HF_REMOTE = 1, KVL_HF_DST = 2 };
 
 typedef struct kvl_frame_hdr {
     uint8_t type;
@@ -115,14 +131,16 @@ typedef struct kvl_wire_piece {
 #define KVL_NONCE_BYTES 16
 #define KVL_MAC_BYTES 32        /* HMAC-SHA256 */
 #define KVL_TOKEN_BYTES 16
-enum { KVL_HELLO_AUTH = 1 };     /* hello flags: the initiator holds a secret */
+/* hello flags: AUTH: the initiator holds a secret; UCX: a UCX_OFFER follows
+ * HELLO_ACK on this data connection (docs/ucx.md) */
+enum { KVL_HELLO_AUTH = 1, KVL_HELLO_UCX = 2 };
 
 typedef struct kvl_msg_hello {
     uint64_t instance;
     uint8_t kind;   /* kvl_conn_kind */
     uint16_t path;  /* path index for data connections */
     char name[KVL_NAME_MAX];
-    uint8_t flags;  /* KVL_HELLO_AUTH */
+    uint8_t flags;  /* KVL_HELLO_AUTH | KVL_HELLO_UCX */
     uint8_t nonce[KVL_NONCE_BYTES]; /* the initiator's challenge (with KVL_HELLO_AUTH) */
     uint8_t token[KVL_TOKEN_BYTES]; /* the initiator's session with this listener: random,
                                        the same on every connection of one kvl_peer */
@@ -159,7 +177,11 @@ typedef struct kvl_msg_chunk {
     const uint8_t *pieces; /* n_pieces * KVL_WIRE_PIECE_BYTES, inside the body */
     uint32_t n_keys;       /* access keys of the regions the pieces name: 1..n_pieces, */
     const uint8_t *keys;   /* ids strictly ascending; n_keys * KVL_WIRE_KEY_BYTES */
+    const uint8_t *dst;    /* READ_REQ with KVL_HF_DST: n_pieces * KVL_WIRE_DST_BYTES
+                              (the initiator's region id u64, offset u64 per piece, the
+                              piece's len); else NULL */
 } kvl_msg_chunk;
+#define KVL_WIRE_DST_BYTES 16
 
 /* ACK and READ_RESP */
 typedef struct kvl_msg_status {
@@ -217,6 +239,15 @@ void kvl_enc_auth(kvl_buf *b, const kvl_msg_auth *m);
 kvl_err kvl_dec_hello(const uint8_t *body, size_t len, kvl_msg_hello *m);
 kvl_err kvl_dec_hello_ack(const uint8_t *body, size_t len, kvl_msg_hello_ack *m);
 kvl_err kvl_dec_chunk(const uint8_t *body, size_t len, kvl_msg_chunk *m);
+/* kvl_dec_chunk for a frame whose header flags are flags: with KVL_HF_DST the
+ * body ends with the destination pieces (m->dst).  Trusts nothing: lengths
+ * checked against the body, trailing bytes refused. */
+kvl_err kvl_dec_chunk_flags(const uint8_t *body, size_t len, uint16_t flags, kvl_msg_chunk *m);
+/* Destination i of a DST READ_REQ (m->dst set, i < m->n_pieces): region and
+ * offset from the DST section, len from source piece i. */
+void kvl_dec_dst_piece(const kvl_msg_chunk *m, uint32_t i, kvl_wire_piece *p);
+/* Appends one destination entry of a DST READ_REQ (after the keys). */
+void kvl_enc_dst(kvl_buf *b, uint64_t region, uint64_t offset);
 kvl_err kvl_dec_status(const uint8_t *body, size_t len, kvl_msg_status *m);
 kvl_err kvl_dec_notify(const uint8_t *body, size_t len, kvl_msg_notify *m);
 kvl_err kvl_dec_token(const uint8_t *body, size_t len, uint64_t *token);
@@ -309,6 +340,7 @@ typedef struct kvl_path {
     uint32_t stall_ms;
     uint64_t t_last_ping_ns, ping_sent_ns; /* ping_sent_ns != 0: a probe is outstanding */
     uint64_t bytes_sent_prev, bytes_recv_prev; /* totals of earlier connections */
+    uint64_t bytes_put_prev;   /* ... of which placed by UCX put (kvl_path_info.bytes_put) */
     /* re-probing (probe.c) */
     uint64_t next_probe_ns;
     uint32_t backoff_ms;
@@ -323,7 +355,16 @@ typedef struct kvl_path {
     double jitter_ms;          /* longest silence the path recovered from (decays) */
     uint64_t chunks_done;
     char last_error[160];
+    int ucx;                   /* the connection's payloads travel by UCX put (docs/ucx.md) */
+    char tnote[128];           /* why this transport (kvl_path_info.transport_note) */
+    /* a connection that carried UCX died: the path's next connections run TCP on the
+     * same NIC (no offer) until this CLOCK_MONOTONIC time; atomic (the connecting
+     * threads read it) */
+    uint64_t ucx_off_until_ns;
+    char ucx_died[96];         /* engine: why it died (for the fallen-back path's note) */
 } kvl_path;
+/* How long a path whose UCX connection died runs TCP before offering UCX again. */
+#define KVL_UCX_FALLBACK_MS 60000u
 
 struct kvl_peer {
     kvl_agent *agent;
@@ -444,7 +485,8 @@ enum {
     KVL_CMD_REFRESH = 3,
     KVL_CMD_PROBED = 4,
     KVL_CMD_PREPARE = 5,
-    KVL_CMD_REMOVE_PEER = 6    /* error: why */
+    KVL_CMD_REMOVE_PEER = 6,   /* error: why */
+    KVL_CMD_REGIONS = 7        /* no peer: this agent's regions changed (UCX paths re-map) */
 };
 
 struct kvl_agent {
@@ -567,6 +609,11 @@ int kvl_conn_has_output(const kvl_conn *c);
 void kvl_conn_drop_unstarted(kvl_conn *c);
 uint64_t kvl_conn_bytes_sent(const kvl_conn *c);
 uint64_t kvl_conn_bytes_recv(const kvl_conn *c);
+/* Engine thread: this agent's regions changed: c's one-sided companion maps
+ * the new ones and drops the gone ones (transport op remote_sync). */
+void kvl_conn_regions_changed(kvl_conn *c);
+/* Payload bytes moved by UCX put on c, either way (transport op bytes_put).  Engine thread. */
+uint64_t kvl_conn_bytes_put(const kvl_conn *c);
 /* Cancels the copy (xid, ci, attempt) queued on c without disturbing the
  * connection (the transport's cancel()).  Returns 1 if the copy was found. */
 int kvl_conn_cancel_chunk(kvl_conn *c, uint64_t xid, uint32_t ci, uint32_t attempt);

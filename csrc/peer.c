@@ -101,14 +101,29 @@ static kvl_err answer_challenge(kvl_agent *a, kvl_peer *p, kvl_ep *ep, const kvl
     return KVL_OK;
 }
 
+/* Whether a connection offers UCX after its handshake: data paths of an
+ * agent configured for it (engine.c checked the secret and that UCX is
+ * loaded), unless the path's last UCX connection died less than
+ * KVL_UCX_FALLBACK_MS ago (then it runs TCP on the same NIC: docs/ucx.md). */
+static int offers_ucx(const kvl_agent *a, const kvl_peer *p, int kind, uint16_t path)
+{
+    if (kind != KVL_CONN_DATA || a->cfg.transport != KVL_TRANSPORT_UCX || !a->secret_len)
+        return 0;
+    if (path >= KVL_MAX_PATHS)
+        return 1;
+    uint64_t off = __atomic_load_n(&p->paths[path].ucx_off_until_ns, __ATOMIC_RELAXED);
+    return !off || kvl_now_ns() >= off;
+}
+
 /* HELLO on ep, with a secret the challenge-response (auth.c), then the
  * HELLO_ACK.  Fills *instance; on a control connection the region table
  * is copied into p. */
 static kvl_err handshake(kvl_agent *a, kvl_peer *p, kvl_ep *ep, int kind, uint16_t path,
-                         const char *where, uint64_t deadline, uint64_t *instance)
+                         int ucx, const char *where, uint64_t deadline, uint64_t *instance)
 {
     kvl_msg_hello m = {.instance = a->instance, .kind = (uint8_t)kind, .path = path,
-                       .flags = a->secret_len ? KVL_HELLO_AUTH : 0};
+                       .flags = (a->secret_len ? KVL_HELLO_AUTH : 0) |
+                                (ucx ? KVL_HELLO_UCX : 0)};
     strcpy(m.name, a->name);
     memcpy(m.token, p->token, sizeof m.token);
     if (a->secret_len && kvl_auth_nonce(m.nonce))
@@ -217,7 +232,11 @@ static kvl_err open_conn(kvl_agent *a, kvl_peer *p, const char *local, const cha
     kvl_err e = a->tp->connect(a, local, host, port, a->cfg.connect_timeout_ms, ep);
     if (e)
         return kvl_fail(e, "peer '%s': %s", p->name, kvl_last_error());
-    if ((e = handshake(a, p, *ep, kind, path, where, deadline, instance))) {
+    int ucx = offers_ucx(a, p, kind, path); /* decided once: the HELLO flag says an offer follows */
+    e = handshake(a, p, *ep, kind, path, ucx, where, deadline, instance);
+    if (!e && ucx && (e = a->tp->remote_offer(*ep, local, deadline)))
+        e = kvl_fail(e, "peer '%s' at %s: UCX set-up: %s", p->name, where, kvl_last_error());
+    if (e) {
         a->tp->discard(*ep);
         *ep = NULL;
     }

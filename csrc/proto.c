@@ -31,6 +31,8 @@ struct kvl_conn {
     char peer_name[KVL_NAME_MAX]; /* inbound: from HELLO */
     kvl_inbound *ib;
     int rx_path;           /* inbound data: the sender's path index (HELLO) */
+    int ucx_due;           /* inbound data: HELLO said a UCX_OFFER follows (docs/ucx.md) */
+    int ucx_on;            /* data: UCX set up on this path: frames may carry REMOTE */
     uint64_t serial;       /* unique per agent: tells a reconnected path's connection apart */
     uint64_t t_open_ns;
     int dead;
@@ -145,6 +147,22 @@ void kvl_conn_bind_outbound(kvl_conn *c, kvl_peer *p, int path)
     c->path = path;
     c->kind = path < 0 ? KVL_CONN_CONTROL : KVL_CONN_DATA;
     strcpy(c->peer_name, p->name);
+    if (path >= 0) { /* what carries this path's payloads from now on, and why */
+        kvl_path *pa = &p->paths[path];
+        pthread_mutex_lock(&p->mu); /* the peer's keys must agree with its region table */
+        tp(c)->remote_check(c->ep, p->regions, p->n_regions);
+        pthread_mutex_unlock(&p->mu);
+        pa->ucx = c->ucx_on = tp(c)->remote_note(c->ep, pa->tnote, sizeof pa->tnote);
+        uint64_t off = __atomic_load_n(&pa->ucx_off_until_ns, __ATOMIC_RELAXED);
+        uint64_t now = kvl_now_ns();
+        if (!pa->ucx && now < off && c->a->cfg.transport == KVL_TRANSPORT_UCX) {
+            char died[sizeof pa->ucx_died];
+            memcpy(died, pa->ucx_died, sizeof died);
+            snprintf(pa->tnote, sizeof pa->tnote,
+                     "UCX path died (%.60s): TCP on the same NIC; UCX again in %llu s", died,
+                     (unsigned long long)((off - now) / 1000000000ull));
+        }
+    }
 }
 
 int kvl_conn_is_dead(const kvl_conn *c) { return c->dead; }
@@ -164,6 +182,12 @@ void kvl_conn_abort(kvl_conn *c, const char *why)
 
 uint64_t kvl_conn_bytes_sent(const kvl_conn *c) { return tp(c)->bytes_sent(c->ep); }
 uint64_t kvl_conn_bytes_recv(const kvl_conn *c) { return tp(c)->bytes_recv(c->ep); }
+uint64_t kvl_conn_bytes_put(const kvl_conn *c) { return tp(c)->bytes_put(c->ep); }
+void kvl_conn_regions_changed(kvl_conn *c)
+{
+    if (!c->dead && c->ucx_on)
+        tp(c)->remote_sync(c->ep);
+}
 kvl_conn *kvl_conn_next(const kvl_conn *c) { return c->next; }
 int kvl_conn_has_output(const kvl_conn *c) { return !c->dead && tp(c)->has_output(c->ep); }
 void kvl_conn_drop_unstarted(kvl_conn *c)
@@ -206,6 +230,7 @@ static int send_frame(kvl_conn *c, kvl_tp_frame *f)
     if (c->dead) {
         kvl_proto_release(c->a, &f->hold);
         free(f->payload);
+        free(f->dst);
         kvl_buf_free(&f->head);
         return -1;
     }
@@ -242,6 +267,13 @@ int kvl_conn_send_chunk(kvl_conn *c, kvl_xfer *x, uint32_t ci)
     kvl_tp_frame f = {.is_chunk = 1, .xid = x->id, .chunk = ci, .attempt = x->attempt[ci]};
     kvl_frame_start(&f.head);
     kvl_enc_chunk(&f.head, x->id, ci, x->attempt[ci], ch->n_pieces);
+    if (push && c->ucx_on) { /* the transport may put the payload one-sided */
+        f.dst = malloc(ch->n_pieces * sizeof *f.dst);
+        if (!f.dst)
+            f.head.oom = 1;
+        else
+            f.n_dst = ch->n_pieces;
+    }
     uint32_t n_keys = 0, mark = ++x->key_frames; /* key_used[k] == mark: this frame has key k */
     uint64_t prev_region = 0;
     for (uint32_t i = 0; i < ch->n_pieces; i++) {
@@ -252,6 +284,8 @@ int kvl_conn_send_chunk(kvl_conn *c, kvl_xfer *x, uint32_t ci)
             .len = pc[i].len,
         };
         kvl_enc_piece(&f.head, &wp);
+        if (f.dst)
+            f.dst[i] = wp;
         if (i && wp.region == prev_region)
             continue; /* pieces of one region come in runs: its key is marked already */
         prev_region = wp.region;
@@ -266,6 +300,11 @@ int kvl_conn_send_chunk(kvl_conn *c, kvl_xfer *x, uint32_t ci)
     for (size_t k = 0; k < x->n_keys; k++)
         if (x->key_used[k] == mark)
             kvl_enc_key(&f.head, x->keys[k].id, x->keys[k].key);
+    int want_put = !push && c->ucx_on; /* pull over UCX: say where the bytes go here */
+    for (uint32_t i = 0; want_put && i < ch->n_pieces; i++) {
+        const kvl_segment *s = &x->segs[pc[i].seg];
+        kvl_enc_dst(&f.head, s->dst_region, s->dst_offset + pc[i].seg_offset);
+    }
     if (push) {
         f.payload = malloc(ch->n_pieces * sizeof *f.payload);
         if (!f.payload)
@@ -279,9 +318,12 @@ int kvl_conn_send_chunk(kvl_conn *c, kvl_xfer *x, uint32_t ci)
         x->io_refs++;
     }
     kvl_frame_finish(&f.head, push ? KVL_F_DATA : KVL_F_READ_REQ, f.payload_len);
+    if (want_put && !f.head.oom)
+        f.head.p[6] |= KVL_HF_DST;
     if (f.head.oom) {
         kvl_proto_release(c->a, &f.hold);
         free(f.payload);
+        free(f.dst);
         kvl_buf_free(&f.head);
         return -1;
     }
@@ -645,9 +687,26 @@ static void admit(kvl_conn *c, const kvl_msg_hello *hello)
         ib->conns++;
         c->ib = ib;
     }
+    c->ucx_due = status == KVL_OK && (m.flags & KVL_HELLO_UCX) != 0;
     send_region_table(c, KVL_F_HELLO_ACK, status, msg);
     if (status != KVL_OK)
         tp(c)->refuse(c->ep); /* nothing behind a refused HELLO is read */
+}
+
+/* UCX_OFFER: once per data connection whose HELLO announced it.  The
+ * transport answers (UCX_ACCEPT or UCX_REFUSE); only a peer that proved the
+ * cluster secret gets an answer other than a refusal (docs/ucx.md: libucp
+ * parses worker addresses unchecked). */
+static void on_ucx_offer(kvl_conn *c)
+{
+    if (!c->ucx_due) {
+        kvl_conn_fail(c, KVL_ERR_PROTOCOL, "UCX_OFFER without the HELLO flag, or a second one");
+        return;
+    }
+    c->ucx_due = 0;
+    int r = tp(c)->remote_answer(c->ep, c->body, c->h->body_len, c->a->secret_len != 0);
+    if (r == 1)
+        c->ucx_on = 1;
 }
 
 static void on_data(kvl_conn *c)
@@ -698,7 +757,7 @@ static void on_data(kvl_conn *c)
 static void on_read_req(kvl_conn *c)
 {
     kvl_msg_chunk m;
-    if (kvl_dec_chunk(c->body, c->h->body_len, &m)) {
+    if (kvl_dec_chunk_flags(c->body, c->h->body_len, c->h->flags, &m)) {
         kvl_conn_fail(c, KVL_ERR_PROTOCOL, kvl_last_error());
         return;
     }
@@ -713,6 +772,18 @@ static void on_read_req(kvl_conn *c)
             return;
         }
         memcpy(iov, c->dst, (size_t)c->ndst * sizeof *iov);
+        if (m.dst) { /* pull over UCX: the transport may put into the initiator's pieces */
+            f.dst = malloc(m.n_pieces * sizeof *f.dst);
+            if (!f.dst) {
+                free(iov);
+                release_prefs(c);
+                kvl_conn_fail(c, KVL_ERR_NOMEM, "out of memory for a READ_RESP");
+                return;
+            }
+            f.n_dst = m.n_pieces;
+            for (uint32_t i = 0; i < m.n_pieces; i++)
+                kvl_dec_dst_piece(&m, i, &f.dst[i]);
+        }
         f.payload = iov;
         f.n_payload = c->ndst;
         f.payload_len = total;
@@ -924,6 +995,13 @@ void kvl_proto_on_frame(kvl_conn *c, const kvl_frame_hdr *h, const uint8_t *body
     int in_ctrl = !c->outbound && c->kind == KVL_CONN_CONTROL;
     int out_data = c->outbound && c->kind == KVL_CONN_DATA;
     int out_ctrl = c->outbound && c->kind == KVL_CONN_CONTROL;
+    if ((h->flags & (KVL_HF_REMOTE | KVL_HF_DST)) && !c->ucx_on) {
+        kvl_conn_fail(c, KVL_ERR_PROTOCOL,
+                      (h->flags & KVL_HF_REMOTE)
+                          ? "a frame with header flag REMOTE on a path without UCX set up"
+                          : "a frame with header flag DST on a path without UCX set up");
+        return;
+    }
     if (!c->handshaken && c->auth_wait) {
         if (t != KVL_F_AUTH)
             kvl_conn_fail(c, KVL_ERR_PROTOCOL, "the frame after CHALLENGE is not an AUTH");
@@ -958,6 +1036,17 @@ void kvl_proto_on_frame(kvl_conn *c, const kvl_frame_hdr *h, const uint8_t *body
         on_notify_ack(c);
     else if (t == KVL_F_ANNOUNCE && in_data)
         on_announce(c);
+    else if (t == KVL_F_UCX_OFFER && in_data)
+        on_ucx_offer(c);
+    else if (t == KVL_F_UCX_KEYS && (in_data || out_data) && c->ucx_on) {
+        /* the peer mapped regions registered after the set-up (docs/ucx.md step 3) */
+        if (tp(c)->remote_keys(c->ep, c->body, c->h->body_len) != 0)
+            kvl_conn_fail(c, KVL_ERR_PROTOCOL, kvl_last_error());
+        else if (c->outbound && c->path >= 0) { /* paths() shows the keys it holds now */
+            kvl_path *pa = &c->peer->paths[c->path];
+            tp(c)->remote_note(c->ep, pa->tnote, sizeof pa->tnote);
+        }
+    }
     else {
         char why[96];
         snprintf(why, sizeof why, "unexpected frame type %u on this connection", t);
@@ -1062,6 +1151,11 @@ static void conn_close(kvl_conn *c, int abortive, kvl_err err, const char *why)
         c->px = NULL;
     }
     uint64_t sent = tp(c)->bytes_sent(c->ep), recv = tp(c)->bytes_recv(c->ep);
+    uint64_t put = tp(c)->bytes_put(c->ep);
+    /* a path whose connection still ran UCX (not fenced: that is no failure) */
+    char note[8];
+    int ucx_died = c->outbound && c->path >= 0 && c->ucx_on && !atomic_load(&a->closing) &&
+                   tp(c)->remote_note(c->ep, note, sizeof note);
     tp(c)->close(c->ep, abortive);
     if (c->ib)
         c->ib->conns--;
@@ -1075,6 +1169,13 @@ static void conn_close(kvl_conn *c, int abortive, kvl_err err, const char *why)
             kvl_path *pa = &c->peer->paths[c->path];
             pa->bytes_sent_prev += sent;
             pa->bytes_recv_prev += recv;
+            pa->bytes_put_prev += put;
+            if (ucx_died) { /* the "a UCX path that dies falls back to TCP" */
+                snprintf(pa->ucx_died, sizeof pa->ucx_died, "%s", why);
+                __atomic_store_n(&pa->ucx_off_until_ns,
+                                 kvl_now_ns() + KVL_UCX_FALLBACK_MS * 1000000ull,
+                                 __ATOMIC_RELAXED);
+            }
             kvl_sched_path_down(c->peer, (uint32_t)c->path, why);
         } else if (c->peer->ctrl == c) {
             c->peer->ctrl = NULL;

@@ -57,6 +57,20 @@ static kvl_region *find(kvl_regions *t, uint64_t id, size_t *pos)
     return lo < t->n && t->v[lo]->id == id ? t->v[lo] : NULL;
 }
 
+/* UCX paths map each region in their own context (docs/ucx.md step 3): the
+ * engine re-maps them and sends the new keys.  Nothing for other transports.
+ * Out of memory: the new region goes in-stream on the UCX paths. */
+static void regions_changed(kvl_agent *a)
+{
+    if (a->cfg.transport != KVL_TRANSPORT_UCX)
+        return;
+    kvl_cmd *cmd = calloc(1, sizeof *cmd);
+    if (!cmd)
+        return;
+    cmd->type = KVL_CMD_REGIONS;
+    kvl_engine_post(a, cmd);
+}
+
 kvl_err kvl_region_register(kvl_agent *a, void *ptr, uint64_t len, uint32_t rights,
                             uint32_t mem, const char *name, uint64_t *id)
 {
@@ -141,6 +155,8 @@ kvl_err kvl_region_register(kvl_agent *a, void *ptr, uint64_t len, uint32_t righ
     pthread_mutex_unlock(&t->mu);
     if (err)
         free(r);
+    else
+        regions_changed(a);
     return err;
 }
 
@@ -171,6 +187,8 @@ kvl_err kvl_region_deregister(kvl_agent *a, uint64_t id)
         free(r);
     }
     pthread_mutex_unlock(&t->mu);
+    if (!err)
+        regions_changed(a);
     return err;
 }
 

@@ -150,7 +150,10 @@ static void hedge(kvl_peer *p)
     double prior = kvl_policy_prior(v, p->n_paths);
     for (uint32_t i = 0; i < p->n_paths; i++) {
         kvl_path *idle = &p->paths[i];
-        if (!v[i].usable || v[i].inflight_chunks)
+        /* never two copies of one chunk where one is a UCX put: a late put
+         * cannot be drained at the receiver, and the fence that would make
+         * it safe (docs/ucx.md, "Cancel and duplicate copies") is not built */
+        if (!v[i].usable || v[i].inflight_chunks || idle->ucx)
             continue;
         kvl_xfer *bx = NULL;
         uint32_t bci = 0;
@@ -160,7 +163,7 @@ static void hedge(kvl_peer *p)
                 continue;
             for (uint32_t ci = 0; ci < x->plan.n_chunks; ci++) {
                 if (x->cstate[ci] != KVL_CHUNK_INFLIGHT || x->hpath[ci] != KVL_NO_PATH ||
-                    x->cpath[ci] == idle->index)
+                    x->cpath[ci] == idle->index || p->paths[x->cpath[ci]].ucx)
                     continue;
                 double late = kvl_policy_hedge_late_s(&v[x->cpath[ci]], &v[i],
                                                       x->plan.chunks[ci].bytes, prior);

@@ -188,6 +188,14 @@ kvl_err kvl_hdr_decode(const uint8_t in[KVL_HDR_BYTES], kvl_frame_hdr *h)
     int may_carry = h->type == KVL_F_DATA || h->type == KVL_F_READ_RESP;
     if (h->payload_len && !may_carry)
         return kvl_fail(KVL_ERR_PROTOCOL, "frame type %u cannot carry a payload", h->type);
+    if (h->flags & ~(KVL_HF_REMOTE | KVL_HF_DST))
+        return kvl_fail(KVL_ERR_PROTOCOL, "unknown header flags %#x", h->flags);
+    if ((h->flags & KVL_HF_DST) && h->type != KVL_F_READ_REQ)
+        return kvl_fail(KVL_ERR_PROTOCOL, "header flag DST on frame type %u (READ_REQ only)",
+                        h->type);
+    if ((h->flags & KVL_HF_REMOTE) && !h->payload_len)
+        return kvl_fail(KVL_ERR_PROTOCOL, "header flag REMOTE on frame type %u without a payload",
+                        h->type);
     return KVL_OK;
 }
 
@@ -254,8 +262,10 @@ kvl_err kvl_dec_hello(const uint8_t *body, size_t len, kvl_msg_hello *m)
         return kvl_fail(KVL_ERR_PROTOCOL, "HELLO: empty agent name");
     if (m->kind == KVL_CONN_DATA && m->path >= KVL_MAX_PATHS)
         return kvl_fail(KVL_ERR_PROTOCOL, "HELLO: path index %u out of range", m->path);
-    if (m->flags & ~KVL_HELLO_AUTH)
+    if (m->flags & ~(KVL_HELLO_AUTH | KVL_HELLO_UCX))
         return kvl_fail(KVL_ERR_PROTOCOL, "HELLO: unknown flags %#x", m->flags);
+    if ((m->flags & KVL_HELLO_UCX) && m->kind != KVL_CONN_DATA)
+        return kvl_fail(KVL_ERR_PROTOCOL, "HELLO: UCX offered on a control connection");
     return KVL_OK;
 }
 
@@ -409,7 +419,13 @@ void kvl_enc_key(kvl_buf *b, uint64_t region, const uint8_t key[KVL_KEY_BYTES])
 
 kvl_err kvl_dec_chunk(const uint8_t *body, size_t len, kvl_msg_chunk *m)
 {
+    return kvl_dec_chunk_flags(body, len, 0, m);
+}
+
+kvl_err kvl_dec_chunk_flags(const uint8_t *body, size_t len, uint16_t flags, kvl_msg_chunk *m)
+{
     rd r = {body, len, 0, 0};
+    m->dst = NULL;
     m->xfer = get_u64(&r);
     m->chunk = get_u32(&r);
     m->attempt = get_u32(&r);
@@ -431,7 +447,25 @@ kvl_err kvl_dec_chunk(const uint8_t *body, size_t len, kvl_msg_chunk *m)
         if (ld_u64(m->keys + (size_t)i * KVL_WIRE_KEY_BYTES) <=
             ld_u64(m->keys + (size_t)(i - 1) * KVL_WIRE_KEY_BYTES))
             return kvl_fail(KVL_ERR_PROTOCOL, "chunk frame: access keys not in ascending order");
+    if (flags & KVL_HF_DST)
+        m->dst = take(&r, (size_t)m->n_pieces * KVL_WIRE_DST_BYTES);
     return finish(&r, "chunk");
+}
+
+void kvl_dec_dst_piece(const kvl_msg_chunk *m, uint32_t i, kvl_wire_piece *p)
+{
+    kvl_wire_piece src;
+    kvl_dec_piece(m, i, &src);
+    const uint8_t *q = m->dst + (size_t)i * KVL_WIRE_DST_BYTES;
+    p->region = ld_u64(q);
+    p->offset = ld_u64(q + 8);
+    p->len = src.len;
+}
+
+void kvl_enc_dst(kvl_buf *b, uint64_t region, uint64_t offset)
+{
+    put_u64(b, region);
+    put_u64(b, offset);
 }
 
 const uint8_t *kvl_dec_key_for(const kvl_msg_chunk *m, uint64_t region)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import threading
@@ -13,12 +14,13 @@ from typing import Any
 
 import numpy as np
 
-from . import _native, _nics
+from . import _native, _nics, _transport
 from ._args import bool_arg, int_error, timeout_arg
 from ._config import Config
 from ._errors import (
     ArgumentTypeError,
     ClosedError,
+    ConfigError,
     DiscoveryError,
     DuplicateNameError,
     InvalidArgumentError,
@@ -83,6 +85,17 @@ class Agent:
         self._idle = threading.Condition(self._lock)
         self._regions = RegionTable()
         addrs = _nics.resolve(cfg.nics)
+        if cfg.transport == "ucx":
+            ok, why = _transport.ucx_status()
+            if not ok:
+                raise ConfigError(f"transport='ucx': {why}; or use transport='tcp'")
+            if cfg.resolved_secret() is None:
+                raise ConfigError(
+                    "transport='ucx' needs a cluster secret (Config.secret or KVLINK_SECRET): "
+                    "UCX is set up only between agents that proved it, because libucp parses "
+                    "a peer's worker address unchecked (docs/ucx.md)"
+                )
+        self._transport = _transport.path_transport(cfg.transport)
         with _live_lock:
             if name in _live_names:
                 raise DuplicateNameError(
@@ -867,7 +880,14 @@ class Agent:
             ClosedError: the agent is closed.
         """
         with self._using() as a:
-            return _native.paths(a)
+            return self._with_transport(_native.paths(a))
+
+    def _with_transport(self, paths: list[PathInfo]) -> list[PathInfo]:
+        """Each path with the transport it runs and why (docs/ucx.md)."""
+        _, note = self._transport
+        return [
+            p if p.transport_note else dataclasses.replace(p, transport_note=note) for p in paths
+        ]
 
 
 def _peer_name(peer: Any) -> str:

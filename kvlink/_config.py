@@ -26,6 +26,9 @@ KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
 
+# Config.transport values (docs/ucx.md)
+_TRANSPORTS = ("auto", "tcp", "ucx")
+
 # KVLINK_* variables that are not Config fields (read by the test suite and the
 # CLI); any other KVLINK_* name is taken for a typo and warned about.
 OTHER_ENV_VARS = frozenset({"KVLINK_REQUIRE_ALL", "KVLINK_PEERS_DIR", "KVLINK_SECRET_FILE"})
@@ -118,6 +121,12 @@ class Config:
     # on hosts with fewer than 4 cores, where the engine thread of each side
     # already has a core of its own.  0: all I/O on the engine thread.
     io_threads: int | str = "auto"
+    # The transport of each data path (docs/ucx.md).  "tcp": kvlink's TCP
+    # transport only.  "auto": UCX where both ends have it and the path
+    # connects, TCP elsewhere; the engine's UCX data path is not built yet,
+    # so today every path runs TCP and paths() says why.  "ucx": every path
+    # must run UCX: refused at Agent() until that data path exists.
+    transport: str = "auto"
     # Where agents find each other.  None: static exchange (pass metadata()
     # to add_peer yourself).  "etcd://HOST[:PORT][,HOST[:PORT]...][/PREFIX]"
     # (etcds:// for TLS): publish this agent there under a lease and look
@@ -191,6 +200,10 @@ class Config:
             raise ConfigError(f"io_threads: expected 'auto' or a count 0..64, got {io!r}")
         else:
             _int_range("io_threads", io, 0, 64)
+        tp = self.transport
+        if not isinstance(tp, str) or tp.strip().lower() not in _TRANSPORTS:
+            raise ConfigError(f"transport: expected one of {', '.join(_TRANSPORTS)}, got {tp!r}")
+        object.__setattr__(self, "transport", tp.strip().lower())
         if self.secret is not None:
             _check_secret("secret", self.secret)
         if self.discovery is not None:

@@ -6,7 +6,10 @@ C++ guards, so the header stays the single description of the C API.
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 from cffi import FFI
@@ -16,7 +19,8 @@ CSRC = ROOT / "csrc"
 
 # Relative to setup.py: setuptools wants relative source paths.
 SOURCES = sorted(
-    str(p.relative_to(ROOT)) for p in [*CSRC.glob("*.c"), *CSRC.glob("transport/tcp/*.c")]
+    str(p.relative_to(ROOT))
+    for p in [*CSRC.glob("*.c"), *CSRC.glob("transport/tcp/*.c"), *CSRC.glob("transport/ucx/*.c")]
 )
 
 CFLAGS = [
@@ -29,6 +33,48 @@ CFLAGS = [
     "-Wno-format-truncation",  # truncating long messages into fixed buffers is intended
     "-Wno-unused-parameter",  # cffi's generated wrappers have some
 ]
+
+
+def ucx_cflags() -> list[str]:
+    """Flags that compile csrc/transport/ucx/ against UCX's own headers, or [].
+
+    UCX is found through pkg-config: the libucx-cu12 wheel's .pc files when the
+    build environment has that wheel (kvlink[ucx]), else the system's
+    (libucx-dev).  Nothing links against UCX: libucp is loaded at run time
+    (docs/ucx.md), so without UCX kvlink builds and runs the TCP transport.
+    KVLINK_BUILD_UCX=0 builds without UCX even where it is found.
+    """
+    if os.environ.get("KVLINK_BUILD_UCX") == "0":
+        return []
+    env = dict(os.environ)
+    wheel: Path | None = None
+    try:
+        import libucx  # type: ignore[import-not-found]
+
+        wheel = Path(libucx.__file__).resolve().parent
+        env["PKG_CONFIG_PATH"] = os.pathsep.join(
+            p for p in (str(wheel / "lib" / "pkgconfig"), env.get("PKG_CONFIG_PATH", "")) if p
+        )
+    except ImportError:
+        pass
+    if not shutil.which("pkg-config"):
+        # no pkg-config: the wheel's headers are still where the wheel puts them
+        if wheel is not None and (wheel / "include" / "ucp" / "api" / "ucp.h").is_file():
+            return ["-DKVL_HAVE_UCX", f"-isystem{wheel / 'include'}"]
+        return []
+    r = subprocess.run(
+        ["pkg-config", "--define-prefix", "--cflags", "ucx"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if r.returncode != 0:
+        return []
+    # -isystem: UCX's headers do not build under -Wextra -Werror
+    return ["-DKVL_HAVE_UCX"] + [
+        f"-isystem{f[2:]}" if f.startswith("-I") else f for f in r.stdout.split()
+    ]
 
 
 def cdef_text() -> str:
@@ -45,8 +91,8 @@ ffibuilder.set_source(
     '#include "kvlink.h"',
     sources=SOURCES,
     include_dirs=[str(CSRC / "include"), str(CSRC)],
-    extra_compile_args=CFLAGS,
-    libraries=["pthread"],
+    extra_compile_args=CFLAGS + ucx_cflags(),
+    libraries=["pthread", "dl"],
 )
 
 if __name__ == "__main__":

@@ -156,9 +156,14 @@ def agent_create(name: str, addrs: Sequence[str], cfg: Config) -> Handle:
     c.allow_unauthenticated = int(cfg.allow_unauthenticated)
     c.max_connections = cfg.max_connections
     c.io_threads = cfg.resolved_io_threads(len(addrs))
+    c.transport = _TRANSPORT_MODES[cfg.transport]
     out = ffi.new("kvl_agent **")
     check(lib.kvl_agent_create(c, out))
     return out[0]
+
+
+# Config.transport -> kvl_transport_mode (kvlink.h)
+_TRANSPORT_MODES = {"auto": 0, "tcp": 1, "ucx": 2}
 
 
 def agent_close(a: Handle) -> None:
@@ -627,10 +632,24 @@ def paths(a: Handle) -> list[PathInfo]:
             reconnects=int(p.reconnects),
             hedges=int(p.hedges),
             t_down_ns=int(p.t_down_ns),
+            transport=cstr(p.transport) or "tcp",
+            transport_note=cstr(p.transport_note),
+            bytes_put=int(p.bytes_put),
             last_error=cstr(p.last_error),
         )
         for p in arr[0 : min(n[0], cap)]
     ]
+
+
+# ---- transports ----------------------------------------------------------------
+
+
+def ucx_load(lib_path: str | None) -> tuple[bool, str]:
+    """kvl_ucx_load_lib: (True, version) if UCX loads, else (False, why)."""
+    rc = lib.kvl_ucx_load_lib(lib_path.encode() if lib_path else ffi.NULL)
+    if rc != ErrorCode.OK:
+        return False, last_error()
+    return True, cstr(lib.kvl_ucx_loaded_version())
 
 
 # ---- integrity -----------------------------------------------------------------

@@ -15,7 +15,7 @@ import threading
 from kvlink._native import crc32c
 
 MAGIC = 0x4B4C564B
-VERSION = 3
+VERSION = 4
 HELLO, HELLO_ACK, DATA, ACK, READ_REQ, READ_RESP, NOTIFY = 1, 2, 3, 4, 5, 6, 7
 REGIONS_REQ, REGIONS, PING, PONG, END, NOTIFY_ACK, ANNOUNCE = 8, 9, 10, 11, 12, 13, 14
 CHALLENGE, AUTH = 15, 16
@@ -316,3 +316,115 @@ class ScriptedReceiver:
             t.join(5)
 
     close = kill
+
+
+UCX_OFFER, UCX_ACCEPT, UCX_KEYS, UCX_REFUSE = 17, 18, 19, 20
+
+
+def ucx_setup_decode(body: bytes) -> tuple[bytes, list[list]]:
+    """A UCX_OFFER / UCX_ACCEPT body (docs/wire-protocol.md): the worker address and the
+    keys as [region, base, size, key bytes]."""
+    (alen,) = struct.unpack_from("<H", body)
+    addr = body[2 : 2 + alen]
+    off = 2 + alen
+    (n,) = struct.unpack_from("<I", body, off)
+    off += 4
+    keys = []
+    for _ in range(n):
+        region, base, size, klen = struct.unpack_from("<QQQH", body, off)
+        off += 26
+        keys.append([region, base, size, body[off : off + klen]])
+        off += klen
+    return addr, keys
+
+
+def ucx_setup_encode(addr: bytes, keys: list[list]) -> bytes:
+    out = struct.pack("<H", len(addr)) + addr + struct.pack("<I", len(keys))
+    for region, base, size, key in keys:
+        out += struct.pack("<QQQH", region, base, size, len(key)) + key
+    return out
+
+
+class RewritingProxy:
+    """A man in the middle for every address of an agent's metadata: bytes go through
+    unchanged, except that the body of the first UCX_ACCEPT on each connection is handed
+    to ``rewrite(body) -> body`` (its crc32c recomputed), as a peer that answers with bad
+    keys would.  Frames after the handshake carry no MAC, so this is what a broken or
+    hostile listener can send.  ``metadata()`` is the agent's, pointing at the proxy."""
+
+    def __init__(self, metadata: bytes, rewrite) -> None:  # type: ignore[no-untyped-def]
+        self.meta = json.loads(metadata)
+        self.rewrite = rewrite
+        self.accepts_rewritten = 0
+        self._lock = threading.Lock()
+        self._socks: list[socket.socket] = []
+        self._conns: list[socket.socket] = []  # the proxied connections (cut() drops them)
+        addrs = []
+        for host, port in self.meta["addrs"]:
+            srv = socket.create_server((host, 0))
+            self._socks.append(srv)
+            addrs.append([host, srv.getsockname()[1]])
+            threading.Thread(target=self._accept, args=(srv, (host, port)), daemon=True).start()
+        self.meta["addrs"] = addrs
+
+    def metadata(self) -> bytes:
+        return json.dumps(self.meta).encode()
+
+    def _accept(self, srv: socket.socket, target: tuple[str, int]) -> None:
+        while True:
+            try:
+                c, _ = srv.accept()
+                u = socket.create_connection(target)
+            except OSError:
+                return
+            with self._lock:
+                self._conns += [c, u]
+            threading.Thread(target=self._pipe, args=(c, u), daemon=True).start()
+            threading.Thread(target=self._answers, args=(u, c), daemon=True).start()
+
+    @staticmethod
+    def _pipe(a: socket.socket, b: socket.socket) -> None:
+        try:
+            while data := a.recv(1 << 16):
+                b.sendall(data)
+        except OSError:
+            pass
+        with contextlib.suppress(OSError):
+            b.shutdown(socket.SHUT_WR)
+
+    def _answers(self, up: socket.socket, down: socket.socket) -> None:
+        """Listener -> initiator: frame by frame until the UCX answer, then raw."""
+        try:
+            while True:
+                hdr = recv_exact(up, 24)
+                magic, ver, t, flags, blen, _, plen = struct.unpack("<IBBHIIQ", hdr)
+                body = recv_exact(up, blen)
+                if t == UCX_ACCEPT:
+                    body = self.rewrite(body)
+                    hdr = struct.pack("<IBBHIIQ", magic, ver, t, flags, len(body), crc(body), plen)
+                    with self._lock:
+                        self.accepts_rewritten += 1
+                down.sendall(hdr + body)
+                if t in (UCX_ACCEPT, UCX_REFUSE) or plen:
+                    break
+        except (OSError, ConnectionError):
+            return
+        self._pipe(up, down)
+
+    def cut(self) -> None:
+        """Reset every proxied connection at once (a path dying); new ones are still
+        accepted, so the agent's paths reconnect through the proxy."""
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for s in conns:
+            with contextlib.suppress(OSError):
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                s.close()
+
+    def close(self) -> None:
+        self.cut()
+        with self._lock:
+            socks, self._socks = self._socks, []
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.close()

@@ -115,7 +115,16 @@ typedef struct kvl_config {
                                     peer opens 1 + its paths); more are closed at accept */
     uint32_t io_threads;         /* threads that move payload bytes and their crc32c, 0..64;
                                     0: all I/O on the engine thread */
+    uint32_t transport;          /* kvl_transport_mode: what carries data paths' payloads */
 } kvl_config;
+
+/* kvl_config.transport (docs/ucx.md).  AUTO: TCP until kvlink can tell UCX
+ * over a transport that enforces key bounds (RDMA, shared memory) from UCX's
+ * TCP emulation, which does not: UCX is not offered.  TCP: never.  UCX: every
+ * data path offers UCX (needs a cluster secret and UCX loaded,
+ * kvl_ucx_load_lib); a path whose offer is refused or fails runs TCP on the
+ * same connection, and kvl_path_info.transport_note says why. */
+enum kvl_transport_mode { KVL_TRANSPORT_AUTO = 0, KVL_TRANSPORT_TCP = 1, KVL_TRANSPORT_UCX = 2 };
 
 /* One contiguous byte range.  Region ids are those of the side that owns the
  * memory: for a push src is local and dst remote, for a pull the reverse. */
@@ -188,6 +197,11 @@ typedef struct kvl_path_info {
     uint64_t t_down_ns;    /* CLOCK_MONOTONIC time it last left service, STALLED or
                               DOWN (0: never) */
     char last_error[160];
+    char transport[8];     /* what carries this path's payload: "tcp" or "ucx" */
+    char transport_note[128]; /* why (UCX refused or failed: the reason) */
+    uint64_t bytes_put;    /* payload bytes moved by UCX put, across connections: pushed
+                              (part of bytes_sent, flushed) or pulled (part of bytes_recv);
+                              the rest went in-stream over TCP (docs/ucx.md) */
 } kvl_path_info;
 
 typedef struct kvl_notification {
@@ -497,6 +511,19 @@ kvl_err kvl_next_notification(kvl_agent *agent, uint32_t timeout_ms,
  * transfer finishes and when a path changes state) into out; *n gets the
  * total.  Thread-safe, does not block. */
 kvl_err kvl_paths(kvl_agent *agent, kvl_path_info *out, size_t cap, size_t *n);
+
+/* ---- transports ----------------------------------------------------------- */
+
+/* Loads UCX's libucp for the UCX transport (docs/ucx.md), once per process:
+ * lib is a path to libucp.so.0 (NULL: the loader's search path).  KVL_OK if
+ * UCX is usable; else KVL_ERR_SYSTEM and kvl_last_error() says why (kvlink
+ * built without UCX headers, library missing, too old); the first attempt
+ * decides for the whole process.  Blocks (dlopen); thread-safe. */
+kvl_err kvl_ucx_load_lib(const char *lib);
+
+/* The loaded UCX's version ("1.22.0"), "" before a successful load.  The
+ * string is static.  Thread-safe. */
+const char *kvl_ucx_loaded_version(void);
 
 #ifdef __cplusplus
 }

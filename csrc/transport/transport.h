@@ -87,6 +87,11 @@ typedef struct kvl_tp_frame {
     uint64_t xid;
     uint32_t chunk, attempt;
     kvl_tp_hold hold;
+    /* DATA: where the payload goes in the peer's regions, in payload order
+     * (n_dst pieces summing to payload_len; owned by the frame, freed with
+     * it), for a transport that puts the bytes one-sided; else NULL. */
+    kvl_wire_piece *dst;
+    uint32_t n_dst;
 } kvl_tp_frame;
 
 typedef struct kvl_transport_ops {
@@ -136,6 +141,10 @@ typedef struct kvl_transport_ops {
     /* Payload bytes sent / received over ep. */
     uint64_t (*bytes_sent)(const kvl_ep *ep);
     uint64_t (*bytes_recv)(const kvl_ep *ep);
+    /* Payload bytes placed one-sided: sent (a put whose flush completed;
+     * part of bytes_sent) and received (a REMOTE frame whose trailer came;
+     * part of bytes_recv); 0 without one-sided writes.  Engine thread. */
+    uint64_t (*bytes_put)(const kvl_ep *ep);
     /* Closes ep (abortive: drop what is queued both ways at once) and
      * releases its queued frames.  ep stays allocated until free(). */
     void (*close)(kvl_ep *ep, int abortive);
@@ -154,6 +163,38 @@ typedef struct kvl_transport_ops {
     /* The payload arriving on ep may be placed no more: drain the rest.
      * Returns once no thread writes its destination. */
     void (*revoke)(kvl_ep *ep);
+    /* One-sided companion of a data endpoint (UCX, docs/ucx.md).  On a
+     * detached data endpoint whose HELLO carried KVL_HELLO_UCX, right after
+     * its handshake (add_peer's helper threads, the prober): sends the
+     * offer and reads the answer, up to deadline_ns.  Whatever the answer,
+     * ep stays usable, carrying payloads in-stream unless the set-up
+     * succeeded; remote_note says which and why.  Returns an error only
+     * when the connection itself failed or the peer broke the protocol
+     * (the caller discards ep then).  Blocks; any thread. */
+    kvl_err (*remote_offer)(kvl_ep *ep, const char *local, uint64_t deadline_ns);
+    /* Engine thread, when the core takes an outbound data endpoint over
+     * (the peer's region table is known then; regions: n entries, borrowed
+     * for the call): checks the peer's one-sided keys against the table.
+     * A key that disagrees with it (size, rights) drops ep's one-sided
+     * companion: its payloads go in-stream and remote_note says which key
+     * and why.  Returns 1 if ep's payloads still travel one-sided. */
+    int (*remote_check)(kvl_ep *ep, const kvl_region_info *regions, size_t n);
+    /* Engine thread: the agent's regions changed.  A one-sided ep maps the
+     * regions it shows the peer that are new (and tells the peer their keys)
+     * and unmaps those deregistered.  Failures leave ep usable (new regions
+     * then go in-stream on it). */
+    void (*remote_sync)(kvl_ep *ep);
+    /* Engine thread: a UCX_KEYS body arrived on a one-sided ep: the peer's
+     * keys of regions it registered after the set-up.  0, or -1 with the
+     * reason (kvl_last_error) when the peer broke the protocol. */
+    int (*remote_keys)(kvl_ep *ep, const uint8_t *body, size_t len);
+    /* 1 if ep's payloads travel one-sided; note (len bytes): why, or "". */
+    int (*remote_note)(const kvl_ep *ep, char *note, size_t len);
+    /* Engine thread: a UCX_OFFER body arrived on an accepted data endpoint
+     * (its handshake over, the peer proven when proven is 1).  Answers on
+     * ep (UCX_ACCEPT or UCX_REFUSE); 1 if accepted, 0 if refused, -1 if ep
+     * failed (the core was told through on_error). */
+    int (*remote_answer)(kvl_ep *ep, const uint8_t *body, size_t len, int proven);
 } kvl_transport_ops;
 
 extern const kvl_transport_ops kvl_tcp_ops;

@@ -1,4 +1,5 @@
 /* fuzz_wire.c: coverage-guided fuzzing of every frame decoder in csrc/wire.c
+ * and of the UCX transport's message bodies (csrc/transport/ucx/msg.c)
  * (libFuzzer, under ASan and UBSan).
  *
  * One harness for all of them: the first input byte picks the decoder, the
@@ -23,10 +24,11 @@
 #include <string.h>
 
 #include "internal.h"
+#include "transport/ucx/msg.h"
 
 enum {
     F_HDR, F_HELLO, F_HELLO_ACK, F_CHUNK, F_STATUS, F_NOTIFY, F_ANNOUNCE, F_TOKEN,
-    F_CHALLENGE, F_AUTH, F_N
+    F_CHALLENGE, F_AUTH, F_UCX_SETUP, F_UCX_KEYS, F_UCX_REFUSE, F_N
 };
 
 #define REQUIRE(cond)                                                                     \
@@ -62,6 +64,9 @@ static int fuzz_hdr(const uint8_t *in, size_t len)
     REQUIRE(h.type >= 1 && h.type <= KVL_F_TYPE_MAX);
     REQUIRE(h.body_len <= KVL_MAX_BODY && h.payload_len <= KVL_MAX_CHUNK);
     REQUIRE(h.payload_len == 0 || h.type == KVL_F_DATA || h.type == KVL_F_READ_RESP);
+    REQUIRE((h.flags & ~(KVL_HF_REMOTE | KVL_HF_DST)) == 0 &&
+            (!(h.flags & KVL_HF_REMOTE) || h.payload_len) &&
+            (!(h.flags & KVL_HF_DST) || h.type == KVL_F_READ_REQ));
     uint8_t again[KVL_HDR_BYTES];
     kvl_hdr_encode(again, &h);
     REQUIRE(memcmp(again, in, KVL_HDR_BYTES) == 0);
@@ -85,7 +90,8 @@ static int fuzz_body(int k, const uint8_t *body, size_t len)
         REQUIRE(n > 0 && n < sizeof m.name);
         REQUIRE(m.kind <= KVL_CONN_DATA);
         REQUIRE(m.kind != KVL_CONN_DATA || m.path < KVL_MAX_PATHS);
-        REQUIRE((m.flags & ~KVL_HELLO_AUTH) == 0);
+        REQUIRE((m.flags & ~(KVL_HELLO_AUTH | KVL_HELLO_UCX)) == 0);
+        REQUIRE(!(m.flags & KVL_HELLO_UCX) || m.kind == KVL_CONN_DATA);
         break;
     }
     case F_HELLO_ACK: {
@@ -116,8 +122,18 @@ static int fuzz_body(int k, const uint8_t *body, size_t len)
     case F_CHUNK: {
         kvl_msg_chunk m;
         memset(&m, 0xa5, sizeof m);
+        if (kvl_dec_chunk_flags(body, len, KVL_HF_DST, &m) == KVL_OK) {
+            /* a DST READ_REQ: the destinations fill the rest of the body */
+            REQUIRE(m.dst && m.dst + (size_t)m.n_pieces * KVL_WIRE_DST_BYTES == end);
+            for (uint32_t i = 0; i < m.n_pieces; i++) {
+                kvl_wire_piece d;
+                kvl_dec_dst_piece(&m, i, &d);
+            }
+        }
+        memset(&m, 0xa5, sizeof m);
         if ((e = kvl_dec_chunk(body, len, &m)) != KVL_OK)
             break;
+        REQUIRE(m.dst == NULL);
         REQUIRE(m.n_pieces >= 1 && m.n_pieces <= KVL_MAX_PIECES);
         REQUIRE(m.n_keys >= 1 && m.n_keys <= m.n_pieces);
         REQUIRE(m.pieces >= body &&
@@ -209,6 +225,27 @@ static int fuzz_body(int k, const uint8_t *body, size_t len)
             break;
         kvl_enc_auth(&b, &m);
         same_bytes(&b, 0, body, len);
+        break;
+    }
+    case F_UCX_SETUP:
+    case F_UCX_KEYS: {
+        kvl_ucx_setup s;
+        if ((e = kvl_ucx_dec_setup(body, len, k == F_UCX_SETUP, &s)) != KVL_OK)
+            break;
+        REQUIRE(s.addr_len == 0 || (s.addr >= body && s.addr + s.addr_len <= end));
+        for (uint32_t i = 0; i < s.n_keys; i++)
+            REQUIRE(s.keys[i].key >= body && s.keys[i].key + s.keys[i].key_len <= end);
+        REQUIRE(kvl_ucx_enc_setup(&b, s.addr, s.addr_len, s.keys, s.n_keys) == KVL_OK);
+        kvl_ucx_setup_free(&s);
+        same_bytes(&b, 0, body, len);
+        break;
+    }
+    case F_UCX_REFUSE: {
+        uint32_t st;
+        char msg[256];
+        if ((e = kvl_ucx_dec_refuse(body, len, &st, msg)) != KVL_OK)
+            break;
+        REQUIRE(strnlen(msg, sizeof msg) < sizeof msg);
         break;
     }
     default:
@@ -378,6 +415,26 @@ int main(int argc, char **argv)
         kvl_frame_start(&b);
         kvl_enc_auth(&b, &au);
         seed_frame(F_AUTH, &b, KVL_F_AUTH, 0);
+    }
+    {
+        uint8_t addr[48], key[9];
+        memset(addr, 0x11, sizeof addr);
+        memset(key, 0x22, sizeof key);
+        kvl_ucx_key_view keys[2] = {{3, 0x7f0000001000ull, 1 << 20, key, sizeof key},
+                                    {8, 0x7f0000200000ull, 4096, key, 1}};
+        for (uint32_t n = 0; n <= 2; n++) {
+            kvl_buf_free(&b);
+            if (kvl_ucx_enc_setup(&b, addr, sizeof addr, keys, n) != KVL_OK || b.oom)
+                exit(1);
+            seed(F_UCX_SETUP, b.p, b.len);
+            kvl_buf_free(&b);
+            if (kvl_ucx_enc_setup(&b, NULL, 0, keys, n) != KVL_OK || b.oom)
+                exit(1);
+            seed(F_UCX_KEYS, b.p, b.len);
+        }
+        kvl_buf_free(&b);
+        kvl_ucx_enc_refuse(&b, 7, "UCX not loaded");
+        seed(F_UCX_REFUSE, b.p, b.len);
     }
     kvl_buf_free(&b);
     printf("fuzz_wire: %d seeds in %s\n", n_seeds, seed_dir);

@@ -245,9 +245,13 @@ static void test_header(void)
 {
     static const kvl_frame_hdr cases[] = {
         {KVL_F_HELLO, 0, 0, 0, 0},
-        {KVL_F_DATA, 0xbeef, 12345, 0xdeadbeef, 1ull << 30},
-        {KVL_F_READ_RESP, 1, KVL_MAX_BODY, 0xffffffffu, 1},
-        {KVL_F_REGIONS, 0xffff, 1, 7, 0},
+        {KVL_F_DATA, KVL_HF_REMOTE, 12345, 0xdeadbeef, 1ull << 30},
+        {KVL_F_READ_RESP, KVL_HF_REMOTE, KVL_MAX_BODY, 0xffffffffu, 1},
+        {KVL_F_REGIONS, 0, 1, 7, 0},
+        {KVL_F_UCX_OFFER, 0, 300, 7, 0},
+        {KVL_F_UCX_ACCEPT, 0, 300, 7, 0},
+        {KVL_F_UCX_KEYS, 0, 6, 7, 0},
+        {KVL_F_UCX_REFUSE, 0, 6, 7, 0},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         uint8_t raw[KVL_HDR_BYTES];
@@ -280,7 +284,16 @@ static void test_header(void)
         {"version 0", 4, 0, {KVL_F_HELLO, 0, 10, 0, 0}, KVL_ERR_HANDSHAKE},
         {"version 1", 4, 1, {KVL_F_HELLO, 0, 10, 0, 0}, KVL_ERR_HANDSHAKE},
         {"version 2", 4, 2, {KVL_F_HELLO, 0, 10, 0, 0}, KVL_ERR_HANDSHAKE},
-        {"version 4", 4, 4, {KVL_F_HELLO, 0, 10, 0, 0}, KVL_ERR_HANDSHAKE},
+        {"version 3", 4, 3, {KVL_F_HELLO, 0, 10, 0, 0}, KVL_ERR_HANDSHAKE},
+        {"version 5", 4, 5, {KVL_F_HELLO, 0, 10, 0, 0}, KVL_ERR_HANDSHAKE},
+        {"unknown header flag 4", -1, 0, {KVL_F_DATA, 4, 10, 0, 4096}, KVL_ERR_PROTOCOL},
+        {"DST on a DATA", -1, 0, {KVL_F_DATA, KVL_HF_DST, 10, 0, 4096}, KVL_ERR_PROTOCOL},
+        {"DST on a READ_RESP", -1, 0, {KVL_F_READ_RESP, KVL_HF_DST, 10, 0, 0}, KVL_ERR_PROTOCOL},
+        {"header flags 0xffff", -1, 0, {KVL_F_DATA, 0xffff, 10, 0, 4096}, KVL_ERR_PROTOCOL},
+        {"REMOTE without a payload", -1, 0, {KVL_F_DATA, KVL_HF_REMOTE, 10, 0, 0},
+         KVL_ERR_PROTOCOL},
+        {"REMOTE on an ACK", -1, 0, {KVL_F_ACK, KVL_HF_REMOTE, 10, 0, 0}, KVL_ERR_PROTOCOL},
+        {"UCX_OFFER with payload", -1, 0, {KVL_F_UCX_OFFER, 0, 10, 0, 1}, KVL_ERR_PROTOCOL},
         {"version 255", 4, 255, {KVL_F_HELLO, 0, 10, 0, 0}, KVL_ERR_HANDSHAKE},
         {"type 0", -1, 0, {0, 0, 10, 0, 0}, KVL_ERR_PROTOCOL},
         {"type TYPE_MAX+1", -1, 0, {KVL_F_TYPE_MAX + 1, 0, 10, 0, 0}, KVL_ERR_PROTOCOL},
@@ -387,6 +400,8 @@ static void test_hello(void)
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         kvl_msg_hello in = {.instance = cases[i].instance, .kind = cases[i].kind,
                             .path = cases[i].path, .flags = (uint8_t)(i & KVL_HELLO_AUTH)};
+        if (cases[i].kind == KVL_CONN_DATA && i == 2)
+            in.flags |= KVL_HELLO_UCX; /* UCX is offered on data connections only */
         memset(in.nonce, (int)i + 1, sizeof in.nonce);
         fill_str(in.name, cases[i].name_len, (char)('a' + i));
         frame f = {0};
@@ -442,10 +457,16 @@ static void test_hello(void)
     b[8] = KVL_CONN_CONTROL;
     CHECK(run_decoder(D_HELLO, b, 14 + T) == KVL_OK);
     /* unknown flags */
-    b[14] = 2;
-    EXPECT_PROTOCOL(D_HELLO, b, 14 + T, "HELLO with flag 2");
+    b[14] = 4;
+    EXPECT_PROTOCOL(D_HELLO, b, 14 + T, "HELLO with flag 4");
     b[14] = KVL_HELLO_AUTH;
     CHECK(run_decoder(D_HELLO, b, 14 + T) == KVL_OK);
+    /* UCX on a control connection: never offered there */
+    b[14] = KVL_HELLO_AUTH | KVL_HELLO_UCX;
+    EXPECT_PROTOCOL(D_HELLO, b, 14 + T, "HELLO with UCX on a control connection");
+    b[8] = KVL_CONN_DATA;
+    CHECK(run_decoder(D_HELLO, b, 14 + T) == KVL_OK);
+    b[8] = KVL_CONN_CONTROL;
     b[14] = 0;
     /* no flags and nonce (a version 2 HELLO) */
     EXPECT_PROTOCOL(D_HELLO, b, 14, "HELLO without flags and nonce");
@@ -681,6 +702,54 @@ static void test_chunk(void)
 }
 
 /* ---- ACK / READ_RESP ---- */
+
+/* A READ_REQ with header flag DST (pull over UCX): the body ends with
+ * where each piece goes in the initiator's regions, 16 bytes a piece. */
+static void test_chunk_dst(void)
+{
+    kvl_frame_hdr ok = {KVL_F_READ_REQ, KVL_HF_DST, 10, 0, 0}, got;
+    uint8_t raw[KVL_HDR_BYTES];
+    kvl_hdr_encode(raw, &ok);
+    CHECKF(kvl_hdr_decode(raw, &got) == KVL_OK && got.flags == KVL_HF_DST,
+           "READ_REQ with DST: %s", kvl_last_error());
+    frame f = {0};
+    kvl_frame_start(&f.b);
+    kvl_enc_chunk(&f.b, 77, 5, 2, 3);
+    for (uint32_t i = 0; i < 3; i++) {
+        kvl_wire_piece p = {9, (uint64_t)i * 100, (uint64_t)i + 10};
+        kvl_enc_piece(&f.b, &p);
+    }
+    uint8_t key[KVL_KEY_BYTES] = {1};
+    kvl_enc_keys(&f.b, 1);
+    kvl_enc_key(&f.b, 9, key);
+    for (uint32_t i = 0; i < 3; i++)
+        kvl_enc_dst(&f.b, 40 + i, (uint64_t)i << 40);
+    frame_done(&f, KVL_F_READ_REQ, 0);
+    uint8_t *body = dup_exact(f.body, f.len);
+    kvl_msg_chunk m;
+    if (CHECKF(kvl_dec_chunk_flags(body, f.len, KVL_HF_DST, &m) == KVL_OK, "DST: %s",
+               kvl_last_error()) &&
+        CHECK(m.dst != NULL)) {
+        for (uint32_t i = 0; i < 3; i++) {
+            kvl_wire_piece d;
+            kvl_dec_dst_piece(&m, i, &d);
+            CHECKF(d.region == 40 + i && d.offset == (uint64_t)i << 40 && d.len == i + 10,
+                   "destination %u differs after the round trip", i);
+        }
+    }
+    /* without the flag the same body has trailing bytes; every truncation of
+     * the DST section runs past the body */
+    CHECK(kvl_dec_chunk(body, f.len, &m) == KVL_ERR_PROTOCOL &&
+          strstr(kvl_last_error(), "trailing"));
+    for (size_t n = 0; n < f.len; n++) {
+        uint8_t *cut = dup_exact(f.body, n);
+        CHECKF(kvl_dec_chunk_flags(cut, n, KVL_HF_DST, &m) == KVL_ERR_PROTOCOL,
+               "DST body cut to %zu bytes accepted", n);
+        free(cut);
+    }
+    free(body);
+    kvl_buf_free(&f.b);
+}
 
 static void test_status(void)
 {
@@ -930,6 +999,7 @@ int main(void)
     test_hello();
     test_hello_ack();
     test_chunk();
+    test_chunk_dst();
     test_status();
     test_notify();
     test_announce();

@@ -28,6 +28,7 @@
 #include <unistd.h>
 
 #include "../../internal.h"
+#include "../ucx/path.h"
 #include "tcp.h"
 
 #define IO_BATCH (2u << 20)  /* bytes per syscall: fewer wakeups, and the crc pass still hits L2 */
@@ -50,6 +51,11 @@ struct kvl_out {
     size_t trailer_sent;
     int cancelled;         /* the rest of the payload comes from zeros, not our memory */
     int in_job;            /* engine: handed to the I/O thread (started, whatever head_sent says) */
+    int remote;            /* the payload goes by UCX put (ep->ucx): header, puts, flush, trailer */
+    int posted;            /* remote: puts and flush posted (the source is read until flushed) */
+    int flushed;           /* remote: the flush completed: the trailer may go */
+    uint64_t fseq;         /* remote: the flush's number */
+    int dst_req;           /* a READ_REQ with DST: once sent, counts in ep->ucx_reads */
 };
 
 /* A cancelled DATA frame's remaining payload is sent from here: the stream
@@ -63,6 +69,7 @@ static void out_free(kvl_ep *ep, kvl_out *o)
     ep->sq_bytes -= o->f.head.len;
     kvl_proto_release(ep->a, &o->f.hold);
     free(o->f.payload);
+    free(o->f.dst);
     kvl_buf_free(&o->f.head);
     free(o);
 }
@@ -90,11 +97,18 @@ static int tcp_send(kvl_ep *ep, kvl_tp_frame *f)
     if (!o) {
         kvl_proto_release(ep->a, &f->hold);
         free(f->payload);
+        free(f->dst);
         kvl_buf_free(&f->head);
         return -1;
     }
     o->f = *f;
     memset(f, 0, sizeof *f);
+    if (ep->ucx && o->f.payload_len && kvl_ucx_path_covers(ep->ucx, o->f.dst, o->f.n_dst)) {
+        o->remote = 1; /* header flag REMOTE: the stream carries no payload bytes */
+        o->f.head.p[6] |= KVL_HF_REMOTE;
+    }
+    o->dst_req = o->f.head.len >= KVL_HDR_BYTES && o->f.head.p[5] == KVL_F_READ_REQ &&
+                 (o->f.head.p[6] & KVL_HF_DST);
     ep->sq_bytes += o->f.head.len;
     if (ep->sq_tail)
         ep->sq_tail->next = o;
@@ -147,10 +161,31 @@ static void tcp_drop_unstarted(kvl_ep *ep)
     }
 }
 
+/* Pull over UCX: a READ_REQ sent with DST lets the peer put into our memory
+ * until its READ_RESP has ended, and a put cannot be called back.  So a
+ * cancelled copy that may be such a read destroys the path's UCX end at
+ * once (over UCX's TCP nothing is placed but by our worker's progress; on
+ * RDMA the unmapped memory invalidates the keys): once this returns nothing
+ * lands (docs/ucx.md, "Cancel and duplicate copies").  The connection is
+ * failed from the event loop, not from inside the core's cancel. */
+static void ucx_fence(kvl_ep *ep, const char *why)
+{
+    kvl_ucx_path_free(ep, ep->a->cfg.connect_timeout_ms);
+    kvl_log(ep->a, KVL_LOG_WARNING, NULL, -1,
+            "UCX fenced: %s (%u reads outstanding): the path's UCX end is destroyed, its "
+            "connection closes and reconnects",
+            why, ep->ucx_reads);
+    snprintf(ep->ucx_note, sizeof ep->ucx_note, "UCX fenced: %s", why);
+    snprintf(ep->ucx_broken_why, sizeof ep->ucx_broken_why, "UCX fenced: %s", why);
+    ep->ucx_broken = 1;
+    watch(ep, 1);
+}
+
 static int tcp_cancel(kvl_ep *ep, uint64_t xid, uint32_t chunk, uint32_t attempt)
 {
     if (ep->dead)
         return 0;
+    int found = 0;
     for (kvl_out **pp = &ep->sq, *prev = NULL; *pp; prev = *pp, pp = &(*pp)->next) {
         kvl_out *o = *pp;
         if (!o->f.is_chunk || o->f.xid != xid || o->f.chunk != chunk || o->f.attempt != attempt)
@@ -165,6 +200,30 @@ static int tcp_cancel(kvl_ep *ep, uint64_t xid, uint32_t chunk, uint32_t attempt
                 watch(ep, 0);
             return 1;
         }
+        if (o->dst_req) { /* part-way out: the peer will read it and may put */
+            if (ep->ucx)
+                ucx_fence(ep, "a pull the peer may be putting was cancelled");
+            return 1;
+        }
+        if (o->remote && o->posted && !o->flushed) {
+            /* puts cannot be called back: the memory is let go of only once
+             * they are placed (docs/ucx.md, cancel on a UCX endpoint) */
+            uint64_t until = kvl_now_ns() + (uint64_t)ep->a->cfg.connect_timeout_ms * 1000000ull;
+            int r = ep->ucx ? kvl_ucx_path_wait_flush(ep->ucx, o->fseq, until) : -1;
+            if (r != 1) {
+                /* the puts may still read our memory: the frame keeps its
+                 * hold, goes out cancelled, and the connection is failed
+                 * from the event loop (not from inside the core's cancel),
+                 * which force-closes the UCX endpoint before the memory is
+                 * let go of */
+                o->cancelled = 1;
+                ep->ucx_broken = 1;
+                watch(ep, 1);
+                return 1;
+            }
+            o->flushed = 1;
+            ep->ucx_acked += o->f.payload_len;
+        }
         if (o->in_job)
             pthread_mutex_lock(&ep->jmu); /* the I/O thread is between two sends */
         if (o->f.payload_len && !o->cancelled) {
@@ -176,9 +235,14 @@ static int tcp_cancel(kvl_ep *ep, uint64_t xid, uint32_t chunk, uint32_t attempt
         }
         if (o->in_job)
             pthread_mutex_unlock(&ep->jmu);
-        return 1;
+        found = 1;
+        break;
     }
-    return 0;
+    /* a copy no longer queued here may be a pull read whose answer is still
+     * to come: while any is (conservatively: not only this copy), fence */
+    if (!found && ep->ucx && ep->ucx_reads)
+        ucx_fence(ep, "a pull the peer may be putting was cancelled");
+    return found;
 }
 
 /* Advances o over n payload bytes just sent, folding them into the crc. */
@@ -219,7 +283,7 @@ static int out_iov(kvl_out *o, struct iovec *v)
         uint64_t rest = o->f.payload_len - o->payload_sent;
         v[n].iov_base = (void *)zeros;
         v[n++].iov_len = rest < sizeof zeros ? (size_t)rest : sizeof zeros;
-    } else if (o->payload_sent < o->f.payload_len) {
+    } else if (o->payload_sent < o->f.payload_len && !o->remote) {
         int idx = o->iov_idx;
         size_t off = o->iov_off;
         while (n < MAX_IOV && idx < o->f.n_payload && want < IO_BATCH) {
@@ -232,7 +296,8 @@ static int out_iov(kvl_out *o, struct iovec *v)
             idx++;
             off = 0;
         }
-    } else if (o->f.payload_len && o->trailer_sent < 4) {
+    } else if (o->f.payload_len && o->trailer_sent < 4 && (!o->remote || o->flushed)) {
+        /* a REMOTE frame's trailer only once its puts are flushed: it says "placed" */
         if (o->trailer_sent == 0) {
             uint32_t t = o->cancelled ? ~o->crc : o->crc; /* a cancelled copy never verifies */
             for (int i = 0; i < 4; i++)
@@ -251,12 +316,54 @@ static void fail(kvl_ep *ep, kvl_err err, const char *what, int errnum)
     kvl_proto_on_error(ep->c, err, why);
 }
 
-enum { OUT_DONE = 1, OUT_MORE = 0, OUT_BLOCKED = -1, OUT_ERROR = -2 };
+enum { OUT_DONE = 1, OUT_MORE = 0, OUT_BLOCKED = -1, OUT_ERROR = -2, OUT_WAIT = -3,
+       OUT_FAILED = -4 };
+
+/* A REMOTE frame whose header is out: posts its puts and flush once, then
+ * OUT_MORE when the flush completed (the trailer goes next), OUT_WAIT while
+ * it has not (the worker's event calls ep_write again), OUT_FAILED when the
+ * UCX endpoint failed (the core was told). */
+static int remote_step(kvl_ep *ep, kvl_out *o)
+{
+    char why[160] = "";
+    if (!o->posted && o->cancelled) {
+        /* cancelled before its puts: none is posted (its memory is let go
+         * of), and the trailer goes out inverted: the copy never verifies */
+        o->posted = o->flushed = 1;
+        o->payload_sent = o->f.payload_len;
+        return OUT_MORE;
+    }
+    if (!o->posted) {
+        o->posted = 1;
+        kvl_err e = kvl_ucx_path_post(ep->ucx, o->f.payload, o->f.n_payload, o->f.dst,
+                                      o->f.n_dst, o->f.payload_len, &o->crc, &o->fseq);
+        if (e) {
+            snprintf(why, sizeof why, "UCX put: %s", kvl_last_error());
+            kvl_proto_on_error(ep->c, KVL_ERR_CONN_LOST, why);
+            return OUT_FAILED;
+        }
+        o->payload_sent = o->f.payload_len;
+        __atomic_fetch_add(&ep->tx_payload, o->f.payload_len, __ATOMIC_RELAXED);
+    }
+    int r = kvl_ucx_path_flushed(ep->ucx, o->fseq, why, sizeof why);
+    if (r < 0) {
+        kvl_proto_on_error(ep->c, KVL_ERR_CONN_LOST, why);
+        return OUT_FAILED;
+    }
+    if (!r)
+        return OUT_WAIT;
+    o->flushed = 1;
+    ep->ucx_acked += o->f.payload_len;
+    return OUT_MORE;
+}
 
 /* One sendmsg of o (ep's head frame): OUT_DONE once all of it is out,
- * OUT_MORE, OUT_BLOCKED (the socket is full) or OUT_ERROR (errno). */
+ * OUT_MORE, OUT_BLOCKED (the socket is full) or OUT_ERROR (errno); a REMOTE
+ * frame also OUT_WAIT and OUT_FAILED (remote_step). */
 static int out_step(kvl_ep *ep, kvl_out *o, size_t *budget)
 {
+    if (o->remote && !o->flushed && o->head_sent == o->f.head.len)
+        return remote_step(ep, o);
     struct iovec v[MAX_IOV + 2];
     int n = out_iov(o, v);
     if (n == 0)
@@ -307,9 +414,16 @@ int kvl_tcp_tx_step(kvl_ep *ep)
 static void ep_write(kvl_ep *ep)
 {
     size_t budget = IO_BUDGET;
+    if (ep->ucx_broken) {
+        kvl_proto_on_error(ep->c, KVL_ERR_CONN_LOST,
+                           ep->ucx_broken_why[0]
+                               ? ep->ucx_broken_why
+                               : "UCX flush of a cancelled copy did not complete: path closed");
+        return;
+    }
     while (ep->sq && budget && !ep->dead && !ep->tx_busy) {
         kvl_out *o = ep->sq;
-        if (ep->io && o->f.payload_len) {
+        if (ep->io && o->f.payload_len && !o->remote) {
             /* the payload goes out on the I/O thread; tcp_progress goes on */
             o->in_job = 1;
             ep->tx_busy = 1;
@@ -320,7 +434,11 @@ static void ep_write(kvl_ep *ep)
         int r = out_step(ep, o, &budget);
         if (r == OUT_ERROR)
             fail(ep, KVL_ERR_CONN_LOST, "send", errno);
-        if (r == OUT_ERROR || r == OUT_BLOCKED)
+        if (r == OUT_WAIT) /* the UCX worker's event goes on (kvl_tcp_ucx_progressed) */
+            watch(ep, 0);
+        if (r == OUT_BLOCKED && !ep->epout)
+            watch(ep, 1); /* resumed by a UCX event after OUT_WAIT: the socket's turn now */
+        if (r == OUT_ERROR || r == OUT_BLOCKED || r == OUT_WAIT || r == OUT_FAILED)
             return;
         if (r == OUT_MORE)
             continue;
@@ -328,8 +446,12 @@ static void ep_write(kvl_ep *ep)
         ep->sq_len--;
         if (!ep->sq)
             ep->sq_tail = NULL;
+        if (o->dst_req)
+            ep->ucx_reads++;
         out_free(ep, o);
     }
+    if (ep->sq && !ep->dead && !ep->tx_busy && !ep->epout)
+        watch(ep, 1); /* out of budget after a UCX resume: go on when writable */
     if (!ep->sq && !ep->dead) {
         watch(ep, 0);
         if (ep->refused)
@@ -462,13 +584,42 @@ int kvl_tcp_rx_step(kvl_ep *ep, uint8_t *scratch, size_t scratch_len)
     return 0; /* its turn is over: the others on this thread go next */
 }
 
+/* A REMOTE frame's trailer is in: the crc32c over the bytes the puts placed
+ * in the sink (what the trailer vouches for, checked at the destination).  A
+ * copy that may not place (drained) cannot verify. */
+static uint32_t placed_crc(kvl_ep *ep, uint32_t want)
+{
+    int n;
+    const struct iovec *dst = kvl_proto_sink(ep->c, &n);
+    if (!kvl_proto_payload_live(ep->c))
+        return ~want;
+    uint32_t crc = 0;
+    for (int i = 0; i < n; i++) {
+        if (!dst[i].iov_base)
+            return ~want;
+        crc = kvl_crc32c(crc, dst[i].iov_base, dst[i].iov_len);
+    }
+    return crc;
+}
+
 /* Header and body are in: the core routes the frame; a payload follows. */
 static void on_body(kvl_ep *ep)
 {
     kvl_proto_on_frame(ep->c, &ep->h, ep->body);
     if (ep->dead || ep->refused)
         return;
-    if (ep->h.payload_len) {
+    int remote = ep->h.payload_len && (ep->h.flags & KVL_HF_REMOTE);
+    if (ep->h.type == KVL_F_READ_RESP && !remote && ep->ucx_reads)
+        ep->ucx_reads--; /* in-stream or a refusal: the peer puts nothing for it */
+    if (remote) {
+        /* the bytes were put into the sink already (the core allowed REMOTE
+         * on this path only): only the trailer follows, sent after the flush */
+        ep->rs = RS_TRAILER;
+        ep->rx_remote = 1;
+        ep->pay_got = ep->h.payload_len;
+        ep->crc = 0;
+        ep->trailer_got = 0;
+    } else if (ep->h.payload_len) {
         ep->rs = RS_PAYLOAD;
         ep->dst_idx = 0;
         ep->dst_off = 0;
@@ -601,6 +752,13 @@ static void ep_read(kvl_ep *ep)
                     ep->rx_payload += ep->h.payload_len;
                 ep->rs = RS_HDR;
                 ep->hdr_got = 0;
+                if (ep->rx_remote) {
+                    ep->rx_remote = 0;
+                    ep->crc = placed_crc(ep, want);
+                    ep->ucx_put_rx += ep->h.payload_len;
+                    if (ep->h.type == KVL_F_READ_RESP && ep->ucx_reads)
+                        ep->ucx_reads--; /* flushed before its trailer: placed */
+                }
                 kvl_proto_on_payload(ep->c, ep->crc, want);
             }
             break;
@@ -699,6 +857,10 @@ static kvl_err tcp_attach(kvl_ep *ep, kvl_conn *c)
     ep->watched = 1;
     ep->ev_mask = EPOLLIN;
     ep->io = kvl_tcp_pool_pick(ep->a);
+    if (ep->ucx && kvl_ucx_path_watch(ep)) { /* cannot progress it: the path stays TCP */
+        kvl_ucx_path_free(ep, ep->a->cfg.connect_timeout_ms);
+        snprintf(ep->ucx_note, sizeof ep->ucx_note, "UCX worker cannot be watched: TCP");
+    }
     return KVL_OK;
 }
 
@@ -794,8 +956,18 @@ static void accept_all(kvl_ep *l)
     }
 }
 
+void kvl_tcp_ucx_progressed(kvl_ep *ep)
+{
+    if (!ep->dead && ep->sq && !ep->tx_busy)
+        ep_write(ep);
+}
+
 static void tcp_on_event(kvl_ep *ep, uint32_t events)
 {
+    if (ep->ucx_owner) { /* a UCX worker's fd */
+        kvl_ucx_path_on_event(ep);
+        return;
+    }
     if (ep->dead)
         return;
     if (ep->listener) {
@@ -829,6 +1001,8 @@ static void tcp_close(kvl_ep *ep, int abortive)
     if (ep->spare >= 0)
         close(ep->spare);
     ep->spare = -1;
+    /* before the frames let go of the memory their puts read */
+    kvl_ucx_path_free(ep, ep->a->cfg.connect_timeout_ms);
     while (ep->sq) {
         kvl_out *o = ep->sq;
         ep->sq = o->next;
@@ -843,6 +1017,11 @@ void kvl_tcp_ep_free(kvl_ep *ep)
     if (!ep)
         return;
     kvl_tcp_job_forget(ep);
+    kvl_ucx_path_free(ep, 0); /* a detached endpoint's: no engine watch, nothing in flight */
+    if (ep->ucx_wk_gone) {
+        pthread_mutex_destroy(&ep->ucx_wk_gone->jmu);
+        free(ep->ucx_wk_gone);
+    }
     if (ep->fd >= 0)
         close(ep->fd);
     if (ep->spare >= 0)
@@ -861,7 +1040,19 @@ void kvl_tcp_ep_free(kvl_ep *ep)
 
 static int tcp_sample_ep(const kvl_ep *ep, kvl_tp_sample *out)
 {
-    return ep->dead ? -1 : kvl_tcp_sample(ep->fd, out);
+    if (ep->dead || kvl_tcp_sample(ep->fd, out) != 0)
+        return -1;
+    if (ep->ucx) { /* payloads move on the UCX worker: its events are the path's progress */
+        out->bytes_acked += ep->ucx_acked;
+        uint64_t now = kvl_now_ns();
+        uint64_t ms = ep->t_ucx_ns && now > ep->t_ucx_ns ? (now - ep->t_ucx_ns) / 1000000ull
+                                                          : UINT32_MAX;
+        if (ms < out->last_ack_recv_ms)
+            out->last_ack_recv_ms = (uint32_t)ms;
+        if (ms < out->last_data_recv_ms)
+            out->last_data_recv_ms = (uint32_t)ms;
+    }
+    return 0;
 }
 
 static uint64_t tcp_bytes_sent(const kvl_ep *ep)
@@ -869,6 +1060,7 @@ static uint64_t tcp_bytes_sent(const kvl_ep *ep)
     return __atomic_load_n(&ep->tx_payload, __ATOMIC_RELAXED);
 }
 static uint64_t tcp_bytes_recv(const kvl_ep *ep) { return ep->rx_payload; }
+static uint64_t tcp_bytes_put(const kvl_ep *ep) { return ep->ucx_acked + ep->ucx_put_rx; }
 
 static kvl_err tcp_reg_mem(kvl_agent *a, void *base, uint64_t len, uint32_t mem, uint8_t *rkey,
                            uint32_t *rkey_len)
@@ -903,6 +1095,7 @@ const kvl_transport_ops kvl_tcp_ops = {
     .sample = tcp_sample_ep,
     .bytes_sent = tcp_bytes_sent,
     .bytes_recv = tcp_bytes_recv,
+    .bytes_put = tcp_bytes_put,
     .close = tcp_close,
     .free = kvl_tcp_ep_free,
     .reg_mem = tcp_reg_mem,
@@ -910,4 +1103,10 @@ const kvl_transport_ops kvl_tcp_ops = {
     .stop = kvl_tcp_pool_stop,
     .progress = tcp_progress,
     .revoke = tcp_revoke,
+    .remote_offer = kvl_ucx_path_offer,
+    .remote_check = kvl_ucx_path_check,
+    .remote_sync = kvl_ucx_path_sync,
+    .remote_keys = kvl_ucx_path_keys,
+    .remote_note = kvl_ucx_path_note,
+    .remote_answer = kvl_ucx_path_answer,
 };

@@ -67,6 +67,22 @@ struct kvl_ep {
     int listed, pins;      /* io->mu: in the thread's list / being served now */
     int done_queued;       /* pool mu: in the finished list */
     kvl_ep *done_next;
+    /* one-sided companion (csrc/transport/ucx/path.c, docs/ucx.md): DATA
+     * payloads go by UCX put, the stream carries header and trailer only */
+    struct kvl_ucx_path *ucx;  /* NULL: every payload in-stream (TCP) */
+    kvl_ep *ucx_owner;     /* set on a worker fd's pseudo endpoint: the data endpoint */
+    char ucx_note[128];    /* what carries the payloads and why (paths()) */
+    int rx_remote;         /* the payload arriving was put: only its trailer comes */
+    uint64_t t_ucx_ns;     /* the worker's last event: UCX progress for the path's samples */
+    uint64_t ucx_acked;    /* payload bytes of flushed puts (the samples' bytes_acked) */
+    uint64_t ucx_put_rx;   /* payload bytes the peer put here (REMOTE frames ended) */
+    int ucx_broken;        /* a cancelled copy's flush failed, or a pull over UCX was
+                              fenced: fail ep from the event loop (why: ucx_broken_why) */
+    char ucx_broken_why[128];
+    uint32_t ucx_reads;    /* READ_REQs with DST sent whose READ_RESP has not ended: the
+                              peer may be putting into our memory (pull over UCX) */
+    kvl_ep *ucx_wk_gone;   /* the worker fd's pseudo endpoint after kvl_ucx_path_free:
+                              freed with ep (an event for it may be pending) */
 };
 
 /* ---- I/O threads (iopool.c) ---- */
@@ -91,6 +107,10 @@ kvl_ep *kvl_tcp_pool_next_done(kvl_agent *a);
  * would block. */
 int kvl_tcp_rx_step(kvl_ep *ep, uint8_t *scratch, size_t scratch_len);
 int kvl_tcp_tx_step(kvl_ep *ep);
+
+/* Engine: ep's UCX worker made progress: a frame waiting for its flush may
+ * go on (stream.c). */
+void kvl_tcp_ucx_progressed(kvl_ep *ep);
 
 kvl_ep *kvl_tcp_ep_new(kvl_agent *a, int fd, int listener);
 /* Frees ep (closing its descriptors) once its I/O thread let go of it. */

@@ -80,7 +80,8 @@ void kvl_engine_snapshot_paths(kvl_agent *a)
             o->inflight_bytes = pa->inflight_bytes;
             o->est_gbps = pa->bw_Bps / 1e9;
             snprintf(o->last_error, sizeof o->last_error, "%s", pa->last_error);
-            snprintf(o->transport, sizeof o->transport, "%s", pa->ucx ? "ucx" : "tcp");
+            snprintf(o->transport, sizeof o->transport, "%s",
+                     pa->ucx ? "ucx" : pa->cma ? "shm" : "tcp");
             snprintf(o->transport_note, sizeof o->transport_note, "%s", pa->tnote);
         }
     }

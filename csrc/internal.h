@@ -101,8 +101,12 @@ enum kvl_conn_kind { KVL_CONN_CONTROL = 0, KVL_CONN_DATA = 1 };
  * DST: a READ_REQ whose body ends with where each piece goes in the
  * initiator's regions (pull over UCX: the responder may put the bytes there
  * and answer with a REMOTE READ_RESP).  Legal on READ_REQ only, on a path
- * whose UCX set-up succeeded. */
-enum { KVL_HF_REMOTE = 1, KVL_HF_DST = 2 };
+ * whose UCX set-up succeeded.
+ * CMA: a same-host DATA / READ_RESP with a payload whose bytes the receiver
+ * copies from the sender's memory: a descriptor (transport/tcp/cma.h) stands
+ * in the stream where the payload would, then the trailer.  Legal on a data
+ * connection whose HELLO carried KVL_HELLO_CMA; never with REMOTE. */
+enum { KVL_HF_REMOTE = 1, KVL_HF_DST = 2, KVL_HF_CMA = 4 };
 
 typedef struct kvl_frame_hdr {
     uint8_t type;
@@ -132,15 +136,17 @@ typedef struct kvl_wire_piece {
 #define KVL_MAC_BYTES 32        /* HMAC-SHA256 */
 #define KVL_TOKEN_BYTES 16
 /* hello flags: AUTH: the initiator holds a secret; UCX: a UCX_OFFER follows
- * HELLO_ACK on this data connection (docs/ucx.md) */
-enum { KVL_HELLO_AUTH = 1, KVL_HELLO_UCX = 2 };
+ * HELLO_ACK on this data connection (docs/ucx.md); CMA: the initiator runs on
+ * the listener's host (its metadata said so) and both ends may send CMA
+ * frames on this data connection */
+enum { KVL_HELLO_AUTH = 1, KVL_HELLO_UCX = 2, KVL_HELLO_CMA = 4 };
 
 typedef struct kvl_msg_hello {
     uint64_t instance;
     uint8_t kind;   /* kvl_conn_kind */
     uint16_t path;  /* path index for data connections */
     char name[KVL_NAME_MAX];
-    uint8_t flags;  /* KVL_HELLO_AUTH | KVL_HELLO_UCX */
+    uint8_t flags;  /* KVL_HELLO_AUTH | KVL_HELLO_UCX | KVL_HELLO_CMA */
     uint8_t nonce[KVL_NONCE_BYTES]; /* the initiator's challenge (with KVL_HELLO_AUTH) */
     uint8_t token[KVL_TOKEN_BYTES]; /* the initiator's session with this listener: random,
                                        the same on every connection of one kvl_peer */
@@ -356,6 +362,7 @@ typedef struct kvl_path {
     uint64_t chunks_done;
     char last_error[160];
     int ucx;                   /* the connection's payloads travel by UCX put (docs/ucx.md) */
+    int cma;                   /* same host: payloads copied by the receiver (tcp/cma.h) */
     char tnote[128];           /* why this transport (kvl_path_info.transport_note) */
     /* a connection that carried UCX died: the path's next connections run TCP on the
      * same NIC (no offer) until this CLOCK_MONOTONIC time; atomic (the connecting
@@ -370,6 +377,7 @@ struct kvl_peer {
     kvl_agent *agent;
     char name[KVL_NAME_MAX];
     uint64_t instance;
+    uint32_t flags;            /* KVL_PEER_* from kvl_peer_connect, fixed */
     kvl_conn *ctrl;
     kvl_ep *ctrl_ep;           /* control endpoint until adoption */
     kvl_path ctrl_path;        /* where the control connection goes, and its probe state */
@@ -599,6 +607,9 @@ int kvl_conn_send_frame(kvl_conn *c, kvl_buf *buf);
 /* Queues a DATA frame (push) or READ_REQ (pull) for chunk ci of x. */
 int kvl_conn_send_chunk(kvl_conn *c, kvl_xfer *x, uint32_t ci);
 void kvl_conn_bind_outbound(kvl_conn *c, kvl_peer *p, int path);
+/* 1 if connections of this kind to p send HELLO flag CMA: a data connection
+ * to a peer on this host (KVL_PEER_SAME_HOST) unless transport is TCP. */
+int kvl_peer_uses_cma(const kvl_agent *a, const kvl_peer *p, int kind);
 void kvl_conn_expire(kvl_agent *a, uint64_t now);
 int kvl_conn_sample(const kvl_conn *c, kvl_tp_sample *out);
 /* Iterates a->conns (live connections). */

@@ -115,6 +115,12 @@ static int offers_ucx(const kvl_agent *a, const kvl_peer *p, int kind, uint16_t 
     return !off || kvl_now_ns() >= off;
 }
 
+int kvl_peer_uses_cma(const kvl_agent *a, const kvl_peer *p, int kind)
+{
+    return kind == KVL_CONN_DATA && (p->flags & KVL_PEER_SAME_HOST) &&
+           a->cfg.transport != KVL_TRANSPORT_TCP;
+}
+
 /* HELLO on ep, with a secret the challenge-response (auth.c), then the
  * HELLO_ACK.  Fills *instance; on a control connection the region table
  * is copied into p. */
@@ -123,7 +129,8 @@ static kvl_err handshake(kvl_agent *a, kvl_peer *p, kvl_ep *ep, int kind, uint16
 {
     kvl_msg_hello m = {.instance = a->instance, .kind = (uint8_t)kind, .path = path,
                        .flags = (a->secret_len ? KVL_HELLO_AUTH : 0) |
-                                (ucx ? KVL_HELLO_UCX : 0)};
+                                (ucx ? KVL_HELLO_UCX : 0) |
+                                (kvl_peer_uses_cma(a, p, kind) ? KVL_HELLO_CMA : 0)};
     strcpy(m.name, a->name);
     memcpy(m.token, p->token, sizeof m.token);
     if (a->secret_len && kvl_auth_nonce(m.nonce))
@@ -381,7 +388,7 @@ static int old_agent_listens(kvl_agent *a, const old_addrs *old, const char *con
 
 kvl_err kvl_peer_connect(kvl_agent *a, const char *name, uint64_t instance,
                          const char *const *hosts, const uint16_t *ports, size_t n,
-                         kvl_peer **out)
+                         uint32_t flags, kvl_peer **out)
 {
     kvl_clear_error();
     if (!a || !name || !hosts || !ports || !out)
@@ -432,6 +439,7 @@ kvl_err kvl_peer_connect(kvl_agent *a, const char *name, uint64_t instance,
     p->agent = a;
     strcpy(p->name, name);
     p->instance = instance;
+    p->flags = flags & KVL_PEER_SAME_HOST;
     /* the session token: the same on every connection to this name, also
      * after remove_peer + add_peer, and unguessable without this agent's seed */
     kvl_hmac tm;

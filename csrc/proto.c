@@ -33,6 +33,7 @@ struct kvl_conn {
     int rx_path;           /* inbound data: the sender's path index (HELLO) */
     int ucx_due;           /* inbound data: HELLO said a UCX_OFFER follows (docs/ucx.md) */
     int ucx_on;            /* data: UCX set up on this path: frames may carry REMOTE */
+    int cma_on;            /* data: same host (HELLO flag CMA): frames may carry CMA */
     uint64_t serial;       /* unique per agent: tells a reconnected path's connection apart */
     uint64_t t_open_ns;
     int dead;
@@ -153,6 +154,14 @@ void kvl_conn_bind_outbound(kvl_conn *c, kvl_peer *p, int path)
         tp(c)->remote_check(c->ep, p->regions, p->n_regions);
         pthread_mutex_unlock(&p->mu);
         pa->ucx = c->ucx_on = tp(c)->remote_note(c->ep, pa->tnote, sizeof pa->tnote);
+        pa->cma = kvl_peer_uses_cma(c->a, p, c->kind);
+        if (pa->cma) {
+            c->cma_on = 1;
+            tp(c)->cma_enable(c->ep);
+            if (!pa->ucx)
+                snprintf(pa->tnote, sizeof pa->tnote,
+                         "same host: payloads copied process to process (CMA), no socket");
+        }
         uint64_t off = __atomic_load_n(&pa->ucx_off_until_ns, __ATOMIC_RELAXED);
         uint64_t now = kvl_now_ns();
         if (!pa->ucx && now < off && c->a->cfg.transport == KVL_TRANSPORT_UCX) {
@@ -687,7 +696,18 @@ static void admit(kvl_conn *c, const kvl_msg_hello *hello)
         ib->conns++;
         c->ib = ib;
     }
+    if (status == KVL_OK && (m.flags & KVL_HELLO_CMA) && a->cfg.transport == KVL_TRANSPORT_TCP) {
+        status = KVL_ERR_INVALID_ARG;
+        snprintf(msg, sizeof msg,
+                 "agent '%s' runs transport='tcp' and takes no same-host copies: '%s' read "
+                 "stale metadata of it (add the peer again)",
+                 a->name, m.name);
+    }
     c->ucx_due = status == KVL_OK && (m.flags & KVL_HELLO_UCX) != 0;
+    if (status == KVL_OK && (m.flags & KVL_HELLO_CMA)) {
+        c->cma_on = 1;
+        tp(c)->cma_enable(c->ep);
+    }
     send_region_table(c, KVL_F_HELLO_ACK, status, msg);
     if (status != KVL_OK)
         tp(c)->refuse(c->ep); /* nothing behind a refused HELLO is read */
@@ -995,6 +1015,12 @@ void kvl_proto_on_frame(kvl_conn *c, const kvl_frame_hdr *h, const uint8_t *body
     int in_ctrl = !c->outbound && c->kind == KVL_CONN_CONTROL;
     int out_data = c->outbound && c->kind == KVL_CONN_DATA;
     int out_ctrl = c->outbound && c->kind == KVL_CONN_CONTROL;
+    if ((h->flags & KVL_HF_CMA) && !c->cma_on) {
+        kvl_conn_fail(c, KVL_ERR_PROTOCOL,
+                      "a frame with header flag CMA on a connection whose HELLO did not agree "
+                      "to same-host copies");
+        return;
+    }
     if ((h->flags & (KVL_HF_REMOTE | KVL_HF_DST)) && !c->ucx_on) {
         kvl_conn_fail(c, KVL_ERR_PROTOCOL,
                       (h->flags & KVL_HF_REMOTE)

@@ -188,8 +188,12 @@ kvl_err kvl_hdr_decode(const uint8_t in[KVL_HDR_BYTES], kvl_frame_hdr *h)
     int may_carry = h->type == KVL_F_DATA || h->type == KVL_F_READ_RESP;
     if (h->payload_len && !may_carry)
         return kvl_fail(KVL_ERR_PROTOCOL, "frame type %u cannot carry a payload", h->type);
-    if (h->flags & ~(KVL_HF_REMOTE | KVL_HF_DST))
+    if (h->flags & ~(KVL_HF_REMOTE | KVL_HF_DST | KVL_HF_CMA))
         return kvl_fail(KVL_ERR_PROTOCOL, "unknown header flags %#x", h->flags);
+    if ((h->flags & KVL_HF_CMA) && (!h->payload_len || (h->flags & KVL_HF_REMOTE)))
+        return kvl_fail(KVL_ERR_PROTOCOL,
+                        "header flag CMA on frame type %u without a payload or with REMOTE",
+                        h->type);
     if ((h->flags & KVL_HF_DST) && h->type != KVL_F_READ_REQ)
         return kvl_fail(KVL_ERR_PROTOCOL, "header flag DST on frame type %u (READ_REQ only)",
                         h->type);
@@ -262,10 +266,10 @@ kvl_err kvl_dec_hello(const uint8_t *body, size_t len, kvl_msg_hello *m)
         return kvl_fail(KVL_ERR_PROTOCOL, "HELLO: empty agent name");
     if (m->kind == KVL_CONN_DATA && m->path >= KVL_MAX_PATHS)
         return kvl_fail(KVL_ERR_PROTOCOL, "HELLO: path index %u out of range", m->path);
-    if (m->flags & ~(KVL_HELLO_AUTH | KVL_HELLO_UCX))
+    if (m->flags & ~(KVL_HELLO_AUTH | KVL_HELLO_UCX | KVL_HELLO_CMA))
         return kvl_fail(KVL_ERR_PROTOCOL, "HELLO: unknown flags %#x", m->flags);
-    if ((m->flags & KVL_HELLO_UCX) && m->kind != KVL_CONN_DATA)
-        return kvl_fail(KVL_ERR_PROTOCOL, "HELLO: UCX offered on a control connection");
+    if ((m->flags & (KVL_HELLO_UCX | KVL_HELLO_CMA)) && m->kind != KVL_CONN_DATA)
+        return kvl_fail(KVL_ERR_PROTOCOL, "HELLO: UCX or CMA offered on a control connection");
     return KVL_OK;
 }
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _native, _nics, _transport
+from . import _host, _native, _nics, _transport
 from ._args import bool_arg, int_error, timeout_arg
 from ._config import Config
 from ._errors import (
@@ -333,6 +333,7 @@ class Agent:
                 "instance": f"{self.instance_id:016x}",
                 "addrs": [[h, p] for h, p in self.addresses],
                 "keys": {str(rid): key.hex() for rid, key in ident["keys"].items()},
+                "host": _host.host_id(),
             }
         ).encode()
 
@@ -371,13 +372,13 @@ class Agent:
         with self._using() as a:
             known = _native.peer_find(a, md["name"], missing_ok=True) is not None
             if not known:
-                p = _native.peer_connect(a, md["name"], md["instance"], md["addrs"])
+                p = _native.peer_connect(a, md["name"], md["instance"], md["addrs"], md["host"])
                 self._take_keys(p, md)
         if known:
             # a restarted agent of that name replaces the old peer, which is
             # then freed: no other call may hold the old one meanwhile
             with self._alone() as a:
-                p = _native.peer_connect(a, md["name"], md["instance"], md["addrs"])
+                p = _native.peer_connect(a, md["name"], md["instance"], md["addrs"], md["host"])
                 self._take_keys(p, md)
         with self._lock:
             self._peer_md[md["name"]] = (md["instance"], tuple(md["addrs"]))
@@ -1003,9 +1004,16 @@ def _parse_metadata(metadata: bytes | str | dict[str, Any]) -> dict[str, Any]:
             "metadata: 'keys' must map region ids to 32 hex digits (16-byte access keys), "
             f"got {raw_keys!r:.80}"
         ) from None
+    host = md.get("host", "")
+    if not isinstance(host, str) or len(host) > 256:
+        raise InvalidArgumentError(
+            f"metadata: 'host' must be the peer's host id (a str of at most 256 characters), "
+            f"got {host!r:.80}"
+        )
     return {
         "name": name,
         "addrs": [(h, p) for h, p in addrs],
         "instance": instance,
         "keys": keys,
+        "host": host,
     }

@@ -21,6 +21,7 @@ from contextlib import AbstractContextManager
 from typing import Any, NamedTuple
 
 from ._args import timeout_arg
+from ._host import host_id as _transport_host_id
 from ._config import Config, Scheduler
 from ._errors import ErrorCode, error_for
 from ._types import (
@@ -255,8 +256,12 @@ def buffer_address(obj: Any) -> tuple[int, Any]:
 # ---- peers -------------------------------------------------------------------
 
 
-def peer_connect(a: Handle, name: str, instance: int, addrs: Sequence[tuple[str, int]]) -> Handle:
+def peer_connect(
+    a: Handle, name: str, instance: int, addrs: Sequence[tuple[str, int]], host: str = ""
+) -> Handle:
     """kvl_peer_connect: the peer, connected (blocks up to connect_timeout per connection).
+    ``host``: the host id in the peer's metadata; equal to ours marks it same-host
+    (transport "auto" may then use shared memory: docs/ucx.md).
 
     Raises:
         PeerUnreachableError, HandshakeError, DuplicateNameError: as the C core says.
@@ -265,7 +270,11 @@ def peer_connect(a: Handle, name: str, instance: int, addrs: Sequence[tuple[str,
     harr = ffi.new("const char *[]", hosts)
     parr = ffi.new("uint16_t[]", [p for _, p in addrs])
     out = ffi.new("kvl_peer **")
-    check(lib.kvl_peer_connect(a, name.encode(), instance, harr, parr, len(addrs), out), peer=name)
+    flags = lib.KVL_PEER_SAME_HOST if host and host == _transport_host_id() else 0
+    check(
+        lib.kvl_peer_connect(a, name.encode(), instance, harr, parr, len(addrs), flags, out),
+        peer=name,
+    )
     return out[0]
 
 

@@ -118,12 +118,17 @@ typedef struct kvl_config {
     uint32_t transport;          /* kvl_transport_mode: what carries data paths' payloads */
 } kvl_config;
 
-/* kvl_config.transport (docs/ucx.md).  AUTO: TCP until kvlink can tell UCX
- * over a transport that enforces key bounds (RDMA, shared memory) from UCX's
- * TCP emulation, which does not: UCX is not offered.  TCP: never.  UCX: every
- * data path offers UCX (needs a cluster secret and UCX loaded,
- * kvl_ucx_load_lib); a path whose offer is refused or fails runs TCP on the
- * same connection, and kvl_path_info.transport_note says why. */
+/* kvl_config.transport (docs/ucx.md).  AUTO: UCX only where it is shared
+ * memory: to a peer on this host (kvl_peer_connect's KVL_PEER_SAME_HOST)
+ * each data path offers UCX restricted to cross-memory attach (CMA: the
+ * kernel copies between the two processes, allowed only where the OS already
+ * lets one process write the other's memory); elsewhere, or when that set-up
+ * fails, TCP.  UCX's TCP emulation is never used by AUTO (a valid key writes
+ * anywhere in the receiver).  TCP: never UCX.  UCX: every data path offers
+ * UCX with every transport UCX has (RDMA, shared memory, its TCP).  AUTO and
+ * UCX need a cluster secret and UCX loaded (kvl_ucx_load_lib) to offer; a
+ * path whose offer is refused or fails runs TCP on the same connection, and
+ * kvl_path_info.transport_note says why. */
 enum kvl_transport_mode { KVL_TRANSPORT_AUTO = 0, KVL_TRANSPORT_TCP = 1, KVL_TRANSPORT_UCX = 2 };
 
 /* One contiguous byte range.  Region ids are those of the side that owns the
@@ -354,7 +359,8 @@ kvl_err kvl_region_deregister(kvl_agent *agent, uint64_t id);
  * path, each with the versioned handshake, pairing our address i with the
  * peer address on the same /24 (else by index).  hosts/ports describe the
  * peer's listeners (from its metadata).  instance is the peer's instance id
- * from its metadata (0 = accept any).  Adding a name that is already a peer
+ * from its metadata (0 = accept any); flags: KVL_PEER_* below.  Adding a
+ * name that is already a peer
  * with the same instance returns that peer; with another instance it fails
  * with KVL_ERR_PEER_EXISTS; a peer of that name none of whose paths is up is
  * replaced (its transfers fail, it is freed: like kvl_peer_remove, the
@@ -363,7 +369,12 @@ kvl_err kvl_region_deregister(kvl_agent *agent, uint64_t id);
  * Blocks up to connect_timeout_ms per connection.  Thread-safe. */
 kvl_err kvl_peer_connect(kvl_agent *agent, const char *name, uint64_t instance,
                          const char *const *hosts, const uint16_t *ports,
-                         size_t n, kvl_peer **out);
+                         size_t n, uint32_t flags, kvl_peer **out);
+
+/* kvl_peer_connect flags.  SAME_HOST: the peer runs on this host in the same
+ * PID namespace (the caller compared host ids from the metadata), so
+ * transport AUTO may set up shared-memory paths to it. */
+enum { KVL_PEER_SAME_HOST = 1u };
 
 /* Removes a peer: its running transfers fail (KVL_ERR_CONN_LOST, "removed"),
  * queued frames are sent (bounded by close_linger_ms), its connections

@@ -195,6 +195,10 @@ typedef struct kvl_transport_ops {
      * ep (UCX_ACCEPT or UCX_REFUSE); 1 if accepted, 0 if refused, -1 if ep
      * failed (the core was told through on_error). */
     int (*remote_answer)(kvl_ep *ep, const uint8_t *body, size_t len, int proven);
+    /* Engine thread: ep's peer runs on this host and both ends agreed (HELLO
+     * flag CMA): from now on ep sends its payloads as same-host descriptors
+     * (header flag CMA, transport/tcp/cma.h) and takes the peer's. */
+    void (*cma_enable)(kvl_ep *ep);
 } kvl_transport_ops;
 
 extern const kvl_transport_ops kvl_tcp_ops;

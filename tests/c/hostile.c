@@ -972,7 +972,7 @@ static kvl_peer *connect_victim(kvl_agent *from)
     kvl_agent_addr(victim, 0, host, &port);
     const char *hp[] = {host};
     kvl_peer *p = NULL;
-    if (kvl_peer_connect(from, "victim", victim_instance, hp, &port, 1, &p) != KVL_OK) {
+    if (kvl_peer_connect(from, "victim", victim_instance, hp, &port, 1, 0, &p) != KVL_OK) {
         fprintf(stderr, "hostile: connecting to the victim: %s\n", kvl_last_error());
         return NULL;
     }

@@ -50,7 +50,7 @@ static void connect_to(int from, int to, const char *name)
         kvl_agent_addr(sides[to].a, i, hosts[i], &ports[i]);
         hp[i] = hosts[i];
     }
-    CHECKF(kvl_peer_connect(sides[from].a, name, 0, hp, ports, n, &peer_of[from]) == KVL_OK,
+    CHECKF(kvl_peer_connect(sides[from].a, name, 0, hp, ports, n, 0, &peer_of[from]) == KVL_OK,
            "%s", kvl_last_error());
     uint8_t key[16]; /* what the metadata would carry */
     CHECK(kvl_region_key(sides[to].a, sides[to].region, key) == KVL_OK);

@@ -29,6 +29,7 @@
 
 #include "../../internal.h"
 #include "../ucx/path.h"
+#include "cma.h"
 #include "tcp.h"
 
 #define IO_BATCH (2u << 20)  /* bytes per syscall: fewer wakeups, and the crc pass still hits L2 */
@@ -36,7 +37,7 @@
 #define MAX_IOV 64
 #define BODY_KEEP (64u << 10) /* a body buffer larger than this is freed after use */
 
-enum { RS_HDR, RS_BODY, RS_PAYLOAD, RS_TRAILER };
+enum { RS_HDR, RS_BODY, RS_CMA, RS_PAYLOAD, RS_TRAILER };
 
 typedef struct kvl_out kvl_out;
 struct kvl_out {
@@ -56,6 +57,9 @@ struct kvl_out {
     int flushed;           /* remote: the flush completed: the trailer may go */
     uint64_t fseq;         /* remote: the flush's number */
     int dst_req;           /* a READ_REQ with DST: once sent, counts in ep->ucx_reads */
+    int cma;               /* same host: a descriptor (desc) goes where the payload would */
+    uint8_t *desc;
+    size_t desc_len, desc_sent;
 };
 
 /* A cancelled DATA frame's remaining payload is sent from here: the stream
@@ -70,6 +74,7 @@ static void out_free(kvl_ep *ep, kvl_out *o)
     kvl_proto_release(ep->a, &o->f.hold);
     free(o->f.payload);
     free(o->f.dst);
+    free(o->desc);
     kvl_buf_free(&o->f.head);
     free(o);
 }
@@ -106,6 +111,15 @@ static int tcp_send(kvl_ep *ep, kvl_tp_frame *f)
     if (ep->ucx && o->f.payload_len && kvl_ucx_path_covers(ep->ucx, o->f.dst, o->f.n_dst)) {
         o->remote = 1; /* header flag REMOTE: the stream carries no payload bytes */
         o->f.head.p[6] |= KVL_HF_REMOTE;
+    } else if (ep->cma && o->f.payload_len && o->f.n_payload > 0 &&
+               (uint32_t)o->f.n_payload <= KVL_MAX_PIECES) {
+        /* header flag CMA: the receiver copies from our memory (cma.h) */
+        o->desc_len = kvl_cma_desc_len((uint32_t)o->f.n_payload);
+        if ((o->desc = malloc(o->desc_len))) {
+            kvl_cma_desc_encode(o->desc, o->f.payload, o->f.n_payload);
+            o->cma = 1;
+            o->f.head.p[6] |= KVL_HF_CMA;
+        }
     }
     o->dst_req = o->f.head.len >= KVL_HDR_BYTES && o->f.head.p[5] == KVL_F_READ_REQ &&
                  (o->f.head.p[6] & KVL_HF_DST);
@@ -279,7 +293,12 @@ static int out_iov(kvl_out *o, struct iovec *v)
         v[n++].iov_len = o->f.head.len - o->head_sent;
         want += o->f.head.len - o->head_sent;
     }
-    if (o->payload_sent < o->f.payload_len && o->cancelled) {
+    if (o->cma && o->desc_sent < o->desc_len) {
+        /* the stream's shape does not change when cancelled: the trailer
+         * goes out inverted then, so the copy never verifies */
+        v[n].iov_base = o->desc + o->desc_sent;
+        v[n++].iov_len = o->desc_len - o->desc_sent;
+    } else if (o->payload_sent < o->f.payload_len && o->cancelled) {
         uint64_t rest = o->f.payload_len - o->payload_sent;
         v[n].iov_base = (void *)zeros;
         v[n++].iov_len = rest < sizeof zeros ? (size_t)rest : sizeof zeros;
@@ -307,6 +326,14 @@ static int out_iov(kvl_out *o, struct iovec *v)
         v[n++].iov_len = 4 - o->trailer_sent;
     }
     return n;
+}
+
+/* What a receive error came from, for its message. */
+static const char *rx_what(const kvl_ep *ep)
+{
+    return ep->rx_cma ? "same-host copy from the peer's memory (process_vm_readv; run "
+                        "transport='tcp' where the OS forbids it)"
+                      : "recv";
 }
 
 static void fail(kvl_ep *ep, kvl_err err, const char *what, int errnum)
@@ -381,6 +408,21 @@ static int out_step(kvl_ep *ep, kvl_out *o, size_t *budget)
         o->head_sent += h;
         left -= h;
     }
+    if (left && o->cma && o->desc_sent < o->desc_len) {
+        size_t d = o->desc_len - o->desc_sent;
+        if (d > left)
+            d = left;
+        o->desc_sent += d;
+        left -= d;
+        if (o->desc_sent == o->desc_len) {
+            /* the receiver copies now; the trailer vouches for the source */
+            o->crc = 0;
+            for (int i = 0; i < o->f.n_payload && !o->cancelled; i++)
+                o->crc = kvl_crc32c(o->crc, o->f.payload[i].iov_base, o->f.payload[i].iov_len);
+            o->payload_sent = o->f.payload_len;
+            __atomic_fetch_add(&ep->tx_payload, o->f.payload_len, __ATOMIC_RELAXED);
+        }
+    }
     if (left && o->payload_sent < o->f.payload_len) {
         out_advance_payload(o, left);
         __atomic_fetch_add(&ep->tx_payload, left, __ATOMIC_RELAXED);
@@ -389,6 +431,7 @@ static int out_step(kvl_ep *ep, kvl_out *o, size_t *budget)
     if (left)
         o->trailer_sent += left;
     if (o->head_sent < o->f.head.len || o->payload_sent < o->f.payload_len ||
+        (o->cma && o->desc_sent < o->desc_len) ||
         (o->f.payload_len && o->trailer_sent < 4))
         return OUT_MORE;
     return OUT_DONE;
@@ -459,6 +502,8 @@ static void ep_write(kvl_ep *ep)
     }
 }
 
+static void tcp_cma_enable(kvl_ep *ep) { ep->cma = 1; }
+
 static void tcp_refuse(kvl_ep *ep)
 {
     ep->refused = 1;
@@ -467,11 +512,82 @@ static void tcp_refuse(kvl_ep *ep)
 
 /* ---- receive ---- */
 
+/* Advances the CMA source cursor by len bytes without copying. */
+static void cma_skip(kvl_ep *ep, size_t len)
+{
+    while (len && (uint32_t)ep->cma_ri < ep->cma_nrv) {
+        size_t rest = ep->cma_rv[ep->cma_ri].iov_len - ep->cma_roff;
+        size_t take = rest < len ? rest : len;
+        ep->cma_roff += take;
+        len -= take;
+        if (ep->cma_roff == ep->cma_rv[ep->cma_ri].iov_len) {
+            ep->cma_ri++;
+            ep->cma_roff = 0;
+        }
+    }
+}
+
+/* read_payload for a CMA frame: copies the next batch from the sender's
+ * memory into the sink (process_vm_readv) and takes its crc32c while the
+ * bytes are in cache.  A drained copy, or one whose source is gone (EFAULT:
+ * the sender cancelled it and let the memory go), places nothing and cannot
+ * verify.  Returns bytes handled, or -1 with errno (EPERM, ESRCH: this
+ * process may not read the peer's: the connection fails). */
+static ssize_t cma_payload(kvl_ep *ep, const struct iovec *dst, int ndst, int live)
+{
+    struct iovec v[MAX_IOV] = {{0}};
+    int n = 0;
+    size_t want = 0;
+    int idx = ep->dst_idx;
+    size_t off = ep->dst_off;
+    if (!live || ep->cma_fault || dst[idx].iov_base == NULL) {
+        size_t len = dst[idx].iov_len - off;
+        cma_skip(ep, len);
+        ep->dst_idx++;
+        ep->dst_off = 0;
+        ep->pay_got += len;
+        return (ssize_t)len;
+    }
+    while (n < MAX_IOV && idx < ndst && want < IO_BATCH && dst[idx].iov_base) {
+        size_t len = dst[idx].iov_len - off;
+        if (len > IO_BATCH - want)
+            len = IO_BATCH - want;
+        v[n].iov_base = (uint8_t *)dst[idx].iov_base + off;
+        v[n++].iov_len = len;
+        want += len;
+        idx++;
+        off = 0;
+    }
+    ssize_t got = kvl_cma_read(ep->cma_pid, v, n, ep->cma_rv, (int)ep->cma_nrv, &ep->cma_ri,
+                               &ep->cma_roff);
+    if (got < 0) {
+        if (errno != EFAULT)
+            return -1;
+        ep->cma_fault = 1; /* the rest is skipped: this copy never verifies */
+        return cma_payload(ep, dst, ndst, live);
+    }
+    size_t left = (size_t)got;
+    for (int i = 0; i < n && left; i++) {
+        size_t take = v[i].iov_len < left ? v[i].iov_len : left;
+        ep->crc = kvl_crc32c(ep->crc, v[i].iov_base, take);
+        left -= take;
+        ep->dst_off += take;
+        if (ep->dst_off == dst[ep->dst_idx].iov_len) {
+            ep->dst_idx++;
+            ep->dst_off = 0;
+        }
+    }
+    ep->pay_got += (uint64_t)got;
+    return got;
+}
+
 /* Reads payload bytes into the sink.  Returns bytes read, 0 on EOF, -1 with
  * errno on error. */
 static ssize_t read_payload(kvl_ep *ep, const struct iovec *dst, int ndst, int live,
                             uint8_t *scratch, size_t scratch_len)
 {
+    if (ep->rx_cma)
+        return cma_payload(ep, dst, ndst, live);
     struct iovec v[MAX_IOV];
     int n = 0;
     size_t want = 0;
@@ -602,6 +718,77 @@ static uint32_t placed_crc(kvl_ep *ep, uint32_t want)
     return crc;
 }
 
+/* A payload starts: in-stream bytes, or (rx_cma) a copy from the peer. */
+static void payload_begin(kvl_ep *ep)
+{
+    ep->rs = RS_PAYLOAD;
+    ep->dst_idx = 0;
+    ep->dst_off = 0;
+    ep->pay_got = 0;
+    ep->crc = 0;
+    ep->trailer_got = 0;
+    /* never more than a quarter of the receive buffer: above what the
+     * buffer holds the kernel would grow it and clamp the TCP window to
+     * the low-water mark, capping the path's throughput.  Read once per
+     * frame; autotuning may grow the buffer between frames. */
+    int rcvbuf = 0;
+    socklen_t len = sizeof rcvbuf;
+    if (getsockopt(ep->fd, SOL_SOCKET, SO_RCVBUF, &rcvbuf, &len) < 0)
+        rcvbuf = 0;
+    ep->lowat_max = rcvbuf / 4 < (int)IO_BATCH ? rcvbuf / 4 : (int)IO_BATCH;
+    if (ep->io)
+        rx_job_start(ep);
+}
+
+/* The CMA descriptor's bytes so far are in (ep->cma_got == ep->cma_need):
+ * its head says how many ranges follow; once they are in, they are checked
+ * (bounds, sum, the process owns the peer's socket) and the copy begins.
+ * Returns -1 when the core was told of a broken peer. */
+static int on_cma_desc(kvl_ep *ep)
+{
+    if (ep->cma_need == KVL_CMA_HEAD_BYTES) {
+        uint32_t n;
+        if (kvl_cma_desc_head(ep->cma_buf, KVL_MAX_PIECES, &ep->cma_pid, &n)) {
+            kvl_proto_on_error(ep->c, KVL_ERR_PROTOCOL, kvl_last_error());
+            return -1;
+        }
+        size_t need = kvl_cma_desc_len(n);
+        if (need > ep->cma_cap) {
+            uint8_t *nb = realloc(ep->cma_buf, need);
+            struct iovec *nv = nb ? realloc(ep->cma_rv, n * sizeof *nv) : NULL;
+            if (nb)
+                ep->cma_buf = nb;
+            if (!nv) {
+                kvl_proto_on_error(ep->c, KVL_ERR_NOMEM, "out of memory for a CMA descriptor");
+                return -1;
+            }
+            ep->cma_rv = nv;
+            ep->cma_cap = need;
+        }
+        ep->cma_nrv = n;
+        ep->cma_need = need;
+        return 0;
+    }
+    if (kvl_cma_desc_ranges(ep->cma_buf + KVL_CMA_HEAD_BYTES, ep->cma_nrv, ep->h.payload_len,
+                            ep->cma_rv)) {
+        kvl_proto_on_error(ep->c, KVL_ERR_PROTOCOL, kvl_last_error());
+        return -1;
+    }
+    if (ep->cma_pid != ep->cma_pid_ok) {
+        if (kvl_cma_peer_check(ep->fd, ep->cma_pid)) {
+            kvl_proto_on_error(ep->c, KVL_ERR_PROTOCOL, kvl_last_error());
+            return -1;
+        }
+        ep->cma_pid_ok = ep->cma_pid;
+    }
+    ep->rx_cma = 1;
+    ep->cma_fault = 0;
+    ep->cma_ri = 0;
+    ep->cma_roff = 0;
+    payload_begin(ep);
+    return 0;
+}
+
 /* Header and body are in: the core routes the frame; a payload follows. */
 static void on_body(kvl_ep *ep)
 {
@@ -619,24 +806,20 @@ static void on_body(kvl_ep *ep)
         ep->pay_got = ep->h.payload_len;
         ep->crc = 0;
         ep->trailer_got = 0;
+    } else if (ep->h.payload_len && (ep->h.flags & KVL_HF_CMA)) {
+        /* the core allowed CMA on this connection only (its HELLO agreed) */
+        if (!ep->cma_buf && !(ep->cma_buf = malloc(KVL_CMA_HEAD_BYTES))) {
+            kvl_proto_on_error(ep->c, KVL_ERR_NOMEM, "out of memory for a CMA descriptor");
+            return;
+        }
+        if (!ep->cma_cap)
+            ep->cma_cap = KVL_CMA_HEAD_BYTES;
+        ep->rs = RS_CMA;
+        ep->cma_got = 0;
+        ep->cma_need = KVL_CMA_HEAD_BYTES;
     } else if (ep->h.payload_len) {
-        ep->rs = RS_PAYLOAD;
-        ep->dst_idx = 0;
-        ep->dst_off = 0;
-        ep->pay_got = 0;
-        ep->crc = 0;
-        ep->trailer_got = 0;
-        /* never more than a quarter of the receive buffer: above what the
-         * buffer holds the kernel would grow it and clamp the TCP window to
-         * the low-water mark, capping the path's throughput.  Read once per
-         * frame; autotuning may grow the buffer between frames. */
-        int rcvbuf = 0;
-        socklen_t len = sizeof rcvbuf;
-        if (getsockopt(ep->fd, SOL_SOCKET, SO_RCVBUF, &rcvbuf, &len) < 0)
-            rcvbuf = 0;
-        ep->lowat_max = rcvbuf / 4 < (int)IO_BATCH ? rcvbuf / 4 : (int)IO_BATCH;
-        if (ep->io)
-            rx_job_start(ep);
+        ep->rx_cma = 0;
+        payload_begin(ep);
     } else {
         ep->rs = RS_HDR;
         ep->hdr_got = 0;
@@ -700,6 +883,10 @@ static void ep_read(kvl_ep *ep)
             n = recv(ep->fd, ep->body + ep->body_got, ep->h.body_len - ep->body_got,
                      MSG_DONTWAIT);
             break;
+        case RS_CMA:
+            n = recv(ep->fd, ep->cma_buf + ep->cma_got, ep->cma_need - ep->cma_got,
+                     MSG_DONTWAIT);
+            break;
         case RS_PAYLOAD: {
             int ndst;
             const struct iovec *dst = kvl_proto_sink(ep->c, &ndst);
@@ -723,7 +910,7 @@ static void ep_read(kvl_ep *ep)
             if (errno == EAGAIN || errno == EINTR)
                 set_lowat(ep, ep->rs == RS_PAYLOAD);
             else
-                fail(ep, KVL_ERR_CONN_LOST, "recv", errno);
+                fail(ep, KVL_ERR_CONN_LOST, rx_what(ep), errno);
             return;
         }
         budget = (size_t)n >= budget ? 0 : budget - (size_t)n;
@@ -739,6 +926,11 @@ static void ep_read(kvl_ep *ep)
             if (ep->body_got == ep->h.body_len)
                 on_body(ep);
             break;
+        case RS_CMA:
+            ep->cma_got += (size_t)n;
+            if (ep->cma_got == ep->cma_need && on_cma_desc(ep))
+                return;
+            break;
         case RS_PAYLOAD:
             if (ep->pay_got == ep->h.payload_len)
                 ep->rs = RS_TRAILER;
@@ -752,6 +944,9 @@ static void ep_read(kvl_ep *ep)
                     ep->rx_payload += ep->h.payload_len;
                 ep->rs = RS_HDR;
                 ep->hdr_got = 0;
+                if (ep->rx_cma && ep->cma_fault)
+                    ep->crc = ~want;
+                ep->rx_cma = 0;
                 if (ep->rx_remote) {
                     ep->rx_remote = 0;
                     ep->crc = placed_crc(ep, want);
@@ -795,7 +990,7 @@ static void rx_finished(kvl_ep *ep, int err)
         return;
     }
     if (err) {
-        fail(ep, KVL_ERR_CONN_LOST, "recv", err);
+        fail(ep, KVL_ERR_CONN_LOST, rx_what(ep), err);
         return;
     }
     uint32_t want = (uint32_t)ep->trailer[0] | (uint32_t)ep->trailer[1] << 8 |
@@ -803,6 +998,9 @@ static void rx_finished(kvl_ep *ep, int err)
     ep->rx_payload += ep->h.payload_len;
     ep->rs = RS_HDR;
     ep->hdr_got = 0;
+    if (ep->rx_cma && ep->cma_fault)
+        ep->crc = ~want;
+    ep->rx_cma = 0;
     kvl_proto_on_payload(ep->c, ep->crc, want);
     if (!ep->dead)
         watch_update(ep); /* reading again: the next header */
@@ -1034,6 +1232,8 @@ void kvl_tcp_ep_free(kvl_ep *ep)
     }
     free(ep->body);
     free(ep->sink);
+    free(ep->cma_buf);
+    free(ep->cma_rv);
     pthread_mutex_destroy(&ep->jmu);
     free(ep);
 }
@@ -1109,4 +1309,5 @@ const kvl_transport_ops kvl_tcp_ops = {
     .remote_keys = kvl_ucx_path_keys,
     .remote_note = kvl_ucx_path_note,
     .remote_answer = kvl_ucx_path_answer,
+    .cma_enable = tcp_cma_enable,
 };

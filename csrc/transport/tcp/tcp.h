@@ -70,6 +70,18 @@ struct kvl_ep {
     /* one-sided companion (csrc/transport/ucx/path.c, docs/ucx.md): DATA
      * payloads go by UCX put, the stream carries header and trailer only */
     struct kvl_ucx_path *ucx;  /* NULL: every payload in-stream (TCP) */
+    /* same host (cma.h): payloads go as descriptors the receiver copies from */
+    int cma;               /* agreed in the HELLO (cma_enable) */
+    int rx_cma;            /* the payload arriving is copied from the peer's memory */
+    int cma_fault;         /* its source was gone (EFAULT): the copy cannot verify */
+    uint8_t *cma_buf;      /* the descriptor arriving */
+    size_t cma_cap, cma_got, cma_need;
+    uint32_t cma_pid;      /* the descriptor's process */
+    uint32_t cma_pid_ok;   /* the process checked to own the peer's socket (0: none yet) */
+    struct iovec *cma_rv;  /* its source ranges */
+    uint32_t cma_nrv;
+    int cma_ri;            /* copy cursor in cma_rv */
+    size_t cma_roff;
     kvl_ep *ucx_owner;     /* set on a worker fd's pseudo endpoint: the data endpoint */
     char ucx_note[128];    /* what carries the payloads and why (paths()) */
     int rx_remote;         /* the payload arriving was put: only its trailer comes */

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import threading
 import time
 import weakref
@@ -333,7 +334,11 @@ class Agent:
                 "instance": f"{self.instance_id:016x}",
                 "addrs": [[h, p] for h, p in self.addresses],
                 "keys": {str(rid): key.hex() for rid, key in ident["keys"].items()},
+                # same-host copies (docs/ucx.md, "Same-host peers"): where this agent
+                # runs, and whether it takes them
                 "host": _host.host_id(),
+                "pid": os.getpid(),
+                "shm": self.config.transport != "tcp",
             }
         ).encode()
 
@@ -372,17 +377,33 @@ class Agent:
         with self._using() as a:
             known = _native.peer_find(a, md["name"], missing_ok=True) is not None
             if not known:
-                p = _native.peer_connect(a, md["name"], md["instance"], md["addrs"], md["host"])
+                p = _native.peer_connect(
+                    a, md["name"], md["instance"], md["addrs"], self._same_host(md)
+                )
                 self._take_keys(p, md)
         if known:
             # a restarted agent of that name replaces the old peer, which is
             # then freed: no other call may hold the old one meanwhile
             with self._alone() as a:
-                p = _native.peer_connect(a, md["name"], md["instance"], md["addrs"], md["host"])
+                p = _native.peer_connect(
+                    a, md["name"], md["instance"], md["addrs"], self._same_host(md)
+                )
                 self._take_keys(p, md)
         with self._lock:
             self._peer_md[md["name"]] = (md["instance"], tuple(md["addrs"]))
         return str(md["name"])
+
+    def _same_host(self, md: dict[str, Any]) -> bool:
+        """Whether paths to the peer of metadata ``md`` may copy process to
+        process: another process on this host (boot, PID and network namespace)
+        that takes same-host copies, and this agent's transport is not "tcp"."""
+        return (
+            self.config.transport != "tcp"
+            and md["shm"]
+            and bool(md["host"])
+            and md["host"] == _host.host_id()
+            and md["pid"] != os.getpid()
+        )
 
     @staticmethod
     def _take_keys(p: Any, md: dict[str, Any]) -> None:
@@ -1010,10 +1031,19 @@ def _parse_metadata(metadata: bytes | str | dict[str, Any]) -> dict[str, Any]:
             f"metadata: 'host' must be the peer's host id (a str of at most 256 characters), "
             f"got {host!r:.80}"
         )
+    pid = md.get("pid", 0)
+    shm = md.get("shm", False)
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid < 0 or not isinstance(shm, bool):
+        raise InvalidArgumentError(
+            f"metadata: 'pid' must be a process id and 'shm' a bool, got {pid!r:.40} and "
+            f"{shm!r:.20}"
+        )
     return {
         "name": name,
         "addrs": [(h, p) for h, p in addrs],
         "instance": instance,
         "keys": keys,
         "host": host,
+        "pid": pid,
+        "shm": shm,
     }

@@ -21,7 +21,6 @@ from contextlib import AbstractContextManager
 from typing import Any, NamedTuple
 
 from ._args import timeout_arg
-from ._host import host_id as _transport_host_id
 from ._config import Config, Scheduler
 from ._errors import ErrorCode, error_for
 from ._types import (
@@ -257,11 +256,11 @@ def buffer_address(obj: Any) -> tuple[int, Any]:
 
 
 def peer_connect(
-    a: Handle, name: str, instance: int, addrs: Sequence[tuple[str, int]], host: str = ""
+    a: Handle, name: str, instance: int, addrs: Sequence[tuple[str, int]], same_host: bool = False
 ) -> Handle:
     """kvl_peer_connect: the peer, connected (blocks up to connect_timeout per connection).
-    ``host``: the host id in the peer's metadata; equal to ours marks it same-host
-    (transport "auto" may then use shared memory: docs/ucx.md).
+    ``same_host``: another process on this host that takes same-host copies
+    (KVL_PEER_SAME_HOST: docs/ucx.md, "Same-host peers").
 
     Raises:
         PeerUnreachableError, HandshakeError, DuplicateNameError: as the C core says.
@@ -270,7 +269,7 @@ def peer_connect(
     harr = ffi.new("const char *[]", hosts)
     parr = ffi.new("uint16_t[]", [p for _, p in addrs])
     out = ffi.new("kvl_peer **")
-    flags = lib.KVL_PEER_SAME_HOST if host and host == _transport_host_id() else 0
+    flags = lib.KVL_PEER_SAME_HOST if same_host else 0
     check(
         lib.kvl_peer_connect(a, name.encode(), instance, harr, parr, len(addrs), flags, out),
         peer=name,

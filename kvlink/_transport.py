@@ -45,7 +45,9 @@ def path_transport(requested: str) -> tuple[str, str]:
     ``requested``, where the engine says nothing of its own (``paths()``).
 
     "ucx": the engine offers UCX on every path and says per path what came of
-    it.  "auto" does not offer UCX yet: the only UCX here is its TCP
+    it.  Under "auto" and "ucx" a path to another process on this host copies
+    process to process ("shm", the engine says so).  "auto" does not offer
+    UCX yet: the only UCX here is its TCP
     emulation, which gives a peer write access to the whole process and is
     no faster than kvlink's TCP (docs/ucx.md); "auto" will use UCX where the
     transport enforces key bounds (RDMA, shared memory).  UCX is not loaded
@@ -57,6 +59,7 @@ def path_transport(requested: str) -> tuple[str, str]:
     if requested == "ucx":
         return "ucx", ""
     return "tcp", (
-        "UCX not offered by transport='auto': only UCX over TCP is available, which does not "
+        "transport='auto': TCP to a peer on another host or network namespace (same-host peers "
+        "get 'shm'); UCX is not offered: only UCX over TCP is available here, which does not "
         "enforce key bounds (docs/ucx.md); transport='ucx' opts in"
     )

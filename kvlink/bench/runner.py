@@ -224,6 +224,7 @@ def _measure(
         "cpu_s": statistics.median(cpu),
         "cpu_cores": statistics.median(cpu) / sec,
         "per_path_gbps": {str(i): b / total_s / 1e9 for i, b in sorted(path_bytes_total.items())},
+        "transports": sorted({p.transport for p in agent.paths() if p.peer == peer}),
         "verified": spec.verify,
         "limit_gbps": None,
         "ratio_to_limit": None,

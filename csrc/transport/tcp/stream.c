@@ -35,6 +35,7 @@
 #define IO_BATCH (2u << 20)  /* bytes per syscall: fewer wakeups, and the crc pass still hits L2 */
 #define IO_BUDGET (8u << 20) /* bytes per readiness event before serving others */
 #define MAX_IOV 64
+#define CMA_BATCH (512u << 10) /* bytes per same-host copy: its crc pass reads from L2 */
 #define BODY_KEEP (64u << 10) /* a body buffer larger than this is freed after use */
 
 enum { RS_HDR, RS_BODY, RS_CMA, RS_PAYLOAD, RS_TRAILER };
@@ -548,10 +549,10 @@ static ssize_t cma_payload(kvl_ep *ep, const struct iovec *dst, int ndst, int li
         ep->pay_got += len;
         return (ssize_t)len;
     }
-    while (n < MAX_IOV && idx < ndst && want < IO_BATCH && dst[idx].iov_base) {
+    while (n < MAX_IOV && idx < ndst && want < CMA_BATCH && dst[idx].iov_base) {
         size_t len = dst[idx].iov_len - off;
-        if (len > IO_BATCH - want)
-            len = IO_BATCH - want;
+        if (len > CMA_BATCH - want)
+            len = CMA_BATCH - want;
         v[n].iov_base = (uint8_t *)dst[idx].iov_base + off;
         v[n++].iov_len = len;
         want += len;

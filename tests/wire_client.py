@@ -20,6 +20,8 @@ HELLO, HELLO_ACK, DATA, ACK, READ_REQ, READ_RESP, NOTIFY = 1, 2, 3, 4, 5, 6, 7
 REGIONS_REQ, REGIONS, PING, PONG, END, NOTIFY_ACK, ANNOUNCE = 8, 9, 10, 11, 12, 13, 14
 CHALLENGE, AUTH = 15, 16
 HELLO_AUTH = 1  # HELLO flag: the initiator holds a secret
+HELLO_CMA = 4  # HELLO flag: same host, CMA frames agreed on this data connection
+HF_CMA = 4  # header flag: the payload is a same-host descriptor (csrc/transport/tcp/cma.h)
 CONTROL, DATA_CONN = 0, 1
 SUPERSEDED = 100  # wire-only ACK status: a newer copy owns the chunk
 
@@ -28,8 +30,8 @@ def crc(b: bytes) -> int:
     return crc32c(b)
 
 
-def frame(ftype: int, body: bytes, payload_len: int = 0) -> bytes:
-    hdr = struct.pack("<IBBHIIQ", MAGIC, VERSION, ftype, 0, len(body), crc(body), payload_len)
+def frame(ftype: int, body: bytes, payload_len: int = 0, flags: int = 0) -> bytes:
+    hdr = struct.pack("<IBBHIIQ", MAGIC, VERSION, ftype, flags, len(body), crc(body), payload_len)
     return hdr + body
 
 
@@ -46,10 +48,12 @@ def hello(
     path: int = 0,
     nonce: bytes | None = None,
     token: bytes | None = None,
+    flags: int = 0,
 ) -> bytes:
-    """HELLO; with ``nonce`` (16 bytes) it asks for the challenge-response."""
+    """HELLO; with ``nonce`` (16 bytes) it asks for the challenge-response; ``flags``
+    are added (HELLO_CMA)."""
     raw = name.encode()
-    flags = HELLO_AUTH if nonce is not None else 0
+    flags |= HELLO_AUTH if nonce is not None else 0
     body = struct.pack("<QBHH", instance, kind, path, len(raw)) + raw
     tok = token if token is not None else session_token(name, instance)
     return frame(HELLO, body + bytes([flags]) + (nonce or bytes(16)) + tok)
@@ -132,6 +136,20 @@ def data(xfer: int, chunk: int, attempt: int, region: int, n: int, key: bytes) -
     return frame(DATA, body + struct.pack("<IQ", 1, region) + key, n)
 
 
+def cma_data(
+    xfer: int, chunk: int, attempt: int, region: int, n: int, key: bytes, pid: int,
+    ranges: list[tuple[int, int]],
+) -> bytes:
+    """A same-host DATA frame (header flag CMA) for piece [0, n) of region: the header,
+    then the descriptor (pid, source ranges (address, length) in process pid); the crc32c
+    trailer follows."""
+    body = struct.pack("<QIII", xfer, chunk, attempt, 1) + struct.pack("<QQQ", region, 0, n)
+    desc = struct.pack("<II", pid, len(ranges)) + b"".join(
+        struct.pack("<QQ", a, ln) for a, ln in ranges
+    )
+    return frame(DATA, body + struct.pack("<IQ", 1, region) + key, n, HF_CMA) + desc
+
+
 def key_of(metadata: bytes, region: int) -> bytes:
     """The access key of ``region`` from its owner's metadata."""
     return bytes.fromhex(json.loads(metadata)["keys"][str(region)])
@@ -175,11 +193,16 @@ def recv_until(s: socket.socket, ftype: int) -> bytes:
 
 
 def connect(
-    addr: tuple[str, int], kind: int, path: int, name: str = "scripted-tx", instance: int = 77
+    addr: tuple[str, int],
+    kind: int,
+    path: int,
+    name: str = "scripted-tx",
+    instance: int = 77,
+    flags: int = 0,
 ) -> socket.socket:
-    """A connection that completed the handshake as agent `name`."""
+    """A connection that completed the handshake as agent `name` (HELLO ``flags``)."""
     s = socket.create_connection(addr, timeout=10)
-    s.sendall(hello(name, instance, kind, path))
+    s.sendall(hello(name, instance, kind, path, flags=flags))
     t, body = recv_frame(s)
     assert t == HELLO_ACK and struct.unpack_from("<I", body)[0] == 0, body
     return s

@@ -247,6 +247,8 @@ static void test_header(void)
         {KVL_F_HELLO, 0, 0, 0, 0},
         {KVL_F_DATA, KVL_HF_REMOTE, 12345, 0xdeadbeef, 1ull << 30},
         {KVL_F_READ_RESP, KVL_HF_REMOTE, KVL_MAX_BODY, 0xffffffffu, 1},
+        {KVL_F_DATA, KVL_HF_CMA, 12345, 7, 1ull << 26},
+        {KVL_F_READ_RESP, KVL_HF_CMA, 10, 7, 1},
         {KVL_F_REGIONS, 0, 1, 7, 0},
         {KVL_F_UCX_OFFER, 0, 300, 7, 0},
         {KVL_F_UCX_ACCEPT, 0, 300, 7, 0},
@@ -286,7 +288,10 @@ static void test_header(void)
         {"version 2", 4, 2, {KVL_F_HELLO, 0, 10, 0, 0}, KVL_ERR_HANDSHAKE},
         {"version 3", 4, 3, {KVL_F_HELLO, 0, 10, 0, 0}, KVL_ERR_HANDSHAKE},
         {"version 5", 4, 5, {KVL_F_HELLO, 0, 10, 0, 0}, KVL_ERR_HANDSHAKE},
-        {"unknown header flag 4", -1, 0, {KVL_F_DATA, 4, 10, 0, 4096}, KVL_ERR_PROTOCOL},
+        {"unknown header flag 8", -1, 0, {KVL_F_DATA, 8, 10, 0, 4096}, KVL_ERR_PROTOCOL},
+        {"CMA without a payload", -1, 0, {KVL_F_DATA, KVL_HF_CMA, 10, 0, 0}, KVL_ERR_PROTOCOL},
+        {"CMA with REMOTE", -1, 0, {KVL_F_DATA, KVL_HF_CMA | KVL_HF_REMOTE, 10, 0, 4096},
+         KVL_ERR_PROTOCOL},
         {"DST on a DATA", -1, 0, {KVL_F_DATA, KVL_HF_DST, 10, 0, 4096}, KVL_ERR_PROTOCOL},
         {"DST on a READ_RESP", -1, 0, {KVL_F_READ_RESP, KVL_HF_DST, 10, 0, 0}, KVL_ERR_PROTOCOL},
         {"header flags 0xffff", -1, 0, {KVL_F_DATA, 0xffff, 10, 0, 4096}, KVL_ERR_PROTOCOL},
@@ -457,8 +462,10 @@ static void test_hello(void)
     b[8] = KVL_CONN_CONTROL;
     CHECK(run_decoder(D_HELLO, b, 14 + T) == KVL_OK);
     /* unknown flags */
-    b[14] = 4;
-    EXPECT_PROTOCOL(D_HELLO, b, 14 + T, "HELLO with flag 4");
+    b[14] = 8;
+    EXPECT_PROTOCOL(D_HELLO, b, 14 + T, "HELLO with flag 8");
+    b[14] = KVL_HELLO_CMA; /* same-host copies: data connections only */
+    EXPECT_PROTOCOL(D_HELLO, b, 14 + T, "HELLO with CMA on a control connection");
     b[14] = KVL_HELLO_AUTH;
     CHECK(run_decoder(D_HELLO, b, 14 + T) == KVL_OK);
     /* UCX on a control connection: never offered there */

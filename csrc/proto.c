@@ -41,6 +41,12 @@ struct kvl_conn {
     const uint8_t *body;
     struct iovec *dst;     /* iov_base NULL = drain into scratch */
     int ndst, dst_cap;
+    /* a staged payload (staging.c): dst is srx, its real pieces are sdst,
+     * copied there once verified and before it counts (on_payload) */
+    int stage;             /* KVL_STAGE_*; NONE: dst is where the bytes go */
+    kvl_stage_buf srx;
+    struct iovec *sdst;
+    int nsdst, sdst_cap;
     kvl_msg_status pst;    /* DATA: the ACK we will send */
     kvl_rx_xfer *rx;       /* DATA: ownership entry while this copy places bytes */
     int drained;           /* DATA: this copy is not placed; answer pst.status as is */
@@ -314,6 +320,7 @@ int kvl_conn_send_chunk(kvl_conn *c, kvl_xfer *x, uint32_t ci)
                 iov_add(f.payload, &f.n_payload, x->local_ptr[pc[i].seg] + pc[i].seg_offset,
                         pc[i].len);
         f.payload_len = ch->bytes;
+        f.stage = x->stage; /* GPU memory: gathered into host memory before it goes */
         f.hold.xfer = x;
         x->io_refs++;
     }
@@ -368,6 +375,7 @@ void kvl_proto_revoke_rx(kvl_agent *a, kvl_rx_xfer *r)
 static void drain_all(kvl_conn *c)
 {
     c->ndst = 0;
+    c->stage = KVL_STAGE_NONE;
     if (dst_reserve(c, 1)) {
         kvl_conn_fail(c, KVL_ERR_NOMEM, "out of memory for a drain");
         return;
@@ -402,10 +410,11 @@ static int prefs_push(kvl_conn *c, kvl_region *r)
  * rights `need`; on success the regions are referenced in c->prefs and the
  * pieces' addresses are in c->dst.  On failure *st carries the reason. */
 static int resolve_pieces(kvl_conn *c, const kvl_msg_chunk *m, uint32_t need,
-                          kvl_msg_status *st, uint64_t *total)
+                          kvl_msg_status *st, uint64_t *total, int *stage)
 {
     kvl_region *last = NULL;
     *total = 0;
+    *stage = KVL_STAGE_NONE;
     c->ndst = 0;
     if (dst_reserve(c, (int)m->n_pieces)) {
         st->status = KVL_ERR_NOMEM;
@@ -443,6 +452,9 @@ static int resolve_pieces(kvl_conn *c, const kvl_msg_chunk *m, uint32_t need,
                 return -1;
             }
             last = r;
+            int k = kvl_stage_kind(c->a, r->mem);
+            if (k > *stage)
+                *stage = k;
         }
         if (p.len == 0 || *total + p.len > KVL_MAX_CHUNK) {
             st->status = KVL_ERR_PROTOCOL;
@@ -454,6 +466,45 @@ static int resolve_pieces(kvl_conn *c, const kvl_msg_chunk *m, uint32_t need,
         iov_add(c->dst, &c->ndst, last->base + p.offset, p.len);
     }
     return 0;
+}
+
+/* The payload about to arrive (total bytes) goes to memory the socket cannot
+ * write (kind: KVL_STAGE_*): it is received into c's host slot, and the
+ * pieces c->dst named are kept in c->sdst for on_payload.  0, or -1 with c
+ * failed (out of memory). */
+static int rx_stage(kvl_conn *c, int kind, uint64_t total)
+{
+    if (kind == KVL_STAGE_NONE || (c->h->flags & KVL_HF_REMOTE))
+        return 0; /* a REMOTE payload was put into the pieces one-sided */
+    if (c->ndst > c->sdst_cap) {
+        struct iovec *nd = realloc(c->sdst, (size_t)c->ndst * sizeof *nd);
+        if (!nd) {
+            kvl_conn_fail(c, KVL_ERR_NOMEM, "out of memory for a staged payload");
+            return -1;
+        }
+        c->sdst = nd;
+        c->sdst_cap = c->ndst;
+    }
+    if (kvl_stage_prepare(&c->srx, kind, (size_t)total)) {
+        kvl_conn_fail(c, KVL_ERR_NOMEM, kvl_last_error());
+        return -1;
+    }
+    memcpy(c->sdst, c->dst, (size_t)c->ndst * sizeof *c->sdst);
+    c->nsdst = c->ndst;
+    c->dst[0].iov_base = c->srx.p;
+    c->dst[0].iov_len = (size_t)total;
+    c->ndst = 1;
+    c->stage = kind;
+    return 0;
+}
+
+/* A staged payload verified and still this copy's to place: out of the slot
+ * into its pieces, synchronised (staging.c).  KVL_OK, or the copy's error. */
+static kvl_err rx_unstage(kvl_conn *c)
+{
+    int kind = c->stage;
+    c->stage = KVL_STAGE_NONE;
+    return kvl_stage_scatter(&c->srx, kind, c->sdst, c->nsdst);
 }
 
 /* ACK, or READ_RESP with the payload f carries (f may be NULL). */
@@ -731,7 +782,9 @@ static void on_data(kvl_conn *c)
         kvl_conn_fail(c, KVL_ERR_PROTOCOL, "DATA frame: pieces and payload length disagree");
         return;
     }
-    if (resolve_pieces(c, &m, KVL_REMOTE_WRITE, &c->pst, &total) == 0) {
+    int stage = KVL_STAGE_NONE;
+    c->stage = KVL_STAGE_NONE;
+    if (resolve_pieces(c, &m, KVL_REMOTE_WRITE, &c->pst, &total, &stage) == 0) {
         uint32_t drain_status = KVL_OK;
         uint64_t instance = c->ib ? c->ib->sender : 0;
         if (!kvl_rx_claim(c->a, instance, m.xfer, m.chunk, m.attempt, &c->rx, &drain_status)) {
@@ -746,8 +799,11 @@ static void on_data(kvl_conn *c)
             c->rx = NULL;
             drain_all(c);
             c->drained = 1;
-        } else if (c->a->cfg.io_threads && c->rx->refs > 1) {
-            revoke_others(c, c->rx, NULL, m.chunk);
+        } else {
+            if (c->a->cfg.io_threads && c->rx->refs > 1)
+                revoke_others(c, c->rx, NULL, m.chunk);
+            if (rx_stage(c, stage, total))
+                return;
         }
     }
     if (c->pst.status != KVL_OK)
@@ -764,7 +820,8 @@ static void on_read_req(kvl_conn *c)
     kvl_msg_status st = {.xfer = m.xfer, .chunk = m.chunk, .attempt = m.attempt};
     uint64_t total = 0;
     kvl_tp_frame f = {0}, *fp = NULL;
-    if (resolve_pieces(c, &m, KVL_REMOTE_READ, &st, &total) == 0) {
+    int stage = KVL_STAGE_NONE;
+    if (resolve_pieces(c, &m, KVL_REMOTE_READ, &st, &total, &stage) == 0) {
         struct iovec *iov = malloc((size_t)c->ndst * sizeof *iov);
         if (!iov) {
             release_prefs(c);
@@ -787,6 +844,7 @@ static void on_read_req(kvl_conn *c)
         f.payload = iov;
         f.n_payload = c->ndst;
         f.payload_len = total;
+        f.stage = stage; /* GPU memory: gathered into host memory before it goes */
         /* the frame now owns the region references */
         f.hold.refs = c->prefs;
         f.hold.nrefs = c->nprefs;
@@ -866,6 +924,7 @@ static void on_read_resp(kvl_conn *c)
         return;
     }
     c->ndst = 0;
+    c->stage = KVL_STAGE_NONE;
     if (dst_reserve(c, (int)ch->n_pieces)) {
         kvl_conn_fail(c, KVL_ERR_NOMEM, "out of memory");
         return;
@@ -881,6 +940,8 @@ static void on_read_resp(kvl_conn *c)
     x->powner[st.chunk] = st.attempt;
     if (c->a->cfg.io_threads && x->io_refs)
         revoke_others(c, NULL, x, st.chunk);
+    if (rx_stage(c, x->stage, ch->bytes))
+        return;
     c->px = x;
     x->io_refs++;
 }
@@ -1074,12 +1135,28 @@ int kvl_proto_payload_live(kvl_conn *c)
 void kvl_proto_on_payload(kvl_conn *c, uint32_t crc, uint32_t want)
 {
     int crc_ok = want == crc;
+    int staged = c->stage;
+    c->stage = KVL_STAGE_NONE;
     if (c->h->type == KVL_F_DATA) {
-        release_prefs(c);
         if (c->rx) {
             kvl_rx_xfer *r = c->rx;
             c->rx = NULL;
             int owner = kvl_rx_owns(r, c->pst.chunk, c->pst.attempt);
+            if (staged && owner && crc_ok) {
+                /* verified over the slot: into its pieces and synchronised
+                 * before the chunk counts (never ACK bytes not yet there) */
+                c->stage = staged;
+                kvl_err se = rx_unstage(c);
+                if (se) {
+                    crc_ok = 0;
+                    c->pst.status = se;
+                    snprintf(c->pst.msg, sizeof c->pst.msg,
+                             "agent '%s' could not place a staged payload: %s", c->a->name,
+                             kvl_last_error());
+                }
+            }
+            /* the regions stay referenced until their bytes are placed */
+            release_prefs(c);
             int settled_elsewhere = !owner && !r->ended && c->pst.chunk < r->n &&
                                     r->chunks[c->pst.chunk].settled;
             kvl_rx_done(r, c->pst.chunk, c->pst.attempt, owner && crc_ok, (uint32_t)c->rx_path,
@@ -1089,6 +1166,7 @@ void kvl_proto_on_payload(kvl_conn *c, uint32_t crc, uint32_t want)
                 c->drained = 1;
             }
         }
+        release_prefs(c);
         if (c->pst.status == KVL_OK && !crc_ok && !c->drained) {
             c->pst.status = KVL_ERR_CHECKSUM;
             snprintf(c->pst.msg, sizeof c->pst.msg,
@@ -1105,6 +1183,14 @@ void kvl_proto_on_payload(kvl_conn *c, uint32_t crc, uint32_t want)
         return;
     x->io_refs--;
     if (match_chunk(c, &c->pst) == x && x->powner[c->pst.chunk] == c->pst.attempt) {
+        if (crc_ok && staged) { /* into the transfer's memory before the chunk counts */
+            c->stage = staged;
+            if (rx_unstage(c)) {
+                kvl_sched_fail(x, KVL_ERR_SYSTEM, "chunk %u: placing a staged payload: %s",
+                               c->pst.chunk, kvl_last_error());
+                return;
+            }
+        }
         if (crc_ok) {
             kvl_sched_on_chunk_done(c->peer, x, c->pst.chunk, (uint32_t)c->path, kvl_now_ns());
         } else {
@@ -1201,6 +1287,8 @@ static void conn_free(kvl_conn *c)
     c->a->tp->free(c->ep); /* teardown: queued frames' holds are the agent's to free */
     free(c->prefs);
     free(c->dst);
+    free(c->sdst);
+    kvl_stage_free(&c->srx);
     free(c);
 }
 

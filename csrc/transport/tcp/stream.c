@@ -56,6 +56,7 @@ struct kvl_out {
     int flushed;           /* remote: the flush completed: the trailer may go */
     uint64_t fseq;         /* remote: the flush's number */
     int dst_req;           /* a READ_REQ with DST: once sent, counts in ep->ucx_reads */
+    int staged;            /* f.stage: the payload was gathered into ep->stx (stage_out) */
 };
 
 /* A cancelled DATA frame's remaining payload is sent from here: the stream
@@ -411,6 +412,31 @@ int kvl_tcp_tx_step(kvl_ep *ep)
     return 0; /* its turn is over: the others on this thread go next */
 }
 
+/* o (ep's head frame, not started) has a payload of memory the socket
+ * cannot read (f.stage): gathered into ep's host slot now, so the payload
+ * and its crc32c go from there like any other (staging.c).  One frame is
+ * the head at a time, so one slot per endpoint serves them all.  0, or -1
+ * with the core told (the copy failed: the connection closes and the
+ * chunk goes again). */
+static int stage_out(kvl_ep *ep, kvl_out *o)
+{
+    kvl_err e = kvl_stage_gather(&ep->stx, o->f.stage, o->f.payload, o->f.n_payload,
+                                 (size_t)o->f.payload_len);
+    if (e) {
+        char why[300];
+        snprintf(why, sizeof why, "staging a payload for sending: %s", kvl_last_error());
+        kvl_proto_on_error(ep->c, e, why);
+        return -1;
+    }
+    o->f.payload[0].iov_base = ep->stx.p;
+    o->f.payload[0].iov_len = (size_t)o->f.payload_len;
+    o->f.n_payload = 1;
+    o->iov_idx = 0;
+    o->iov_off = 0;
+    o->staged = 1;
+    return 0;
+}
+
 static void ep_write(kvl_ep *ep)
 {
     size_t budget = IO_BUDGET;
@@ -423,6 +449,9 @@ static void ep_write(kvl_ep *ep)
     }
     while (ep->sq && budget && !ep->dead && !ep->tx_busy) {
         kvl_out *o = ep->sq;
+        if (o->f.stage && !o->staged && !o->cancelled && o->f.payload_len &&
+            o->head_sent == 0 && stage_out(ep, o) != 0)
+            return;
         if (ep->io && o->f.payload_len && !o->remote) {
             /* the payload goes out on the I/O thread; tcp_progress goes on */
             o->in_job = 1;
@@ -1034,6 +1063,7 @@ void kvl_tcp_ep_free(kvl_ep *ep)
     }
     free(ep->body);
     free(ep->sink);
+    kvl_stage_free(&ep->stx);
     pthread_mutex_destroy(&ep->jmu);
     free(ep);
 }

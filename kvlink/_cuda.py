@@ -98,7 +98,7 @@ def nic_of_address(address: str) -> str | None:
 
     for name, addrs in psutil.net_if_addrs().items():
         if any(a.family == socket.AF_INET and a.address == address for a in addrs):
-            return name
+            return str(name)
     return None
 
 

@@ -115,7 +115,7 @@ def _c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...] | None, unit:
     if len(strides) != len(shape):
         return False
     expect = unit
-    for extent, stride in zip(reversed(shape), reversed(strides)):
+    for extent, stride in zip(reversed(shape), reversed(strides), strict=True):
         if extent != 1 and stride != expect:
             return False
         expect *= extent

@@ -260,7 +260,7 @@ def _staging_receiver(make_agent, name: str) -> tuple[Any, np.ndarray, int, byte
 def test_staged_corrupt_payload_never_reaches_memory(make_agent):
     """A payload whose crc32c fails is refused with CHECKSUM, and staged, none of
     its bytes reach the destination (they are checked before they are placed)."""
-    rx, dst, rid, key, addr = _staging_receiver(make_agent, "stage-rx-bad")
+    _rx, dst, rid, key, addr = _staging_receiver(make_agent, "stage-rx-bad")
     d = connect(addr, 1, 0)
     try:
         good = bytes(range(256)) * (MiB // 256)

@@ -44,7 +44,7 @@ struct kvl_conn {
     /* a staged payload (staging.c): dst is srx, its real pieces are sdst,
      * copied there once verified and before it counts (on_payload) */
     int stage;             /* KVL_STAGE_*; NONE: dst is where the bytes go */
-    kvl_stage_buf srx;
+    kvl_stage_buf *srx;    /* the slot, from the agent's pool while stage is set */
     struct iovec *sdst;
     int nsdst, sdst_cap;
     kvl_msg_status pst;    /* DATA: the ACK we will send */
@@ -372,10 +372,18 @@ void kvl_proto_revoke_rx(kvl_agent *a, kvl_rx_xfer *r)
             tp(c)->revoke(c->ep);
 }
 
+/* The staged payload's slot back to the pool (none: nothing). */
+static void rx_release(kvl_conn *c)
+{
+    kvl_stage_give(c->a, c->srx);
+    c->srx = NULL;
+    c->stage = KVL_STAGE_NONE;
+}
+
 static void drain_all(kvl_conn *c)
 {
     c->ndst = 0;
-    c->stage = KVL_STAGE_NONE;
+    rx_release(c);
     if (dst_reserve(c, 1)) {
         kvl_conn_fail(c, KVL_ERR_NOMEM, "out of memory for a drain");
         return;
@@ -485,13 +493,14 @@ static int rx_stage(kvl_conn *c, int kind, uint64_t total)
         c->sdst = nd;
         c->sdst_cap = c->ndst;
     }
-    if (kvl_stage_prepare(&c->srx, kind, (size_t)total)) {
+    rx_release(c);
+    if (kvl_stage_take(c->a, kind, (size_t)total, &c->srx)) {
         kvl_conn_fail(c, KVL_ERR_NOMEM, kvl_last_error());
         return -1;
     }
     memcpy(c->sdst, c->dst, (size_t)c->ndst * sizeof *c->sdst);
     c->nsdst = c->ndst;
-    c->dst[0].iov_base = c->srx.p;
+    c->dst[0].iov_base = c->srx->p;
     c->dst[0].iov_len = (size_t)total;
     c->ndst = 1;
     c->stage = kind;
@@ -500,11 +509,9 @@ static int rx_stage(kvl_conn *c, int kind, uint64_t total)
 
 /* A staged payload verified and still this copy's to place: out of the slot
  * into its pieces, synchronised (staging.c).  KVL_OK, or the copy's error. */
-static kvl_err rx_unstage(kvl_conn *c)
+static kvl_err rx_unstage(kvl_conn *c, int kind)
 {
-    int kind = c->stage;
-    c->stage = KVL_STAGE_NONE;
-    return kvl_stage_scatter(&c->srx, kind, c->sdst, c->nsdst);
+    return kvl_stage_scatter(c->srx, kind, c->sdst, c->nsdst);
 }
 
 /* ACK, or READ_RESP with the payload f carries (f may be NULL). */
@@ -1132,11 +1139,17 @@ int kvl_proto_payload_live(kvl_conn *c)
     return !c->rx || kvl_rx_owns(c->rx, c->pst.chunk, c->pst.attempt);
 }
 
+static void on_payload(kvl_conn *c, uint32_t crc, uint32_t want, int staged);
+
 void kvl_proto_on_payload(kvl_conn *c, uint32_t crc, uint32_t want)
 {
+    on_payload(c, crc, want, c->stage);
+    rx_release(c); /* placed, or never to be */
+}
+
+static void on_payload(kvl_conn *c, uint32_t crc, uint32_t want, int staged)
+{
     int crc_ok = want == crc;
-    int staged = c->stage;
-    c->stage = KVL_STAGE_NONE;
     if (c->h->type == KVL_F_DATA) {
         if (c->rx) {
             kvl_rx_xfer *r = c->rx;
@@ -1145,8 +1158,7 @@ void kvl_proto_on_payload(kvl_conn *c, uint32_t crc, uint32_t want)
             if (staged && owner && crc_ok) {
                 /* verified over the slot: into its pieces and synchronised
                  * before the chunk counts (never ACK bytes not yet there) */
-                c->stage = staged;
-                kvl_err se = rx_unstage(c);
+                kvl_err se = rx_unstage(c, staged);
                 if (se) {
                     crc_ok = 0;
                     c->pst.status = se;
@@ -1184,8 +1196,7 @@ void kvl_proto_on_payload(kvl_conn *c, uint32_t crc, uint32_t want)
     x->io_refs--;
     if (match_chunk(c, &c->pst) == x && x->powner[c->pst.chunk] == c->pst.attempt) {
         if (crc_ok && staged) { /* into the transfer's memory before the chunk counts */
-            c->stage = staged;
-            if (rx_unstage(c)) {
+            if (rx_unstage(c, staged)) {
                 kvl_sched_fail(x, KVL_ERR_SYSTEM, "chunk %u: placing a staged payload: %s",
                                c->pst.chunk, kvl_last_error());
                 return;
@@ -1243,6 +1254,7 @@ static void conn_close(kvl_conn *c, int abortive, kvl_err err, const char *why)
     int ucx_died = c->outbound && c->path >= 0 && c->ucx_on && !atomic_load(&a->closing) &&
                    tp(c)->remote_note(c->ep, note, sizeof note);
     tp(c)->close(c->ep, abortive);
+    rx_release(c); /* after close: no I/O thread writes into the slot any more */
     if (c->ib)
         c->ib->conns--;
     if (c->accepted)
@@ -1288,7 +1300,7 @@ static void conn_free(kvl_conn *c)
     free(c->prefs);
     free(c->dst);
     free(c->sdst);
-    kvl_stage_free(&c->srx);
+    kvl_stage_give(c->a, c->srx);
     free(c);
 }
 

@@ -132,6 +132,11 @@ class Config:
     # device<->host copy short against its socket time, so copies on some
     # paths overlap sends on others (docs/api.md, "GPU memory").
     gpu_chunk_bytes: int = 16 * MiB
+    # Idle staging slots (pinned host memory) kept for reuse, per agent:
+    # pinned allocations take milliseconds, so slots are recycled; 256 MiB
+    # keeps 16 slots of the default gpu_chunk_bytes (8 paths, both
+    # directions).  Slots in use are bounded apart: two per data connection.
+    gpu_staging_bytes: int = 256 * MiB
     # Debug/test knob, off by default: route host regions through the staging
     # path that GPU memory takes (memcpy instead of cudaMemcpy): for tests
     # and for measuring staging overhead.  Never needed for correctness.
@@ -210,6 +215,7 @@ class Config:
         else:
             _int_range("io_threads", io, 0, 64)
         _int_range("gpu_chunk_bytes", self.gpu_chunk_bytes, 4 * KiB, 1 * GiB)
+        _int_range("gpu_staging_bytes", self.gpu_staging_bytes, 0, 1024 * GiB)
         if not isinstance(self.stage_host_memory, bool):
             raise ConfigError(
                 f"stage_host_memory: expected True or False, got {self.stage_host_memory!r}"

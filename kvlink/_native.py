@@ -159,6 +159,7 @@ def agent_create(name: str, addrs: Sequence[str], cfg: Config) -> Handle:
     c.transport = _TRANSPORT_MODES[cfg.transport]
     c.stage_host_memory = int(cfg.stage_host_memory)
     c.stage_chunk_bytes = cfg.gpu_chunk_bytes
+    c.stage_pool_bytes = cfg.gpu_staging_bytes
     out = ffi.new("kvl_agent **")
     check(lib.kvl_agent_create(c, out))
     return out[0]

@@ -121,6 +121,8 @@ typedef struct kvl_config {
                                     and for measuring the staging overhead; 0 normally */
     uint64_t stage_chunk_bytes;  /* chunk size cap of transfers whose payloads are staged (GPU
                                     memory, stage_host_memory), so copies and sockets overlap */
+    uint64_t stage_pool_bytes;   /* idle staging slots (pinned host memory) kept for reuse;
+                                    slots given back beyond this are freed */
 } kvl_config;
 
 /* kvl_config.transport (docs/ucx.md).  AUTO: TCP until kvlink can tell UCX

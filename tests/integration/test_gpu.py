@@ -234,16 +234,20 @@ def test_staged_pieces_spanning_regions(make_agent):
 
 
 @staged
-def test_staged_chunks_are_small_and_a_large_transfer_completes(make_agent):
-    """A transfer far larger than a staging slot moves in slot-sized chunks."""
-    a, b = _pair(make_agent, "small", paths=2, gpu_chunk_bytes="256KiB", min_chunk_bytes=4096)
+@pytest.mark.parametrize("pool", ["256MiB", "0"], ids=["pool", "nopool"])
+def test_staged_chunks_are_small_and_a_large_transfer_completes(make_agent, pool):
+    """A transfer far larger than a staging slot moves in slot-sized chunks; with
+    gpu_staging_bytes=0 no idle slot is kept (each is freed once its payload
+    left or landed) and it still completes."""
+    a, b = _pair(make_agent, f"small{pool}", paths=2, gpu_chunk_bytes="256KiB",
+                 min_chunk_bytes=4096, gpu_staging_bytes=pool)  # fmt: skip
     n = 8 * MiB + 12345
     src = np.random.default_rng(11).integers(0, 256, n, dtype=np.uint8)
     dst = np.zeros(n, np.uint8)
     a.register(src)
     b.register(dst, remote_write=True, name="dst")
     _link(a, b)
-    t = a.push("stage-b-small", src=src, dst="dst")
+    t = a.push(f"stage-b-small{pool}", src=src, dst="dst")
     t.wait(60)
     assert t.info().chunks_total >= n // (256 << 10)
     assert np.array_equal(src, dst)
@@ -316,6 +320,8 @@ def test_stage_host_memory_is_checked():
         kvlink.Config(stage_host_memory=1)  # type: ignore[arg-type]
     with pytest.raises(kvlink.ConfigError, match="gpu_chunk_bytes"):
         kvlink.Config(gpu_chunk_bytes=10)
+    with pytest.raises(kvlink.ConfigError, match="gpu_staging_bytes"):
+        kvlink.Config(gpu_staging_bytes=-1)
 
 
 # ---- topology (sysfs parsing) ------------------------------------------------

@@ -56,7 +56,7 @@ struct kvl_out {
     int flushed;           /* remote: the flush completed: the trailer may go */
     uint64_t fseq;         /* remote: the flush's number */
     int dst_req;           /* a READ_REQ with DST: once sent, counts in ep->ucx_reads */
-    int staged;            /* f.stage: the payload was gathered into ep->stx (stage_out) */
+    kvl_stage_buf *slot;   /* f.stage: the host slot the payload was gathered into (stage_out) */
 };
 
 /* A cancelled DATA frame's remaining payload is sent from here: the stream
@@ -69,6 +69,7 @@ static void out_free(kvl_ep *ep, kvl_out *o)
 {
     ep->sq_bytes -= o->f.head.len;
     kvl_proto_release(ep->a, &o->f.hold);
+    kvl_stage_give(ep->a, o->slot); /* the payload has left (or never will) */
     free(o->f.payload);
     free(o->f.dst);
     kvl_buf_free(&o->f.head);
@@ -413,27 +414,28 @@ int kvl_tcp_tx_step(kvl_ep *ep)
 }
 
 /* o (ep's head frame, not started) has a payload of memory the socket
- * cannot read (f.stage): gathered into ep's host slot now, so the payload
- * and its crc32c go from there like any other (staging.c).  One frame is
- * the head at a time, so one slot per endpoint serves them all.  0, or -1
- * with the core told (the copy failed: the connection closes and the
- * chunk goes again). */
+ * cannot read (f.stage): gathered into a host slot now, so the payload and
+ * its crc32c go from there like any other (staging.c).  Only the head frame
+ * is staged, so a connection holds one send slot at a time.  0, or -1 with
+ * the core told (out of memory, or the copy failed: the connection closes
+ * and its chunks go again). */
 static int stage_out(kvl_ep *ep, kvl_out *o)
 {
-    kvl_err e = kvl_stage_gather(&ep->stx, o->f.stage, o->f.payload, o->f.n_payload,
-                                 (size_t)o->f.payload_len);
+    size_t len = (size_t)o->f.payload_len;
+    kvl_err e = kvl_stage_take(ep->a, o->f.stage, len, &o->slot);
+    if (!e)
+        e = kvl_stage_gather(o->slot, o->f.stage, o->f.payload, o->f.n_payload, len);
     if (e) {
         char why[300];
         snprintf(why, sizeof why, "staging a payload for sending: %s", kvl_last_error());
         kvl_proto_on_error(ep->c, e, why);
         return -1;
     }
-    o->f.payload[0].iov_base = ep->stx.p;
-    o->f.payload[0].iov_len = (size_t)o->f.payload_len;
+    o->f.payload[0].iov_base = o->slot->p;
+    o->f.payload[0].iov_len = len;
     o->f.n_payload = 1;
     o->iov_idx = 0;
     o->iov_off = 0;
-    o->staged = 1;
     return 0;
 }
 
@@ -449,7 +451,7 @@ static void ep_write(kvl_ep *ep)
     }
     while (ep->sq && budget && !ep->dead && !ep->tx_busy) {
         kvl_out *o = ep->sq;
-        if (o->f.stage && !o->staged && !o->cancelled && o->f.payload_len &&
+        if (o->f.stage && !o->slot && !o->cancelled && o->f.payload_len &&
             o->head_sent == 0 && stage_out(ep, o) != 0)
             return;
         if (ep->io && o->f.payload_len && !o->remote) {
@@ -1063,7 +1065,6 @@ void kvl_tcp_ep_free(kvl_ep *ep)
     }
     free(ep->body);
     free(ep->sink);
-    kvl_stage_free(&ep->stx);
     pthread_mutex_destroy(&ep->jmu);
     free(ep);
 }

@@ -26,7 +26,6 @@ struct kvl_ep {
     int got_frame;         /* a valid header arrived (the version was right) */
     /* send */
     struct kvl_out *sq, *sq_tail;
-    kvl_stage_buf stx;     /* the head frame's staged payload (stage_out), engine thread */
     size_t sq_len;         /* frames in sq */
     size_t sq_bytes;       /* their heads (header + body): what queued frames cost us */
     uint64_t t_rx_ns;      /* the last byte received (a partial frame's progress) */

@@ -476,6 +476,15 @@ static int resolve_pieces(kvl_conn *c, const kvl_msg_chunk *m, uint32_t need,
     return 0;
 }
 
+/* The largest payload this agent stages on receipt: its own chunk size or
+ * staged chunk size, whichever is larger (a peer configured alike never
+ * sends more). */
+static uint64_t stage_cap(const kvl_agent *a)
+{
+    return a->cfg.stage_chunk_bytes > a->cfg.chunk_bytes ? a->cfg.stage_chunk_bytes
+                                                         : a->cfg.chunk_bytes;
+}
+
 /* The payload about to arrive (total bytes) goes to memory the socket cannot
  * write (kind: KVL_STAGE_*): it is received into c's host slot, and the
  * pieces c->dst named are kept in c->sdst for on_payload.  0, or -1 with c
@@ -791,7 +800,17 @@ static void on_data(kvl_conn *c)
     }
     int stage = KVL_STAGE_NONE;
     c->stage = KVL_STAGE_NONE;
-    if (resolve_pieces(c, &m, KVL_REMOTE_WRITE, &c->pst, &total, &stage) == 0) {
+    if (resolve_pieces(c, &m, KVL_REMOTE_WRITE, &c->pst, &total, &stage) == 0 && stage &&
+        total > stage_cap(c->a)) {
+        /* a slot is as large as the payload: a peer may not make us pin more
+         * than a chunk of our own configuration (refused before any claim) */
+        release_prefs(c);
+        c->pst.status = KVL_ERR_INVALID_ARG;
+        snprintf(c->pst.msg, sizeof c->pst.msg,
+                 "agent '%s' stages payloads of GPU memory up to %llu bytes, this chunk has "
+                 "%llu: give both agents the same gpu_chunk_bytes and chunk_bytes",
+                 c->a->name, (unsigned long long)stage_cap(c->a), (unsigned long long)total);
+    } else if (c->pst.status == KVL_OK) {
         uint32_t drain_status = KVL_OK;
         uint64_t instance = c->ib ? c->ib->sender : 0;
         if (!kvl_rx_claim(c->a, instance, m.xfer, m.chunk, m.attempt, &c->rx, &drain_status)) {

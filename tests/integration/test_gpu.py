@@ -286,6 +286,28 @@ def test_staged_corrupt_payload_never_reaches_memory(make_agent):
 
 
 @staged
+def test_staged_payload_larger_than_a_chunk_is_refused(make_agent):
+    """A peer cannot make a receiver stage (pin) more than a chunk of its own
+    configuration: such a payload is refused by name, and nothing is placed."""
+    rx = make_agent("stage-rx-big", stage_host_memory=True, chunk_bytes="256KiB",
+                    min_chunk_bytes=4096, gpu_chunk_bytes="256KiB")  # fmt: skip
+    dst = np.zeros(MiB, np.uint8)
+    rid = rx.register(dst, remote_write=True).id
+    d = connect(rx.addresses[0], 1, 0)
+    try:
+        good = b"\x42" * MiB
+        d.sendall(announce(9, MiB, 1) + data(9, 0, 1, rid, MiB, key_of(rx.metadata(), rid)))
+        d.sendall(good + struct.pack("<I", crc(good)))
+        t, body = recv_frame(d)
+        assert t == F_ACK
+        assert struct.unpack_from("<QIII", body)[3] == kvlink.ErrorCode.INVALID_ARG
+        assert b"gpu_chunk_bytes" in body
+        assert not dst.any()
+    finally:
+        d.close()
+
+
+@staged
 def test_staged_cut_payload_is_not_placed_or_reported(make_agent):
     """A connection cut mid-payload: nothing placed, no chunk reported, and the
     push's handle does not complete."""

@@ -123,9 +123,9 @@ kvl_err kvl_cuda_check_ptr(const void *p, uint64_t len, int32_t device, int32_t 
     cu_err e = cu.cudaGetDeviceCount(&count);
     if (e || count == 0)
         return kvl_fail(KVL_ERR_INVALID_ARG,
-                        "register: the memory is said to be on CUDA device %d, but the CUDA "
+                        "register: the object says its memory is on a CUDA device, but the CUDA "
                         "runtime (%s) sees no device (%s); register host memory",
-                        device, loaded_from, e ? cu.cudaGetErrorString(e) : "0 devices");
+                        loaded_from, e ? cu.cudaGetErrorString(e) : "0 devices");
     cu_ptr_attr at[2];
     const void *ends[2] = {p, (const uint8_t *)p + len - 1};
     for (int i = 0; i < 2; i++) {

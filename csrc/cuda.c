@@ -126,32 +126,36 @@ kvl_err kvl_cuda_check_ptr(const void *p, uint64_t len, int32_t device, int32_t 
                         "register: the object says its memory is on a CUDA device, but the CUDA "
                         "runtime (%s) sees no device (%s); register host memory",
                         loaded_from, e ? cu.cudaGetErrorString(e) : "0 devices");
-    cu_ptr_attr at[2];
+    /* room to spare: a later runtime may append fields to the struct it fills */
+    union {
+        cu_ptr_attr a;
+        uint8_t room[256];
+    } at[2];
     const void *ends[2] = {p, (const uint8_t *)p + len - 1};
     for (int i = 0; i < 2; i++) {
         memset(&at[i], 0, sizeof at[i]);
-        if ((e = cu.cudaPointerGetAttributes(&at[i], ends[i])))
+        if ((e = cu.cudaPointerGetAttributes(&at[i].a, ends[i])))
             return kvl_fail(KVL_ERR_INVALID_ARG,
                             "register: cudaPointerGetAttributes(%p) failed: %s; is it a live "
                             "device allocation?",
                             ends[i], cu.cudaGetErrorString(e));
-        if (at[i].type != CU_MEM_DEVICE && at[i].type != CU_MEM_MANAGED)
+        if (at[i].a.type != CU_MEM_DEVICE && at[i].a.type != CU_MEM_MANAGED)
             return kvl_fail(KVL_ERR_INVALID_ARG,
                             "register: %p is not CUDA device memory (the runtime says memory "
                             "type %d); register it as host memory",
-                            ends[i], at[i].type);
+                            ends[i], at[i].a.type);
     }
-    if (at[0].device != at[1].device)
+    if (at[0].a.device != at[1].a.device)
         return kvl_fail(KVL_ERR_INVALID_ARG,
                         "register: the memory spans CUDA devices %d and %d; register one "
                         "allocation per device",
-                        at[0].device, at[1].device);
-    if (device >= 0 && at[0].device != device)
+                        at[0].a.device, at[1].a.device);
+    if (device >= 0 && at[0].a.device != device)
         return kvl_fail(KVL_ERR_INVALID_ARG,
                         "register: the memory is on CUDA device %d, not on device %d as its "
                         "owner object says",
-                        at[0].device, device);
-    *actual = at[0].device;
+                        at[0].a.device, device);
+    *actual = at[0].a.device;
     return KVL_OK;
 }
 

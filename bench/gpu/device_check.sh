@@ -25,9 +25,14 @@ nvidia-smi --query-gpu=name,pci.bus_id,driver_version,memory.total --format=csv 
 
 if [ ! -x "$VENV/bin/python" ]; then
     say "venv $VENV (with the system's site-packages)"
-    python3 -m venv --system-site-packages "$VENV" || exit 1
+    python3 -m venv --system-site-packages "$VENV" || rm -rf "$VENV"
 fi
-PY="$VENV/bin/python"
+if [ -x "$VENV/bin/python" ]; then
+    PY="$VENV/bin/python"
+else
+    say "no venv (python3-venv missing?): using python3 itself"
+    PY="$(command -v python3)"
+fi
 PIP=("$PY" -m pip --disable-pip-version-check --timeout "$PIP_TIMEOUT")
 
 say "GPU packages (optional: carrying on without them if the index is unreachable)"
@@ -36,8 +41,11 @@ timeout 180 "${PIP[@]}" install -q cupy-cuda12x nvidia-cuda-runtime-cu12 ||
 
 say "kvlink from $REPO"
 if ! timeout 240 "${PIP[@]}" install -q -e ".[test]"; then
-    say "pip install -e .[test] failed (no index?): building the C core in place instead"
-    timeout 240 "$PY" setup.py -q build_ext --inplace || exit 1
+    say "pip install -e .[test] failed (no index?): with the installed build tools instead"
+    if ! timeout 240 "${PIP[@]}" install -q --no-build-isolation --no-deps -e .; then
+        say "no pip install at all: building the C core in place"
+        timeout 240 "$PY" setup.py -q build_ext --inplace || exit 1
+    fi
     export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 fi
 "$PY" - <<'PYEOF' >&2
@@ -58,6 +66,9 @@ PYEOF
 status=0
 say "pytest tests/integration/test_gpu.py"
 timeout 180 "$PY" -m pytest tests/integration/test_gpu.py -q -p no:cacheprovider -rs || status=1
+
+say "kvlink-bench loopback --quick --mem cuda"
+timeout 90 "$PY" -m kvlink.cli.bench loopback --quick --mem cuda --json --compare none || status=1
 
 say "GPU benchmark ($SIZE)"
 if timeout 150 "$PY" bench/gpu/device_bench.py --size "$SIZE" | tee "$OUTDIR/gpu_bench.jsonl"; then

@@ -416,27 +416,40 @@ int kvl_tcp_tx_step(kvl_ep *ep)
 /* o (ep's head frame, not started) has a payload of memory the socket
  * cannot read (f.stage): gathered into a host slot now, so the payload and
  * its crc32c go from there like any other (staging.c).  Only the head frame
- * is staged, so a connection holds one send slot at a time.  0, or -1 with
- * the core told (out of memory, or the copy failed: the connection closes
- * and its chunks go again). */
-static int stage_out(kvl_ep *ep, kvl_out *o)
+ * is staged, so a connection holds one send slot at a time.  When the copy
+ * fails (a CUDA error, no memory for a slot) the frame goes out cancelled,
+ * as a hedge's loser does: zeros and a trailer that cannot verify, so its
+ * receiver refuses it and the chunk is retried, up to max_attempts; the
+ * connection stays up and the log says why. */
+static void stage_out(kvl_ep *ep, kvl_out *o)
 {
     size_t len = (size_t)o->f.payload_len;
     kvl_err e = kvl_stage_take(ep->a, o->f.stage, len, &o->slot);
     if (!e)
         e = kvl_stage_gather(o->slot, o->f.stage, o->f.payload, o->f.n_payload, len);
     if (e) {
-        char why[300];
-        snprintf(why, sizeof why, "staging a payload for sending: %s", kvl_last_error());
-        kvl_proto_on_error(ep->c, e, why);
-        return -1;
+        if (o->f.is_chunk)
+            kvl_log_limited(ep->a, KVL_LOG_ERROR, NULL,
+                            "chunk %u of transfer %llu could not be staged for sending (%s); "
+                            "it goes out cancelled and is retried",
+                            o->f.chunk, (unsigned long long)o->f.xid, kvl_last_error());
+        else
+            kvl_log_limited(ep->a, KVL_LOG_ERROR, NULL,
+                            "a pulled chunk could not be staged for sending (%s); it goes out "
+                            "cancelled and its puller retries it",
+                            kvl_last_error());
+        o->cancelled = 1;
+        kvl_proto_release(ep->a, &o->f.hold); /* its memory is not read any more */
+        memset(&o->f.hold, 0, sizeof o->f.hold);
+        kvl_stage_give(ep->a, o->slot);
+        o->slot = NULL;
+        return;
     }
     o->f.payload[0].iov_base = o->slot->p;
     o->f.payload[0].iov_len = len;
     o->f.n_payload = 1;
     o->iov_idx = 0;
     o->iov_off = 0;
-    return 0;
 }
 
 static void ep_write(kvl_ep *ep)
@@ -451,9 +464,8 @@ static void ep_write(kvl_ep *ep)
     }
     while (ep->sq && budget && !ep->dead && !ep->tx_busy) {
         kvl_out *o = ep->sq;
-        if (o->f.stage && !o->slot && !o->cancelled && o->f.payload_len &&
-            o->head_sent == 0 && stage_out(ep, o) != 0)
-            return;
+        if (o->f.stage && !o->slot && !o->cancelled && o->f.payload_len && o->head_sent == 0)
+            stage_out(ep, o);
         if (ep->io && o->f.payload_len && !o->remote) {
             /* the payload goes out on the I/O thread; tcp_progress goes on */
             o->in_job = 1;

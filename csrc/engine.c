@@ -446,6 +446,8 @@ static void agent_free(kvl_agent *a)
     free(a->ports);
     free(a->listeners);
     free(a->scratch);
+    kvl_stage_pool_destroy(a); /* after every connection: none holds a slot any more */
+    pthread_mutex_destroy(&a->stage_mu);
     free(a->nics);
     free(a->snap);
     pthread_mutex_destroy(&a->mu);
@@ -474,6 +476,7 @@ kvl_err kvl_agent_create(const kvl_config *cfg, kvl_agent **out)
         return kvl_fail(KVL_ERR_NOMEM, "agent_create: out of memory");
     a->epfd = a->wakefd = -1;
     pthread_mutex_init(&a->mu, NULL);
+    pthread_mutex_init(&a->stage_mu, NULL);
     pthread_mutex_init(&a->notif_mu, NULL);
     pthread_mutex_init(&a->stats_mu, NULL);
     kvl_cond_init(&a->notif_cv);

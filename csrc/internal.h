@@ -277,6 +277,53 @@ kvl_err kvl_dec_region_table(const kvl_msg_hello_ack *m, kvl_region_info **out);
 /* ---- the transport interface (csrc/transport/transport.h) ---- */
 #include "transport/transport.h"
 
+/* ---- cuda.c: the CUDA runtime, loaded at run time (kvl_cuda_load_lib) ---- */
+/* 1 once kvl_cuda_load_lib succeeded in this process.  Thread-safe. */
+int kvl_cuda_loaded(void);
+/* Checks that [p, p+len) is CUDA device (or managed) memory of one device,
+ * that device when device >= 0; *actual: its ordinal.  KVL_ERR_INVALID_ARG
+ * with the reason otherwise (runtime not loaded, no device, host memory,
+ * another device).  Thread-safe, does not block. */
+kvl_err kvl_cuda_check_ptr(const void *p, uint64_t len, int32_t device, int32_t *actual);
+/* cudaMemcpy(cudaMemcpyDefault): blocks until the copy is issued and, for
+ * device->host, done.  The runtime must be loaded.  Any thread. */
+kvl_err kvl_cuda_copy(void *dst, const void *src, size_t len);
+/* Waits until every copy issued on the legacy default stream is done. */
+kvl_err kvl_cuda_sync(void);
+/* Pinned host memory (cudaMallocHost), or NULL; freed with kvl_cuda_host_free. */
+void *kvl_cuda_host_alloc(size_t len);
+void kvl_cuda_host_free(void *p);
+
+/* ---- staging.c: payloads of memory the sockets cannot touch, via host slots ---- */
+enum { KVL_STAGE_NONE = 0, KVL_STAGE_MEMCPY = 1, KVL_STAGE_CUDA = 2 };
+/* One slot of host memory: one payload's bytes while it is staged. */
+typedef struct kvl_stage_buf {
+    uint8_t *p;
+    size_t cap;
+    int pinned; /* from kvl_cuda_host_alloc */
+    struct kvl_stage_buf *next; /* in the agent's idle list */
+} kvl_stage_buf;
+/* How payloads of a region of memory type mem move: KVL_STAGE_CUDA for
+ * device memory, KVL_STAGE_MEMCPY for host memory under
+ * cfg.stage_host_memory (tests, overhead measurements), else NONE. */
+int kvl_stage_kind(const kvl_agent *a, uint32_t mem);
+/* A slot of at least len bytes from a's pool (a new one when none idle
+ * fits), pinned for KVL_STAGE_CUDA where the runtime gives pinned memory;
+ * the caller owns it until kvl_stage_give.  KVL_ERR_NOMEM.  Thread-safe. */
+kvl_err kvl_stage_take(kvl_agent *a, int kind, size_t len, kvl_stage_buf **out);
+/* Gives b (NULL: nothing) back to a's pool: kept idle up to
+ * cfg.stage_pool_bytes, freed beyond.  Thread-safe. */
+void kvl_stage_give(kvl_agent *a, kvl_stage_buf *b);
+/* Frees every idle slot: agent teardown, after every connection is gone. */
+void kvl_stage_pool_destroy(kvl_agent *a);
+/* Copies the n pieces of src (len bytes in all, at most b->cap) into b.
+ * Blocks for the copies.  Errors: a CUDA copy failed (kvl_last_error says
+ * which). */
+kvl_err kvl_stage_gather(kvl_stage_buf *b, int kind, const struct iovec *src, int n, size_t len);
+/* Copies b's first bytes out to the n pieces of dst and, for CUDA, waits
+ * until they are in device memory. */
+kvl_err kvl_stage_scatter(const kvl_stage_buf *b, int kind, const struct iovec *dst, int n);
+
 /* ---- region.c ---- */
 typedef struct kvl_region {
     uint64_t id;
@@ -284,6 +331,7 @@ typedef struct kvl_region {
     uint64_t size;
     uint32_t rights;
     uint32_t mem;
+    int32_t device;           /* KVL_MEM_CUDA: the device's ordinal; -1 for host memory */
     char name[KVL_NAME_MAX];
     uint32_t rkey_len;        /* the transport's remote key (reg_mem) */
     uint8_t rkey[KVL_MAX_RKEY];
@@ -311,6 +359,9 @@ void kvl_regions_destroy(kvl_regions *t);
 /* Finds and references the region holding [off, off+len) with the rights
  * bits required; on failure returns the specific code and message naming
  * what (a prefix, e.g. "segments[3].dst") and which side ("this agent"). */
+/* The memory type of region id (KVL_MEM_HOST when not registered).
+ * Thread-safe (regions.mu). */
+uint32_t kvl_regions_mem(kvl_regions *t, uint64_t id);
 kvl_err kvl_regions_acquire(kvl_regions *t, uint64_t id, uint64_t off, uint64_t len,
                             uint32_t need, const char *what, kvl_region **out);
 void kvl_regions_release(kvl_regions *t, kvl_region *r);
@@ -419,6 +470,7 @@ struct kvl_xfer {
     size_t n_segs;
     kvl_plan plan;
     uint8_t **local_ptr;       /* per segment: our side's address of its first byte */
+    int stage;                 /* KVL_STAGE_*: our side's memory goes through staging slots */
     kvl_region **held;         /* local regions referenced until retirement */
     size_t n_held;
     kvl_rkey_entry *keys;      /* access keys of the remote regions it names, sorted by id */
@@ -546,6 +598,10 @@ struct kvl_agent {
     kvl_inxfer *inq_head;
     uint64_t next_conn_serial; /* engine: kvl_conn serial numbers */
     uint8_t *scratch;          /* sink for payload bytes that must be drained */
+    /* staging slots not in use (staging.c), under stage_mu */
+    pthread_mutex_t stage_mu;
+    kvl_stage_buf *stage_idle;
+    uint64_t stage_idle_bytes;
     size_t scratch_len;
     uint64_t next_tick_ns;
     uint64_t next_stall_ns;

@@ -42,6 +42,12 @@ struct kvl_conn {
     const uint8_t *body;
     struct iovec *dst;     /* iov_base NULL = drain into scratch */
     int ndst, dst_cap;
+    /* a staged payload (staging.c): dst is srx, its real pieces are sdst,
+     * copied there once verified and before it counts (on_payload) */
+    int stage;             /* KVL_STAGE_*; NONE: dst is where the bytes go */
+    kvl_stage_buf *srx;    /* the slot, from the agent's pool while stage is set */
+    struct iovec *sdst;
+    int nsdst, sdst_cap;
     kvl_msg_status pst;    /* DATA: the ACK we will send */
     kvl_rx_xfer *rx;       /* DATA: ownership entry while this copy places bytes */
     int drained;           /* DATA: this copy is not placed; answer pst.status as is */
@@ -323,6 +329,7 @@ int kvl_conn_send_chunk(kvl_conn *c, kvl_xfer *x, uint32_t ci)
                 iov_add(f.payload, &f.n_payload, x->local_ptr[pc[i].seg] + pc[i].seg_offset,
                         pc[i].len);
         f.payload_len = ch->bytes;
+        f.stage = x->stage; /* GPU memory: gathered into host memory before it goes */
         f.hold.xfer = x;
         x->io_refs++;
     }
@@ -374,9 +381,18 @@ void kvl_proto_revoke_rx(kvl_agent *a, kvl_rx_xfer *r)
             tp(c)->revoke(c->ep);
 }
 
+/* The staged payload's slot back to the pool (none: nothing). */
+static void rx_release(kvl_conn *c)
+{
+    kvl_stage_give(c->a, c->srx);
+    c->srx = NULL;
+    c->stage = KVL_STAGE_NONE;
+}
+
 static void drain_all(kvl_conn *c)
 {
     c->ndst = 0;
+    rx_release(c);
     if (dst_reserve(c, 1)) {
         kvl_conn_fail(c, KVL_ERR_NOMEM, "out of memory for a drain");
         return;
@@ -411,10 +427,11 @@ static int prefs_push(kvl_conn *c, kvl_region *r)
  * rights `need`; on success the regions are referenced in c->prefs and the
  * pieces' addresses are in c->dst.  On failure *st carries the reason. */
 static int resolve_pieces(kvl_conn *c, const kvl_msg_chunk *m, uint32_t need,
-                          kvl_msg_status *st, uint64_t *total)
+                          kvl_msg_status *st, uint64_t *total, int *stage)
 {
     kvl_region *last = NULL;
     *total = 0;
+    *stage = KVL_STAGE_NONE;
     c->ndst = 0;
     if (dst_reserve(c, (int)m->n_pieces)) {
         st->status = KVL_ERR_NOMEM;
@@ -452,6 +469,9 @@ static int resolve_pieces(kvl_conn *c, const kvl_msg_chunk *m, uint32_t need,
                 return -1;
             }
             last = r;
+            int k = kvl_stage_kind(c->a, r->mem);
+            if (k > *stage)
+                *stage = k;
         }
         if (p.len == 0 || *total + p.len > KVL_MAX_CHUNK) {
             st->status = KVL_ERR_PROTOCOL;
@@ -463,6 +483,53 @@ static int resolve_pieces(kvl_conn *c, const kvl_msg_chunk *m, uint32_t need,
         iov_add(c->dst, &c->ndst, last->base + p.offset, p.len);
     }
     return 0;
+}
+
+/* The largest payload this agent stages on receipt: its own chunk size or
+ * staged chunk size, whichever is larger (a peer configured alike never
+ * sends more). */
+static uint64_t stage_cap(const kvl_agent *a)
+{
+    return a->cfg.stage_chunk_bytes > a->cfg.chunk_bytes ? a->cfg.stage_chunk_bytes
+                                                         : a->cfg.chunk_bytes;
+}
+
+/* The payload about to arrive (total bytes) goes to memory the socket cannot
+ * write (kind: KVL_STAGE_*): it is received into c's host slot, and the
+ * pieces c->dst named are kept in c->sdst for on_payload.  0, or -1 with c
+ * failed (out of memory). */
+static int rx_stage(kvl_conn *c, int kind, uint64_t total)
+{
+    if (kind == KVL_STAGE_NONE || (c->h->flags & KVL_HF_REMOTE))
+        return 0; /* a REMOTE payload was put into the pieces one-sided */
+    if (c->ndst > c->sdst_cap) {
+        struct iovec *nd = realloc(c->sdst, (size_t)c->ndst * sizeof *nd);
+        if (!nd) {
+            kvl_conn_fail(c, KVL_ERR_NOMEM, "out of memory for a staged payload");
+            return -1;
+        }
+        c->sdst = nd;
+        c->sdst_cap = c->ndst;
+    }
+    rx_release(c);
+    if (kvl_stage_take(c->a, kind, (size_t)total, &c->srx)) {
+        kvl_conn_fail(c, KVL_ERR_NOMEM, kvl_last_error());
+        return -1;
+    }
+    memcpy(c->sdst, c->dst, (size_t)c->ndst * sizeof *c->sdst);
+    c->nsdst = c->ndst;
+    c->dst[0].iov_base = c->srx->p;
+    c->dst[0].iov_len = (size_t)total;
+    c->ndst = 1;
+    c->stage = kind;
+    return 0;
+}
+
+/* A staged payload verified and still this copy's to place: out of the slot
+ * into its pieces, synchronised (staging.c).  KVL_OK, or the copy's error. */
+static kvl_err rx_unstage(kvl_conn *c, int kind)
+{
+    return kvl_stage_scatter(c->srx, kind, c->sdst, c->nsdst);
 }
 
 /* ACK, or READ_RESP with the payload f carries (f may be NULL). */
@@ -751,7 +818,19 @@ static void on_data(kvl_conn *c)
         kvl_conn_fail(c, KVL_ERR_PROTOCOL, "DATA frame: pieces and payload length disagree");
         return;
     }
-    if (resolve_pieces(c, &m, KVL_REMOTE_WRITE, &c->pst, &total) == 0) {
+    int stage = KVL_STAGE_NONE;
+    c->stage = KVL_STAGE_NONE;
+    if (resolve_pieces(c, &m, KVL_REMOTE_WRITE, &c->pst, &total, &stage) == 0 && stage &&
+        total > stage_cap(c->a)) {
+        /* a slot is as large as the payload: a peer may not make us pin more
+         * than a chunk of our own configuration (refused before any claim) */
+        release_prefs(c);
+        c->pst.status = KVL_ERR_INVALID_ARG;
+        snprintf(c->pst.msg, sizeof c->pst.msg,
+                 "agent '%s' stages payloads of GPU memory up to %llu bytes, this chunk has "
+                 "%llu: give both agents the same gpu_chunk_bytes and chunk_bytes",
+                 c->a->name, (unsigned long long)stage_cap(c->a), (unsigned long long)total);
+    } else if (c->pst.status == KVL_OK) {
         uint32_t drain_status = KVL_OK;
         uint64_t instance = c->ib ? c->ib->sender : 0;
         if (!kvl_rx_claim(c->a, instance, m.xfer, m.chunk, m.attempt, &c->rx, &drain_status)) {
@@ -766,8 +845,11 @@ static void on_data(kvl_conn *c)
             c->rx = NULL;
             drain_all(c);
             c->drained = 1;
-        } else if (c->a->cfg.io_threads && c->rx->refs > 1) {
-            revoke_others(c, c->rx, NULL, m.chunk);
+        } else {
+            if (c->a->cfg.io_threads && c->rx->refs > 1)
+                revoke_others(c, c->rx, NULL, m.chunk);
+            if (rx_stage(c, stage, total))
+                return;
         }
     }
     if (c->pst.status != KVL_OK)
@@ -784,7 +866,8 @@ static void on_read_req(kvl_conn *c)
     kvl_msg_status st = {.xfer = m.xfer, .chunk = m.chunk, .attempt = m.attempt};
     uint64_t total = 0;
     kvl_tp_frame f = {0}, *fp = NULL;
-    if (resolve_pieces(c, &m, KVL_REMOTE_READ, &st, &total) == 0) {
+    int stage = KVL_STAGE_NONE;
+    if (resolve_pieces(c, &m, KVL_REMOTE_READ, &st, &total, &stage) == 0) {
         struct iovec *iov = malloc((size_t)c->ndst * sizeof *iov);
         if (!iov) {
             release_prefs(c);
@@ -807,6 +890,7 @@ static void on_read_req(kvl_conn *c)
         f.payload = iov;
         f.n_payload = c->ndst;
         f.payload_len = total;
+        f.stage = stage; /* GPU memory: gathered into host memory before it goes */
         /* the frame now owns the region references */
         f.hold.refs = c->prefs;
         f.hold.nrefs = c->nprefs;
@@ -886,6 +970,7 @@ static void on_read_resp(kvl_conn *c)
         return;
     }
     c->ndst = 0;
+    c->stage = KVL_STAGE_NONE;
     if (dst_reserve(c, (int)ch->n_pieces)) {
         kvl_conn_fail(c, KVL_ERR_NOMEM, "out of memory");
         return;
@@ -901,6 +986,8 @@ static void on_read_resp(kvl_conn *c)
     x->powner[st.chunk] = st.attempt;
     if (c->a->cfg.io_threads && x->io_refs)
         revoke_others(c, NULL, x, st.chunk);
+    if (rx_stage(c, x->stage, ch->bytes))
+        return;
     c->px = x;
     x->io_refs++;
 }
@@ -1097,15 +1184,36 @@ int kvl_proto_payload_live(kvl_conn *c)
     return !c->rx || kvl_rx_owns(c->rx, c->pst.chunk, c->pst.attempt);
 }
 
+static void on_payload(kvl_conn *c, uint32_t crc, uint32_t want, int staged);
+
 void kvl_proto_on_payload(kvl_conn *c, uint32_t crc, uint32_t want)
+{
+    on_payload(c, crc, want, c->stage);
+    rx_release(c); /* placed, or never to be */
+}
+
+static void on_payload(kvl_conn *c, uint32_t crc, uint32_t want, int staged)
 {
     int crc_ok = want == crc;
     if (c->h->type == KVL_F_DATA) {
-        release_prefs(c);
         if (c->rx) {
             kvl_rx_xfer *r = c->rx;
             c->rx = NULL;
             int owner = kvl_rx_owns(r, c->pst.chunk, c->pst.attempt);
+            if (staged && owner && crc_ok) {
+                /* verified over the slot: into its pieces and synchronised
+                 * before the chunk counts (never ACK bytes not yet there) */
+                kvl_err se = rx_unstage(c, staged);
+                if (se) {
+                    crc_ok = 0;
+                    c->pst.status = se;
+                    snprintf(c->pst.msg, sizeof c->pst.msg,
+                             "agent '%s' could not place a staged payload: %s", c->a->name,
+                             kvl_last_error());
+                }
+            }
+            /* the regions stay referenced until their bytes are placed */
+            release_prefs(c);
             int settled_elsewhere = !owner && !r->ended && c->pst.chunk < r->n &&
                                     r->chunks[c->pst.chunk].settled;
             kvl_rx_done(r, c->pst.chunk, c->pst.attempt, owner && crc_ok, (uint32_t)c->rx_path,
@@ -1115,6 +1223,7 @@ void kvl_proto_on_payload(kvl_conn *c, uint32_t crc, uint32_t want)
                 c->drained = 1;
             }
         }
+        release_prefs(c);
         if (c->pst.status == KVL_OK && !crc_ok && !c->drained) {
             c->pst.status = KVL_ERR_CHECKSUM;
             snprintf(c->pst.msg, sizeof c->pst.msg,
@@ -1131,6 +1240,13 @@ void kvl_proto_on_payload(kvl_conn *c, uint32_t crc, uint32_t want)
         return;
     x->io_refs--;
     if (match_chunk(c, &c->pst) == x && x->powner[c->pst.chunk] == c->pst.attempt) {
+        if (crc_ok && staged) { /* into the transfer's memory before the chunk counts */
+            if (rx_unstage(c, staged)) {
+                kvl_sched_fail(x, KVL_ERR_SYSTEM, "chunk %u: placing a staged payload: %s",
+                               c->pst.chunk, kvl_last_error());
+                return;
+            }
+        }
         if (crc_ok) {
             kvl_sched_on_chunk_done(c->peer, x, c->pst.chunk, (uint32_t)c->path, kvl_now_ns());
         } else {
@@ -1183,6 +1299,7 @@ static void conn_close(kvl_conn *c, int abortive, kvl_err err, const char *why)
     int ucx_died = c->outbound && c->path >= 0 && c->ucx_on && !atomic_load(&a->closing) &&
                    tp(c)->remote_note(c->ep, note, sizeof note);
     tp(c)->close(c->ep, abortive);
+    rx_release(c); /* after close: no I/O thread writes into the slot any more */
     if (c->ib)
         c->ib->conns--;
     if (c->accepted)
@@ -1227,6 +1344,8 @@ static void conn_free(kvl_conn *c)
     c->a->tp->free(c->ep); /* teardown: queued frames' holds are the agent's to free */
     free(c->prefs);
     free(c->dst);
+    free(c->sdst);
+    kvl_stage_give(c->a, c->srx);
     free(c);
 }
 

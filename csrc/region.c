@@ -74,6 +74,12 @@ static void regions_changed(kvl_agent *a)
 kvl_err kvl_region_register(kvl_agent *a, void *ptr, uint64_t len, uint32_t rights,
                             uint32_t mem, const char *name, uint64_t *id)
 {
+    return kvl_region_register_device(a, ptr, len, rights, mem, NULL, name, id);
+}
+
+kvl_err kvl_region_register_device(kvl_agent *a, void *ptr, uint64_t len, uint32_t rights,
+                                   uint32_t mem, int32_t *device, const char *name, uint64_t *id)
+{
     kvl_clear_error();
     if (!a || !id)
         return kvl_fail(KVL_ERR_INVALID_ARG, "register: agent and id must not be NULL");
@@ -90,12 +96,16 @@ kvl_err kvl_region_register(kvl_agent *a, void *ptr, uint64_t len, uint32_t righ
         return kvl_fail(KVL_ERR_INVALID_ARG,
                         "register: remote_write=True needs writable memory, this buffer is "
                         "read-only");
-    if (mem == KVL_MEM_CUDA)
-        return kvl_fail(KVL_ERR_INVALID_ARG,
-                        "register: CUDA memory needs the UCX transport, which this build lacks; "
-                        "stage through host memory");
-    if (mem != KVL_MEM_HOST)
+    if (mem != KVL_MEM_HOST && mem != KVL_MEM_CUDA)
         return kvl_fail(KVL_ERR_INVALID_ARG, "register: unknown memory type %u", mem);
+    /* device memory: checked to be what the caller says before anything is
+     * kept (its payloads are staged through host slots: staging.c) */
+    int32_t ordinal = -1;
+    if (mem == KVL_MEM_CUDA) {
+        kvl_err ce = kvl_cuda_check_ptr(ptr, len, device ? *device : -1, &ordinal);
+        if (ce)
+            return ce;
+    }
     if (name && strlen(name) >= KVL_NAME_MAX)
         return kvl_fail(KVL_ERR_INVALID_ARG, "register: name is longer than %d bytes",
                         KVL_NAME_MAX - 1);
@@ -108,6 +118,7 @@ kvl_err kvl_region_register(kvl_agent *a, void *ptr, uint64_t len, uint32_t righ
     r->size = len;
     r->rights = rights;
     r->mem = mem;
+    r->device = ordinal;
     /* the transport's remote key, carried in the region table (none for TCP) */
     kvl_err ke = a->tp->reg_mem(a, ptr, len, mem, r->rkey, &r->rkey_len);
     if (ke || r->rkey_len > KVL_MAX_RKEY) {
@@ -151,6 +162,8 @@ kvl_err kvl_region_register(kvl_agent *a, void *ptr, uint64_t len, uint32_t righ
         r->id = t->next_id++;
         t->v[t->n++] = r;
         *id = r->id;
+        if (device)
+            *device = ordinal;
     }
     pthread_mutex_unlock(&t->mu);
     if (err)
@@ -241,6 +254,16 @@ kvl_err kvl_regions_acquire(kvl_regions *t, uint64_t id, uint64_t off, uint64_t 
     }
     pthread_mutex_unlock(&t->mu);
     return err;
+}
+
+uint32_t kvl_regions_mem(kvl_regions *t, uint64_t id)
+{
+    pthread_mutex_lock(&t->mu);
+    size_t pos;
+    kvl_region *r = find(t, id, &pos);
+    uint32_t mem = r ? r->mem : KVL_MEM_HOST;
+    pthread_mutex_unlock(&t->mu);
+    return mem;
 }
 
 void kvl_regions_release(kvl_regions *t, kvl_region *r)

@@ -165,6 +165,27 @@ static kvl_err take_keys(kvl_peer *p, kvl_xfer *x, int op, const kvl_segment *se
     return e;
 }
 
+/* 1 if a payload of these segments is staged at either end (GPU memory, or
+ * stage_host_memory here): decides the chunk size only, so a region the
+ * peer's table lacks yet is not an error here (check_remote says so). */
+static int staged_anywhere(kvl_agent *a, kvl_peer *p, int op, const kvl_segment *segs,
+                           size_t n)
+{
+    if (a->cfg.stage_host_memory)
+        return 1;
+    int push = op == KVL_OP_PUSH, staged = 0;
+    for (size_t i = 0; i < n && !staged; i++)
+        staged = kvl_regions_mem(&a->regions, push ? segs[i].src_region : segs[i].dst_region) ==
+                 KVL_MEM_CUDA;
+    pthread_mutex_lock(&p->mu);
+    for (size_t i = 0; i < n && !staged; i++) {
+        const kvl_region_info *r = find_remote(p, push ? segs[i].dst_region : segs[i].src_region);
+        staged = r && r->mem == KVL_MEM_CUDA;
+    }
+    pthread_mutex_unlock(&p->mu);
+    return staged;
+}
+
 static kvl_err check_remote(kvl_agent *a, kvl_peer *p, int op, kvl_xfer *x,
                             const kvl_segment *segs, size_t n)
 {
@@ -280,8 +301,17 @@ kvl_err kvl_xfer_submit(kvl_agent *a, kvl_peer *p, int op, const kvl_segment *se
     x->op = op;
     x->peer = p;
     x->agent = a;
-    kvl_err e = kvl_plan_make(segs, n_segs, p->n_paths, a->cfg.chunk_bytes,
-                              a->cfg.min_chunk_bytes, KVL_MAX_PIECES, &x->plan);
+    /* staged payloads (GPU memory) go in smaller chunks, so the copy of one
+     * overlaps the socket time of others (docs/api.md, "GPU memory") */
+    uint64_t chunk = a->cfg.chunk_bytes, min_chunk = a->cfg.min_chunk_bytes;
+    if (staged_anywhere(a, p, op, segs, n_segs) && a->cfg.stage_chunk_bytes &&
+        a->cfg.stage_chunk_bytes < chunk) {
+        chunk = a->cfg.stage_chunk_bytes;
+        if (min_chunk > chunk)
+            min_chunk = chunk;
+    }
+    kvl_err e = kvl_plan_make(segs, n_segs, p->n_paths, chunk, min_chunk, KVL_MAX_PIECES,
+                              &x->plan);
     if (e)
         goto fail;
     if (x->plan.n_chunks > KVL_MAX_XFER_CHUNKS) {
@@ -319,6 +349,9 @@ kvl_err kvl_xfer_submit(kvl_agent *a, kvl_peer *p, int op, const kvl_segment *se
             goto fail;
         }
         x->local_ptr[i] = r->base + off;
+        int k = kvl_stage_kind(a, r->mem);
+        if (k > x->stage)
+            x->stage = k;
     }
     if ((e = check_remote(a, p, op, x, segs, n_segs)))
         goto fail;

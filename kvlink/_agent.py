@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -15,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _host, _native, _nics, _transport
+from . import _cuda, _host, _native, _nics, _transport
 from ._args import bool_arg, int_error, timeout_arg
 from ._config import Config
 from ._errors import (
@@ -40,7 +41,16 @@ from ._memory import as_span
 from ._regions import RegionTable
 from ._segments import SEGMENT_DTYPE, as_segment_array
 from ._transfer import Transfer
-from ._types import Notification, Op, PathInfo, PathState, PeerInfo, Region, RemoteRegion
+from ._types import (
+    MemoryType,
+    Notification,
+    Op,
+    PathInfo,
+    PathState,
+    PeerInfo,
+    Region,
+    RemoteRegion,
+)
 from .kv import PagedLayout
 
 log = logging.getLogger("kvlink")
@@ -210,16 +220,22 @@ class Agent:
         remote_write: bool = False,
         name: str | None = None,
     ) -> Region:
-        """Registers host memory so transfers can read or write it.
+        """Registers host or GPU memory so transfers can read or write it.
 
-        ``memory``: a C-contiguous numpy array, torch CPU tensor, DLPack CPU
-        tensor or buffer-protocol object; it is kept alive until deregistered.
-        ``remote_read`` lets peers pull from it, ``remote_write`` lets peers
-        push into it.  ``name`` lets peers find it by name.
+        ``memory``: a C-contiguous numpy array, torch CPU or CUDA tensor, CUDA
+        array (``__cuda_array_interface__``: CuPy, Numba, ...), DLPack tensor
+        or "dltensor" capsule on the CPU or a CUDA device, or buffer-protocol
+        object; it is kept alive until deregistered.  GPU memory needs the
+        CUDA runtime (loaded on the first such registration) and moves through
+        pinned host memory (docs/api.md, "GPU memory").  ``remote_read`` lets
+        peers pull from it, ``remote_write`` lets peers push into it.
+        ``name`` lets peers find it by name.
 
         Raises:
             RegistrationError: non-contiguous, empty, read-only with
-                ``remote_write``, GPU memory, a meta tensor, or not memory at all.
+                ``remote_write``, a meta tensor, not memory at all, or GPU
+                memory without the CUDA runtime or not on the device its
+                object names (nothing is registered then).
             ArgumentTypeError: ``remote_read`` or ``remote_write`` is not a
                 bool, or ``name`` is not a str.
             InvalidArgumentError: duplicate or over-long ``name``.
@@ -235,17 +251,27 @@ class Agent:
                 "memory: the buffer is read-only, so remote_write=True cannot be honoured; "
                 "register a writable buffer"
             )
+        gpu = span.mem == MemoryType.CUDA
+        if gpu:
+            _cuda.ensure_runtime("memory")
         with self._using() as a:
-            rid = _native.region_register(
-                a,
-                span.address,
-                span.nbytes,
-                remote_read=remote_read,
-                remote_write=remote_write,
-                readonly=span.readonly,
-                mem=span.mem,
-                name=name or "",
-            )
+            try:
+                rid, device = _native.region_register(
+                    a,
+                    span.address,
+                    span.nbytes,
+                    remote_read=remote_read,
+                    remote_write=remote_write,
+                    readonly=span.readonly,
+                    mem=span.mem,
+                    name=name or "",
+                    device=span.device,
+                )
+            except InvalidArgumentError as exc:
+                if not gpu or "cuda" not in str(exc).lower():
+                    raise
+                raise RegistrationError(f"memory: {exc}") from exc
+            bus, numa = _cuda.gpu_numa_node(device) if gpu else ("", -1)
             region = Region(
                 id=rid,
                 address=span.address,
@@ -256,6 +282,9 @@ class Agent:
                 mem=span.mem,
                 name=name or "",
                 _keepalive=span.keepalive,
+                device=device,
+                pci_bus_id=bus,
+                numa_node=numa,
             )
             self._regions.add(region)
         if self._discovery is not None and (remote_read or remote_write):
@@ -396,13 +425,16 @@ class Agent:
     def _same_host(self, md: dict[str, Any]) -> bool:
         """Whether paths to the peer of metadata ``md`` may copy process to
         process: another process on this host (boot, PID and network namespace)
-        that takes same-host copies, and this agent's transport is not "tcp"."""
+        that takes same-host copies and whose memory the OS lets this process
+        read (ptrace rules: kvl_cma_allowed), and this agent's transport is not
+        "tcp"."""
         return (
             self.config.transport != "tcp"
             and md["shm"]
             and bool(md["host"])
             and md["host"] == _host.host_id()
             and md["pid"] != os.getpid()
+            and _native.cma_allowed(md["pid"])
         )
 
     @staticmethod
@@ -905,11 +937,23 @@ class Agent:
             return self._with_transport(_native.paths(a))
 
     def _with_transport(self, paths: list[PathInfo]) -> list[PathInfo]:
-        """Each path with the transport it runs and why (docs/ucx.md)."""
+        """Each path with the transport it runs and why (docs/ucx.md), and the
+        NUMA node of its local NIC."""
         _, note = self._transport
         return [
-            p if p.transport_note else dataclasses.replace(p, transport_note=note) for p in paths
+            dataclasses.replace(
+                p,
+                transport_note=p.transport_note or note,
+                numa_node=_local_numa_node(p.local),
+            )
+            for p in paths
         ]
+
+
+@functools.lru_cache(maxsize=256)
+def _local_numa_node(address: str) -> int:
+    """NUMA node of the NIC holding a local address (sysfs, read once)."""
+    return _cuda.address_numa_node(address.rsplit(":", 1)[0] if ":" in address else address)
 
 
 def _peer_name(peer: Any) -> str:

@@ -127,6 +127,20 @@ class Config:
     # so today every path runs TCP and paths() says why.  "ucx": every path
     # must run UCX: refused at Agent() until that data path exists.
     transport: str = "auto"
+    # Chunk size cap of transfers whose payloads are staged through host
+    # memory (GPU memory over TCP, stage_host_memory): 16 MiB keeps a chunk's
+    # device<->host copy short against its socket time, so copies on some
+    # paths overlap sends on others (docs/api.md, "GPU memory").
+    gpu_chunk_bytes: int = 16 * MiB
+    # Idle staging slots (pinned host memory) kept for reuse, per agent:
+    # pinned allocations take milliseconds, so slots are recycled; 256 MiB
+    # keeps 16 slots of the default gpu_chunk_bytes (8 paths, both
+    # directions).  Slots in use are bounded apart: two per data connection.
+    gpu_staging_bytes: int = 256 * MiB
+    # Debug/test knob, off by default: route host regions through the staging
+    # path that GPU memory takes (memcpy instead of cudaMemcpy): for tests
+    # and for measuring staging overhead.  Never needed for correctness.
+    stage_host_memory: bool = False
     # Where agents find each other.  None: static exchange (pass metadata()
     # to add_peer yourself).  "etcd://HOST[:PORT][,HOST[:PORT]...][/PREFIX]"
     # (etcds:// for TLS): publish this agent there under a lease and look
@@ -200,6 +214,12 @@ class Config:
             raise ConfigError(f"io_threads: expected 'auto' or a count 0..64, got {io!r}")
         else:
             _int_range("io_threads", io, 0, 64)
+        _int_range("gpu_chunk_bytes", self.gpu_chunk_bytes, 4 * KiB, 1 * GiB)
+        _int_range("gpu_staging_bytes", self.gpu_staging_bytes, 0, 1024 * GiB)
+        if not isinstance(self.stage_host_memory, bool):
+            raise ConfigError(
+                f"stage_host_memory: expected True or False, got {self.stage_host_memory!r}"
+            )
         tp = self.transport
         if not isinstance(tp, str) or tp.strip().lower() not in _TRANSPORTS:
             raise ConfigError(f"transport: expected one of {', '.join(_TRANSPORTS)}, got {tp!r}")

@@ -157,6 +157,9 @@ def agent_create(name: str, addrs: Sequence[str], cfg: Config) -> Handle:
     c.max_connections = cfg.max_connections
     c.io_threads = cfg.resolved_io_threads(len(addrs))
     c.transport = _TRANSPORT_MODES[cfg.transport]
+    c.stage_host_memory = int(cfg.stage_host_memory)
+    c.stage_chunk_bytes = cfg.gpu_chunk_bytes
+    c.stage_pool_bytes = cfg.gpu_staging_bytes
     out = ffi.new("kvl_agent **")
     check(lib.kvl_agent_create(c, out))
     return out[0]
@@ -204,11 +207,14 @@ def region_register(
     readonly: bool,
     mem: MemoryType,
     name: str,
-) -> int:
-    """kvl_region_register; returns the new region id.
+    device: int = -1,
+) -> tuple[int, int]:
+    """kvl_region_register_device; returns (the new region id, the CUDA
+    device it is on, -1 for host memory).
 
     Raises:
-        InvalidArgumentError: duplicate or over-long name, too many regions.
+        InvalidArgumentError: duplicate or over-long name, too many regions,
+            CUDA memory that is not device memory of ``device``.
     """
     rights = (lib.KVL_REMOTE_READ if remote_read else 0) | (
         lib.KVL_REMOTE_WRITE if remote_write else 0
@@ -216,12 +222,13 @@ def region_register(
     if readonly:
         rights |= lib.KVL_LOCAL_READONLY
     rid = ffi.new("uint64_t *")
+    dev = ffi.new("int32_t *", device)
     check(
-        lib.kvl_region_register(
-            a, ffi.cast("void *", address), nbytes, rights, int(mem), name.encode(), rid
+        lib.kvl_region_register_device(
+            a, ffi.cast("void *", address), nbytes, rights, int(mem), dev, name.encode(), rid
         )
     )
-    return int(rid[0])
+    return int(rid[0]), int(dev[0])
 
 
 def region_deregister(a: Handle, rid: int) -> None:
@@ -652,12 +659,39 @@ def paths(a: Handle) -> list[PathInfo]:
 # ---- transports ----------------------------------------------------------------
 
 
+def cma_allowed(pid: int) -> bool:
+    """kvl_cma_allowed: whether this process may copy from process ``pid``'s memory."""
+    return bool(0 < pid < 2**31 and lib.kvl_cma_allowed(pid) == 0)
+
+
 def ucx_load(lib_path: str | None) -> tuple[bool, str]:
     """kvl_ucx_load_lib: (True, version) if UCX loads, else (False, why)."""
     rc = lib.kvl_ucx_load_lib(lib_path.encode() if lib_path else ffi.NULL)
     if rc != ErrorCode.OK:
         return False, last_error()
     return True, cstr(lib.kvl_ucx_loaded_version())
+
+
+def cuda_load(libs: Sequence[str]) -> tuple[bool, str]:
+    """kvl_cuda_load_lib: (True, "") once the CUDA runtime is loaded, else
+    (False, why: what was tried and what to install)."""
+    keep = [ffi.new("char[]", p.encode()) for p in libs]
+    arr = ffi.new("const char *[]", keep) if keep else ffi.NULL
+    rc = lib.kvl_cuda_load_lib(arr, len(keep))
+    if rc != ErrorCode.OK:
+        return False, last_error()
+    return True, ""
+
+
+def cuda_pci_bus_id(device: int) -> str:
+    """kvl_cuda_pci_bus_id: the PCI bus id of CUDA device ``device``.
+
+    Raises:
+        KvlinkError: the runtime is not loaded, or the device does not exist.
+    """
+    out = ffi.new("char[64]")
+    check(lib.kvl_cuda_pci_bus_id(device, out, 64))
+    return cstr(out)
 
 
 # ---- integrity -----------------------------------------------------------------

@@ -66,11 +66,20 @@ class Region:
     mem: MemoryType
     name: str
     _keepalive: Any = None
+    # GPU memory (mem is CUDA): the device's ordinal, its PCI bus id and the
+    # NUMA node it hangs off (-1 / "" for host memory, or when unknown)
+    device: int = -1
+    pci_bus_id: str = ""
+    numa_node: int = -1
 
     def __repr__(self) -> str:
         rights = "r" if self.remote_read else "-"
         rights += "w" if self.remote_write else "-"
-        return f"Region(id={self.id}, name={self.name!r}, nbytes={self.nbytes}, rights={rights})"
+        where = f", mem=cuda:{self.device}" if self.mem == MemoryType.CUDA else ""
+        return (
+            f"Region(id={self.id}, name={self.name!r}, nbytes={self.nbytes}, "
+            f"rights={rights}{where})"
+        )
 
 
 @dataclass(frozen=True)
@@ -189,6 +198,7 @@ class PathInfo:
     transport: str = "tcp"  # what carries this path's payload: "tcp" (or "ucx", docs/ucx.md)
     transport_note: str = ""  # why this transport (Config.transport "auto": why not UCX)
     bytes_put: int = 0  # payload moved by UCX put: pushed (of bytes_sent) or pulled (of bytes_recv)
+    numa_node: int = -1  # NUMA node of the local NIC (sysfs); -1: unknown (loopback, virtual)
 
 
 @dataclass(frozen=True)

@@ -116,6 +116,13 @@ typedef struct kvl_config {
     uint32_t io_threads;         /* threads that move payload bytes and their crc32c, 0..64;
                                     0: all I/O on the engine thread */
     uint32_t transport;          /* kvl_transport_mode: what carries data paths' payloads */
+    int32_t stage_host_memory;   /* 1: host regions' payloads go through the staging slots that
+                                    GPU memory needs (memcpy instead of cudaMemcpy): for tests
+                                    and for measuring the staging overhead; 0 normally */
+    uint64_t stage_chunk_bytes;  /* chunk size cap of transfers whose payloads are staged (GPU
+                                    memory, stage_host_memory), so copies and sockets overlap */
+    uint64_t stage_pool_bytes;   /* idle staging slots (pinned host memory) kept for reuse;
+                                    slots given back beyond this are freed */
 } kvl_config;
 
 /* kvl_config.transport (docs/ucx.md).  AUTO: UCX only where it is shared
@@ -343,6 +350,19 @@ kvl_err kvl_region_register(kvl_agent *agent, void *ptr, uint64_t len,
                             uint32_t rights, uint32_t mem, const char *name,
                             uint64_t *id);
 
+/* kvl_region_register with the device the memory lives on.  For
+ * mem = KVL_MEM_CUDA, *device (in) is the CUDA ordinal the caller's object
+ * names, -1 for whichever; the pointer is checked with
+ * cudaPointerGetAttributes to be device memory of that one device (so the
+ * CUDA runtime must be loaded first: kvl_cuda_load_lib), and *device (out)
+ * is the ordinal it is on.  For KVL_MEM_HOST *device is set to -1.  device
+ * may be NULL (as -1, nothing written back).  Its payloads are staged
+ * through host memory (docs/api.md, "GPU memory").  Ownership, blocking
+ * and threads as kvl_region_register. */
+kvl_err kvl_region_register_device(kvl_agent *agent, void *ptr, uint64_t len,
+                                   uint32_t rights, uint32_t mem, int32_t *device,
+                                   const char *name, uint64_t *id);
+
 /* The access key of an exposed region (remote_read or remote_write): a
  * random 16 bytes made at registration that every DATA / READ_REQ piece
  * naming the region must carry.  Hand it to peers in the metadata only.
@@ -375,6 +395,12 @@ kvl_err kvl_peer_connect(kvl_agent *agent, const char *name, uint64_t instance,
  * PID namespace (the caller compared host ids from the metadata), so
  * transport AUTO may set up shared-memory paths to it. */
 enum { KVL_PEER_SAME_HOST = 1u };
+
+/* 0 if this process may copy from process pid's memory (process_vm_readv:
+ * what a same-host path's receiver does), else the errno that forbids it
+ * (EPERM: the OS's ptrace rules, ESRCH: no such process).  Reads nothing.
+ * Any thread. */
+int kvl_cma_allowed(uint32_t pid);
 
 /* Removes a peer: its running transfers fail (KVL_ERR_CONN_LOST, "removed"),
  * queued frames are sent (bounded by close_linger_ms), its connections
@@ -535,6 +561,20 @@ kvl_err kvl_ucx_load_lib(const char *lib);
 /* The loaded UCX's version ("1.22.0"), "" before a successful load.  The
  * string is static.  Thread-safe. */
 const char *kvl_ucx_loaded_version(void);
+
+/* Loads the CUDA runtime for GPU memory (docs/api.md, "GPU memory"): tries
+ * libs[0..n) in order (paths or sonames such as "libcudart.so.12"; borrowed
+ * for the call; NULL or "" entries are skipped).  KVL_OK once
+ * loaded in this process (a later call returns at once); else
+ * KVL_ERR_SYSTEM with what was tried and what to install, and a later call
+ * tries again.  Nothing needs CUDA before this.  Blocks (dlopen);
+ * thread-safe. */
+kvl_err kvl_cuda_load_lib(const char *const *libs, size_t n);
+
+/* The PCI bus id ("0000:3b:00.0") of CUDA device `device` into out (len
+ * bytes, at least 16; NUL-terminated).  Needs kvl_cuda_load_lib first.
+ * Does not block; thread-safe. */
+kvl_err kvl_cuda_pci_bus_id(int32_t device, char *out, size_t len);
 
 #ifdef __cplusplus
 }

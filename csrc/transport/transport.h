@@ -92,6 +92,11 @@ typedef struct kvl_tp_frame {
      * it), for a transport that puts the bytes one-sided; else NULL. */
     kvl_wire_piece *dst;
     uint32_t n_dst;
+    /* KVL_STAGE_*: the payload's memory is not the socket's to read (GPU
+     * memory, or host memory under stage_host_memory): the transport copies
+     * it into host memory (kvl_stage_gather) right before the payload
+     * starts, and sends from there. */
+    int stage;
 } kvl_tp_frame;
 
 typedef struct kvl_transport_ops {

@@ -141,7 +141,7 @@ def common(p: argparse.ArgumentParser) -> None:
         "--mem",
         choices=["host", "cuda"],
         default="host",
-        help="memory to move (default: host; cuda needs the UCX transport)",
+        help="memory to move (default: host; cuda: CuPy buffers on GPU 0, loopback only)",
     )
     p.add_argument(
         "--iters",
@@ -304,10 +304,17 @@ def spec_from(args: argparse.Namespace) -> RunSpec:
 
 
 def check_args(args: argparse.Namespace) -> str | None:
-    if args.mem == "cuda":
+    if args.mem == "cuda" and args.command != "loopback":
         return (
-            "--mem cuda: GPU memory needs the UCX transport, which this build lacks; use --mem host"
+            f"--mem cuda: GPU memory is measured by `kvlink-bench loopback --mem cuda` (both "
+            f"agents on this host's GPU); `{args.command}` moves host memory only"
         )
+    if args.mem == "cuda":
+        from ..bench import gpu
+
+        why = gpu.unavailable()
+        if why:
+            return why
     bad = [p for p in args.compare.split(",") if p and p != "none" and p not in PEERS]
     if bad:
         return f"--compare: unknown {bad}; choose from {','.join(PEERS)} or none"
@@ -436,8 +443,13 @@ def cmd_loopback(args: argparse.Namespace, rep: Reporter) -> int:
     spec = spec_from(args)
     nics = f"loopback:{args.paths}"
     need = spec.need_bytes
-    with spawn_serve([], nics, need, "127.0.0.1") as endpoint:
-        rows = list(run(endpoint, nics, spec, rep.progress))
+    if args.mem == "cuda":
+        from ..bench import gpu
+
+        rows = list(gpu.run(nics, spec, rep.progress))
+    else:
+        with spawn_serve([], nics, need, "127.0.0.1") as endpoint:
+            rows = list(run(endpoint, nics, spec, rep.progress))
     limit = None
     if "iperf3" in args.compare.split(","):
         per = max(1, need // args.paths)

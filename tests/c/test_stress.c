@@ -1,7 +1,10 @@
 /* test_stress.c: two agents in one process pushing and pulling at each other
  * over two loopback paths from several threads at once, every byte checked,
  * every notification and inbound handle accounted for; once with all I/O on
- * the engine threads and once with I/O threads (io_threads = 2).  Built with ASan/UBSan
+ * the engine threads and once with I/O threads (io_threads = 2), then both again with
+ * every payload staged through host slots (stage_host_memory: the path GPU memory
+ * takes, memcpy for cudaMemcpy) from a pool smaller than what is in flight, so slots
+ * are taken, freed and reused all the time.  Built with ASan/UBSan
  * and with ThreadSanitizer (make -C tests/c tsan): the engine, prober, log
  * and caller threads all run for real over real sockets. */
 #include <stdlib.h>
@@ -22,6 +25,7 @@ typedef struct side {
 
 static side sides[2];
 static uint32_t io_threads; /* of both agents, this round */
+static int staged;          /* ... and stage_host_memory */
 static kvl_peer *peer_of[2]; /* sides[i]'s peer object for the other side */
 
 static kvl_agent *make_agent(const char *name)
@@ -33,7 +37,8 @@ static kvl_agent *make_agent(const char *name)
                     .monitor_interval_ms = 100, .max_attempts = 4, .stall_factor = 4,
                     .probe_backoff_max_ms = 2000, .hedge = 1, .window_chunks = 2,
                     .window_bytes = 4u << 20, .close_linger_ms = 2000,
-                    .io_threads = io_threads};
+                    .io_threads = io_threads, .stage_host_memory = staged,
+                    .stage_chunk_bytes = 512u << 10, .stage_pool_bytes = 1u << 20};
     kvl_agent *a = NULL;
     CHECKF(kvl_agent_create(&c, &a) == KVL_OK, "%s: %s", name, kvl_last_error());
     return a;
@@ -134,9 +139,10 @@ static void *logs(void *arg)
     return NULL;
 }
 
-static void stress(uint32_t threads)
+static void stress(uint32_t threads, int stage)
 {
     io_threads = threads;
+    staged = stage;
     pthread_t lt[2];
     for (int i = 0; i < 2; i++) {
         sides[i].a = make_agent(i ? "stress-b" : "stress-a");
@@ -173,7 +179,9 @@ static void stress(uint32_t threads)
 int main(void)
 {
     double t0 = test_now_s();
-    stress(0);
-    stress(2);
+    stress(0, 0);
+    stress(2, 0);
+    stress(0, 1);
+    stress(2, 1);
     return test_report("test_stress", t0);
 }

@@ -58,7 +58,7 @@ def test_pull_with_concurrency():
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["--mem", "cuda"], "UCX transport"),
+        (["--mem", "cuda"], "--mem cuda: "),
         (["--concurrency", "0"], "argument --concurrency: 0 is out of range: must be at least 1"),
         (["--compare", "rdma"], "--compare: unknown"),
     ],

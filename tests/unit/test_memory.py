@@ -64,10 +64,20 @@ def test_dlpack_cpu_tensor(make_agent):
     assert r.address == arr.ctypes.data and r.nbytes == 1024
 
 
-def test_gpu_memory_is_refused_with_a_reason(make_agent):
+def test_cuda_array_that_is_not_device_memory_is_refused(make_agent):
+    """A CUDA-typed object is registered only once the CUDA runtime confirms it is
+    device memory: without a runtime, a GPU, or with a host pointer, a
+    RegistrationError naming CUDA (tests/integration/test_gpu.py has more)."""
     a = make_agent("mem-gpu")
-    with pytest.raises(kvlink.RegistrationError, match=r"GPU memory.*UCX"):
-        a.register(FakeCuda())
+    with pytest.raises(kvlink.RegistrationError, match="empty"):
+        a.register(FakeCuda())  # a null pointer
+    host = np.zeros(16, np.float32)
+    fake = FakeCuda()
+    fake.__cuda_array_interface__ = {**FakeCuda.__cuda_array_interface__,
+                                     "data": (host.ctypes.data, False)}  # fmt: skip
+    with pytest.raises(kvlink.RegistrationError, match="CUDA"):
+        a.register(fake)
+    assert a.regions() == []
 
 
 def test_torch_cpu_tensor(make_agent):
@@ -126,5 +136,5 @@ def test_cupy_array_without_a_driver(make_agent):
         arr = cupy.zeros(16, dtype=cupy.uint8)
     except Exception:  # no driver: cupy cannot even allocate; nothing reaches kvlink
         pytest.skip("cupy cannot allocate without a GPU driver")
-    with pytest.raises(kvlink.RegistrationError, match="GPU memory"):
+    with pytest.raises(kvlink.RegistrationError, match=r"CUDA|cannot tell"):
         a.register(arr)

@@ -152,6 +152,18 @@ kvl_err kvl_cma_peer_check(int fd, uint32_t pid)
     return KVL_OK;
 }
 
+int kvl_cma_allowed(uint32_t pid)
+{
+    /* one byte at address 0, never mapped: EFAULT means "allowed" */
+    char c;
+    struct iovec l = {&c, 1}, r = {NULL, 1};
+    if (pid == 0 || pid > INT32_MAX)
+        return ESRCH;
+    if (process_vm_readv((pid_t)pid, &l, 1, &r, 1, 0) >= 0 || errno == EFAULT)
+        return 0;
+    return errno;
+}
+
 ssize_t kvl_cma_read(uint32_t pid, const struct iovec *l, int nl, const struct iovec *r, int nr,
                      int *ri, size_t *roff)
 {

@@ -61,6 +61,7 @@ struct kvl_out {
     int cma;               /* same host: a descriptor (desc) goes where the payload would */
     uint8_t *desc;
     size_t desc_len, desc_sent;
+    kvl_stage_buf *slot;   /* f.stage: the host slot the payload was gathered into (stage_out) */
 };
 
 /* A cancelled DATA frame's remaining payload is sent from here: the stream
@@ -73,6 +74,7 @@ static void out_free(kvl_ep *ep, kvl_out *o)
 {
     ep->sq_bytes -= o->f.head.len;
     kvl_proto_release(ep->a, &o->f.hold);
+    kvl_stage_give(ep->a, o->slot); /* the payload has left (or never will) */
     free(o->f.payload);
     free(o->f.dst);
     free(o->desc);
@@ -112,9 +114,10 @@ static int tcp_send(kvl_ep *ep, kvl_tp_frame *f)
     if (ep->ucx && o->f.payload_len && kvl_ucx_path_covers(ep->ucx, o->f.dst, o->f.n_dst)) {
         o->remote = 1; /* header flag REMOTE: the stream carries no payload bytes */
         o->f.head.p[6] |= KVL_HF_REMOTE;
-    } else if (ep->cma && o->f.payload_len && o->f.n_payload > 0 &&
+    } else if (ep->cma && !o->f.stage && o->f.payload_len && o->f.n_payload > 0 &&
                (uint32_t)o->f.n_payload <= KVL_MAX_PIECES) {
-        /* header flag CMA: the receiver copies from our memory (cma.h) */
+        /* header flag CMA: the receiver copies from our memory (cma.h);
+         * never from a staging slot, which is given back once the frame left */
         o->desc_len = kvl_cma_desc_len((uint32_t)o->f.n_payload);
         if ((o->desc = malloc(o->desc_len))) {
             kvl_cma_desc_encode(o->desc, o->f.payload, o->f.n_payload);
@@ -455,6 +458,45 @@ int kvl_tcp_tx_step(kvl_ep *ep)
     return 0; /* its turn is over: the others on this thread go next */
 }
 
+/* o (ep's head frame, not started) has a payload of memory the socket
+ * cannot read (f.stage): gathered into a host slot now, so the payload and
+ * its crc32c go from there like any other (staging.c).  Only the head frame
+ * is staged, so a connection holds one send slot at a time.  When the copy
+ * fails (a CUDA error, no memory for a slot) the frame goes out cancelled,
+ * as a hedge's loser does: zeros and a trailer that cannot verify, so its
+ * receiver refuses it and the chunk is retried, up to max_attempts; the
+ * connection stays up and the log says why. */
+static void stage_out(kvl_ep *ep, kvl_out *o)
+{
+    size_t len = (size_t)o->f.payload_len;
+    kvl_err e = kvl_stage_take(ep->a, o->f.stage, len, &o->slot);
+    if (!e)
+        e = kvl_stage_gather(o->slot, o->f.stage, o->f.payload, o->f.n_payload, len);
+    if (e) {
+        if (o->f.is_chunk)
+            kvl_log_limited(ep->a, KVL_LOG_ERROR, NULL,
+                            "chunk %u of transfer %llu could not be staged for sending (%s); "
+                            "it goes out cancelled and is retried",
+                            o->f.chunk, (unsigned long long)o->f.xid, kvl_last_error());
+        else
+            kvl_log_limited(ep->a, KVL_LOG_ERROR, NULL,
+                            "a pulled chunk could not be staged for sending (%s); it goes out "
+                            "cancelled and its puller retries it",
+                            kvl_last_error());
+        o->cancelled = 1;
+        kvl_proto_release(ep->a, &o->f.hold); /* its memory is not read any more */
+        memset(&o->f.hold, 0, sizeof o->f.hold);
+        kvl_stage_give(ep->a, o->slot);
+        o->slot = NULL;
+        return;
+    }
+    o->f.payload[0].iov_base = o->slot->p;
+    o->f.payload[0].iov_len = len;
+    o->f.n_payload = 1;
+    o->iov_idx = 0;
+    o->iov_off = 0;
+}
+
 static void ep_write(kvl_ep *ep)
 {
     size_t budget = IO_BUDGET;
@@ -467,6 +509,8 @@ static void ep_write(kvl_ep *ep)
     }
     while (ep->sq && budget && !ep->dead && !ep->tx_busy) {
         kvl_out *o = ep->sq;
+        if (o->f.stage && !o->slot && !o->cancelled && o->f.payload_len && o->head_sent == 0)
+            stage_out(ep, o);
         if (ep->io && o->f.payload_len && !o->remote) {
             /* the payload goes out on the I/O thread; tcp_progress goes on */
             o->in_job = 1;

@@ -71,7 +71,7 @@ def test_metadata_host_fields_are_checked(make_agent):
     rx = make_agent("rx")
     md = json.loads(rx.metadata())
     for bad in ({"pid": "1"}, {"pid": -1}, {"shm": "yes"}, {"host": 5}, {"host": "x" * 300}):
-        with pytest.raises(kvlink.InvalidArgumentError, match="metadata: '(pid|host)'"):
+        with pytest.raises(kvlink.InvalidArgumentError, match=r"metadata: '(pid|host)'"):
             tx.add_peer({**md, **bad})
     tx.add_peer(md)  # and the metadata as it is connects
 
@@ -105,7 +105,8 @@ def test_cma_copies_from_the_process_that_owns_the_socket(target):
     s = wc.connect(rx.addresses[0], wc.DATA_CONN, 0, "raw", 99, flags=wc.HELLO_CMA)
     try:
         s.sendall(wc.announce(5, 4096, 1))
-        s.sendall(wc.cma_data(5, 0, 1, rid, 4096, key, os.getpid(), [(addr, 1000), (addr + 1000, 3096)]))
+        ranges = [(addr, 1000), (addr + 1000, 3096)]
+        s.sendall(wc.cma_data(5, 0, 1, rid, 4096, key, os.getpid(), ranges))
         s.sendall(struct.pack("<I", wc.crc(bytes(src))))
         assert struct.unpack_from("<QIII", wc.recv_until(s, wc.ACK))[3] == 0
     finally:
@@ -114,12 +115,13 @@ def test_cma_copies_from_the_process_that_owns_the_socket(target):
 
 
 def test_cma_wrong_trailer_is_not_acknowledged(target):
-    rx, dst, rid, key = target
+    rx, _, rid, key = target
     src = (ctypes.c_uint8 * 4096).from_buffer(bytearray(b"\x05" * 4096))
     s = wc.connect(rx.addresses[0], wc.DATA_CONN, 0, "raw", 99, flags=wc.HELLO_CMA)
     try:
         s.sendall(wc.announce(5, 4096, 1))
-        s.sendall(wc.cma_data(5, 0, 1, rid, 4096, key, os.getpid(), [(ctypes.addressof(src), 4096)]))
+        ranges = [(ctypes.addressof(src), 4096)]
+        s.sendall(wc.cma_data(5, 0, 1, rid, 4096, key, os.getpid(), ranges))
         s.sendall(struct.pack("<I", wc.crc(bytes(src)) ^ 1))
         assert struct.unpack_from("<QIII", wc.recv_until(s, wc.ACK))[3] != 0
     finally:
@@ -172,3 +174,23 @@ def test_tcp_listener_refuses_a_cma_hello(make_agent):
         assert b"takes no same-host copies" in body
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("staged", ["sender", "receiver", "both"])
+def test_staged_payloads_cross_a_same_host_path(make_agent, spawn_peer, staged):
+    # staged frames (GPU memory; here stage_host_memory) go in-stream from the
+    # sender's slot, never as a descriptor of a slot that is reused once the
+    # frame left; a staged receiver copies into its slot and then places
+    n = 48 * MiB
+    rx = spawn_peer("rx", nics="loopback:2", stage_host_memory=staged != "sender")
+    rx.call("alloc", key="kv", nbytes=n, remote_write=True, remote_read=True, name="kv")
+    tx = make_agent("tx", nics="loopback:2", stage_host_memory=staged != "receiver")
+    src = measure.random_bytes(n, 5)
+    back = np.zeros(n, np.uint8)
+    rs, rb = tx.register(src), tx.register(back)
+    tx.add_peer(rx.call("hello")["metadata"].encode())
+    assert transports(tx, "rx") == {"shm"}
+    tx.push("rx", src=rs, dst="kv").wait(timeout_s=60)
+    assert rx.call("digest", key="kv")["digest"] == measure.digest(src)
+    tx.pull("rx", src="kv", dst=rb).wait(timeout_s=60)
+    assert back.tobytes() == src.tobytes()

@@ -127,7 +127,7 @@ static uint8_t pattern(size_t i) { return (uint8_t)(i * 131 + (i >> 9) + 7); }
 
 typedef struct stats {
     atomic_ulong frames, conns, refused_ok, auth_bypass, unauth_notes, legit_ok, legit_bad,
-        hangs, slow_cut, slow_uncut;
+        hangs, slow_cut, slow_uncut, cma_frames;
 } stats;
 static stats st;
 
@@ -321,11 +321,17 @@ static void finish(kvl_buf *b, uint8_t type, uint64_t payload_len)
     }
 }
 
+/* An admitted data connection of this attacker thread asks for same-host
+ * copies (HELLO flag CMA): its DATA frames may then carry descriptors. */
+static _Thread_local int hello_cma;
+
 static void make_hello(kvl_buf *b, const char *name, uint64_t instance, uint8_t kind,
                        uint16_t path, int auth, uint8_t nonce[KVL_NONCE_BYTES])
 {
     kvl_msg_hello h = {.instance = instance, .kind = kind, .path = path,
-                       .flags = (uint8_t)(auth ? KVL_HELLO_AUTH : 0)};
+                       .flags = (uint8_t)((auth ? KVL_HELLO_AUTH : 0) |
+                                          (hello_cma && kind == KVL_CONN_DATA ? KVL_HELLO_CMA
+                                                                              : 0))};
     snprintf(h.name, sizeof h.name, "%s", name);
     if (nonce)
         memcpy(h.nonce, nonce, KVL_NONCE_BYTES);
@@ -604,13 +610,61 @@ static void hostile_frame(test_rng *r, kvl_buf *b, int *then_close)
     }
 }
 
+/* The attacker's own memory a same-host descriptor may point at (the victim
+ * runs in this process, so the descriptor's pid owns the connection). */
+static uint8_t cma_src[64 * 1024];
+
+/* b holds a DATA frame built by hostile_frame: its payload (if any) is
+ * replaced by a same-host descriptor (header flag CMA): ranges inside
+ * cma_src, at wild addresses, or disagreeing with the payload's length; a
+ * pid that is ours or not; counts from 0 to far above the limit. */
+static void make_cma(test_rng *r, kvl_buf *b)
+{
+    if (b->len < KVL_HDR_BYTES || b->p[5] != KVL_F_DATA)
+        return;
+    uint64_t payload;
+    uint32_t body_len;
+    memcpy(&payload, b->p + 16, 8);
+    memcpy(&body_len, b->p + 8, 4);
+    if (!payload || (size_t)KVL_HDR_BYTES + body_len > b->len)
+        return;
+    b->p[6] |= KVL_HF_CMA;
+    b->len = KVL_HDR_BYTES + body_len;
+    uint32_t pid = rng_u64(r) % 8 ? (uint32_t)getpid() : (uint32_t)pick32(r);
+    uint32_t n = rng_u64(r) % 8 ? 1 + (uint32_t)(rng_u64(r) % 4) : (uint32_t)pick32(r);
+    bput(b, &pid, 4);
+    bput(b, &n, 4);
+    uint32_t ranges = n > 64 ? 64 : n; /* a liar's count: the rest never comes */
+    uint64_t left = payload;
+    for (uint32_t i = 0; i < ranges; i++) {
+        uint64_t len = i + 1 == ranges ? left : left / 2;
+        uint64_t addr = (uint64_t)(uintptr_t)cma_src;
+        if (len > sizeof cma_src || rng_u64(r) % 6 == 0)
+            addr = pick64(r); /* wild: EFAULT at the receiver, or not ours */
+        else
+            addr += rng_u64(r) % (sizeof cma_src - len + 1);
+        if (rng_u64(r) % 10 == 0)
+            len = pick64(r); /* disagrees with the payload */
+        bput(b, &addr, 8);
+        bput(b, &len, 8);
+        left -= left < len ? left : len;
+    }
+    uint32_t crc = (uint32_t)rng_u64(r);
+    bput(b, &crc, 4);
+    atomic_fetch_add(&st.cma_frames, 1);
+}
+
 static void attack_admitted(test_rng *r, int id)
 {
     char name[32];
     snprintf(name, sizeof name, "mallory-%d-%u", id, (unsigned)(rng_u64(r) % 1000));
     uint8_t kind = rng_u64(r) % 3 ? KVL_CONN_DATA : KVL_CONN_CONTROL;
+    hello_cma = rng_u64(r) % 3 == 0;
     int fd;
-    if (!admitted(name, rng_u64(r), kind, (uint16_t)(rng_u64(r) % 4), &fd))
+    int ok = admitted(name, rng_u64(r), kind, (uint16_t)(rng_u64(r) % 4), &fd);
+    int cma = hello_cma && kind == KVL_CONN_DATA;
+    hello_cma = 0;
+    if (!ok)
         return;
     kvl_buf b = {0};
     if (kind == KVL_CONN_DATA && rng_u64(r) % 4) {
@@ -632,6 +686,8 @@ static void attack_admitted(test_rng *r, int id)
     for (int i = 0; i < frames && !atomic_load(&stop_attack); i++) {
         int then_close = 0;
         hostile_frame(r, &b, &then_close);
+        if (cma && rng_u64(r) % 2)
+            make_cma(r, &b);
         atomic_fetch_add(&st.frames, 1);
         if (!send_all(fd, b.p, b.len) || !drain(fd) || then_close)
             break;
@@ -1234,6 +1290,8 @@ int main(int argc, char **argv)
     CHECKF(atomic_load(&st.hangs) == 0, "%lu hangs", atomic_load(&st.hangs));
     CHECKF(atomic_load(&st.legit_bad) == 0, "%lu legitimate rounds failed",
            atomic_load(&st.legit_bad));
+    CHECKF(atomic_load(&st.cma_frames) > 0, "no same-host descriptor was sent");
+    printf("hostile: %lu same-host descriptors among the frames\n", atomic_load(&st.cma_frames));
     printf("hostile: frames %lu, connections %lu, crashes 0, hangs %lu, bytes outside %lu, "
            "peak RSS growth %.1f MiB (64 MiB target %s), legit transfers %lu ok / %lu failed "
            "(refusals %lu, slowloris cut %lu/%lu, bypasses %lu)\n",

@@ -125,16 +125,15 @@ typedef struct kvl_config {
                                     slots given back beyond this are freed */
 } kvl_config;
 
-/* kvl_config.transport (docs/ucx.md).  AUTO: UCX only where it is shared
- * memory: to a peer on this host (kvl_peer_connect's KVL_PEER_SAME_HOST)
- * each data path offers UCX restricted to cross-memory attach (CMA: the
- * kernel copies between the two processes, allowed only where the OS already
- * lets one process write the other's memory); elsewhere, or when that set-up
- * fails, TCP.  UCX's TCP emulation is never used by AUTO (a valid key writes
- * anywhere in the receiver).  TCP: never UCX.  UCX: every data path offers
- * UCX with every transport UCX has (RDMA, shared memory, its TCP).  AUTO and
- * UCX need a cluster secret and UCX loaded (kvl_ucx_load_lib) to offer; a
- * path whose offer is refused or fails runs TCP on the same connection, and
+/* kvl_config.transport (docs/ucx.md).  AUTO: no UCX (the only UCX without
+ * RDMA is its TCP emulation, which does not enforce key bounds); a data path
+ * to a peer on this host (kvl_peer_connect's KVL_PEER_SAME_HOST) copies
+ * process to process (HELLO flag CMA: the receiver reads the payload from
+ * the sender's memory, transport/tcp/cma.h); every other path runs TCP.
+ * TCP: TCP only, and a HELLO asking for same-host copies is refused.  UCX:
+ * every data path offers UCX (needs a cluster secret and UCX loaded,
+ * kvl_ucx_load_lib); a path whose offer is refused or fails runs TCP on the
+ * same connection (same-host copies where UCX is not set up), and
  * kvl_path_info.transport_note says why. */
 enum kvl_transport_mode { KVL_TRANSPORT_AUTO = 0, KVL_TRANSPORT_TCP = 1, KVL_TRANSPORT_UCX = 2 };
 
@@ -380,9 +379,9 @@ kvl_err kvl_region_deregister(kvl_agent *agent, uint64_t id);
  * peer address on the same /24 (else by index).  hosts/ports describe the
  * peer's listeners (from its metadata).  instance is the peer's instance id
  * from its metadata (0 = accept any); flags: KVL_PEER_* below.  Adding a
- * name that is already a peer
- * with the same instance returns that peer; with another instance it fails
- * with KVL_ERR_PEER_EXISTS; a peer of that name none of whose paths is up is
+ * name that is already a peer with the same instance returns that peer; with
+ * another instance it fails with KVL_ERR_PEER_EXISTS; a peer of that name
+ * none of whose paths is up is
  * replaced (its transfers fail, it is freed: like kvl_peer_remove, the
  * caller serialises this with other calls using the old peer).  *out is
  * owned by the agent (valid until it is removed or replaced, or close).
@@ -391,9 +390,11 @@ kvl_err kvl_peer_connect(kvl_agent *agent, const char *name, uint64_t instance,
                          const char *const *hosts, const uint16_t *ports,
                          size_t n, uint32_t flags, kvl_peer **out);
 
-/* kvl_peer_connect flags.  SAME_HOST: the peer runs on this host in the same
- * PID namespace (the caller compared host ids from the metadata), so
- * transport AUTO may set up shared-memory paths to it. */
+/* kvl_peer_connect flags.  SAME_HOST: the peer is another process on this
+ * host, in the same PID and network namespace, that takes same-host copies
+ * and whose memory this process may read (the caller compared the metadata's
+ * host id and pid, and asked kvl_cma_allowed): unless transport is TCP its
+ * data connections copy process to process. */
 enum { KVL_PEER_SAME_HOST = 1u };
 
 /* 0 if this process may copy from process pid's memory (process_vm_readv:

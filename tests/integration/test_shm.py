@@ -10,6 +10,7 @@ import json
 import os
 import socket
 import struct
+import time
 
 import numpy as np
 import pytest
@@ -194,3 +195,32 @@ def test_staged_payloads_cross_a_same_host_path(make_agent, spawn_peer, staged):
     assert rx.call("digest", key="kv")["digest"] == measure.digest(src)
     tx.pull("rx", src="kv", dst=rb).wait(timeout_s=60)
     assert back.tobytes() == src.tobytes()
+
+
+def test_sender_killed_mid_push_reports_nothing_more_done(make_agent, spawn_peer):
+    # the receiver copies from the sender's memory: when that process dies mid-copy
+    # (ESRCH / EFAULT, or its connections reset first) the receiver neither crashes nor
+    # reports another chunk done, and goes on serving others.  (The push itself ends at
+    # the sender's deadline or the caller's timeout, over TCP alike: no deadline here.)
+    n = 1024 * MiB  # ~0.2 s over shm here: the kill lands mid-push
+    rx = make_agent("rx", nics="loopback:2")
+    dst = np.zeros(n, np.uint8)
+    rid = rx.register(dst, remote_write=True, name="kv").id
+    tx = spawn_peer("tx", nics="loopback:2")
+    tx.call("alloc", key="src", nbytes=n, fill="pattern", seed=4)
+    tx.call("add_peer", metadata=rx.metadata().decode())
+    tx.call("push", peer="rx", local="src", remote=rid, notify=b"dying".hex())
+    h = rx.inbound(b"dying", timeout_s=10)
+    assert not h.done, "the push finished before the kill; nothing was tested"
+    tx.kill()
+    time.sleep(0.5)  # the copies in flight end (the sender's memory is gone)
+    frozen = h.bytes_done
+    with pytest.raises(kvlink.TransferTimeoutError):
+        h.wait(timeout_s=1)
+    assert h.bytes_done == frozen < n and not h.ok
+    # the receiver goes on: another sender pushes into the same region
+    tx2 = make_agent("tx2", nics="loopback:2")
+    src = measure.random_bytes(MiB, 2)
+    tx2.add_peer(rx.metadata())
+    tx2.push("rx", src=tx2.register(src), dst=rid, nbytes=MiB).wait(timeout_s=30)
+    assert dst[:MiB].tobytes() == src.tobytes()

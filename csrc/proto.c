@@ -163,7 +163,7 @@ void kvl_conn_bind_outbound(kvl_conn *c, kvl_peer *p, int path)
         pa->cma = kvl_peer_uses_cma(c->a, p, c->kind);
         if (pa->cma) {
             c->cma_on = 1;
-            tp(c)->cma_enable(c->ep);
+            tp(c)->cma_enable(c->ep, 0); /* the metadata and the probe said so */
             if (!pa->ucx)
                 snprintf(pa->tnote, sizeof pa->tnote,
                          "same host: payloads copied process to process (CMA), no socket");
@@ -770,11 +770,14 @@ static void admit(kvl_conn *c, const kvl_msg_hello *hello)
                  "stale metadata of it (add the peer again)",
                  a->name, m.name);
     }
-    c->ucx_due = status == KVL_OK && (m.flags & KVL_HELLO_UCX) != 0;
-    if (status == KVL_OK && (m.flags & KVL_HELLO_CMA)) {
-        c->cma_on = 1;
-        tp(c)->cma_enable(c->ep);
+    if (status == KVL_OK && (m.flags & KVL_HELLO_CMA) && tp(c)->cma_enable(c->ep, 1)) {
+        /* a peer elsewhere asking for descriptors of our memory: no */
+        status = KVL_ERR_PROTOCOL;
+        snprintf(msg, sizeof msg, "agent '%s' refused same-host copies to '%s': %s", a->name,
+                 m.name, kvl_last_error());
     }
+    c->cma_on = status == KVL_OK && (m.flags & KVL_HELLO_CMA) != 0;
+    c->ucx_due = status == KVL_OK && (m.flags & KVL_HELLO_UCX) != 0;
     send_region_table(c, KVL_F_HELLO_ACK, status, msg);
     if (status != KVL_OK)
         tp(c)->refuse(c->ep); /* nothing behind a refused HELLO is read */

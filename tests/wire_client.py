@@ -97,10 +97,12 @@ def authenticate(
     secret: bytes,
     kind: int = CONTROL,
     path: int = 0,
+    flags: int = 0,
 ) -> bytes:
-    """The initiator's side of an authenticated handshake; returns HELLO_ACK's body."""
+    """The initiator's side of an authenticated handshake (HELLO ``flags`` added);
+    returns HELLO_ACK's body."""
     nonce_c = os.urandom(16)
-    s.sendall(hello(name, instance, kind, path, nonce=nonce_c))
+    s.sendall(hello(name, instance, kind, path, nonce=nonce_c, flags=flags))
     t, body = recv_frame(s)
     if t != CHALLENGE:
         return body

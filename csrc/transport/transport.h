@@ -202,8 +202,11 @@ typedef struct kvl_transport_ops {
     int (*remote_answer)(kvl_ep *ep, const uint8_t *body, size_t len, int proven);
     /* Engine thread: ep's peer runs on this host and both ends agreed (HELLO
      * flag CMA): from now on ep sends its payloads as same-host descriptors
-     * (header flag CMA, transport/tcp/cma.h) and takes the peer's. */
-    void (*cma_enable)(kvl_ep *ep);
+     * (header flag CMA, transport/tcp/cma.h) and takes the peer's.  With
+     * verify (the listener) it first checks that the peer's socket is on
+     * this host: -1 with the reason (kvl_last_error) and nothing enabled if
+     * not. */
+    int (*cma_enable)(kvl_ep *ep, int verify);
 } kvl_transport_ops;
 
 extern const kvl_transport_ops kvl_tcp_ops;

@@ -143,8 +143,10 @@ def test_demo_shows_baselines_beside_the_result():
     text = " ".join(out.stdout.split())
     assert "verified every byte" in text
     assert "memcpy of the same bytes" in text
+    # the two processes share this host: the default transport copies process to process
+    assert "transport: shm" in text
     if "iperf3, 2 streams on the same paths" in text:
-        assert "of what iperf3 gets over the same paths" in text
+        assert "of what iperf3 gets over TCP on the same host" in text
     elif REQUIRE_ALL:
         pytest.fail("iperf3 is required in CI for the demo's baseline")
     else:

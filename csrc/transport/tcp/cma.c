@@ -114,7 +114,8 @@ static unsigned long peer_inode(const struct sockaddr_in *local, const struct so
     return inode;
 }
 
-kvl_err kvl_cma_peer_check(int fd, uint32_t pid)
+/* The inode of fd's peer socket in this network namespace (0: not here). */
+static kvl_err peer_inode_of(int fd, unsigned long *inode)
 {
     struct sockaddr_in local, peer;
     socklen_t ll = sizeof local, pl = sizeof peer;
@@ -122,11 +123,26 @@ kvl_err kvl_cma_peer_check(int fd, uint32_t pid)
         getpeername(fd, (struct sockaddr *)&peer, &pl) < 0 || local.sin_family != AF_INET ||
         peer.sin_family != AF_INET)
         return kvl_fail(KVL_ERR_PROTOCOL, "CMA: the connection is not IPv4 TCP");
-    unsigned long inode = peer_inode(&local, &peer);
-    if (!inode)
+    *inode = peer_inode(&local, &peer);
+    if (!*inode)
         return kvl_fail(KVL_ERR_PROTOCOL,
                         "CMA: the peer's socket is not in this network namespace: not the same "
                         "host");
+    return KVL_OK;
+}
+
+kvl_err kvl_cma_peer_here(int fd)
+{
+    unsigned long inode;
+    return peer_inode_of(fd, &inode);
+}
+
+kvl_err kvl_cma_peer_check(int fd, uint32_t pid)
+{
+    unsigned long inode;
+    kvl_err e = peer_inode_of(fd, &inode);
+    if (e)
+        return e;
     char dir[64], want[64];
     snprintf(dir, sizeof dir, "/proc/%u/fd", pid);
     snprintf(want, sizeof want, "socket:[%lu]", inode);
@@ -135,10 +151,10 @@ kvl_err kvl_cma_peer_check(int fd, uint32_t pid)
         return kvl_fail(KVL_ERR_PROTOCOL, "CMA: cannot look into process %u (%s)", pid,
                         strerror(errno));
     int found = 0;
-    struct dirent *e;
-    while (!found && (e = readdir(d))) {
+    struct dirent *de;
+    while (!found && (de = readdir(d))) {
         char path[96], link[64];
-        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+        snprintf(path, sizeof path, "%s/%s", dir, de->d_name);
         ssize_t n = readlink(path, link, sizeof link - 1);
         if (n > 0) {
             link[n] = 0;

@@ -45,6 +45,11 @@ kvl_err kvl_cma_desc_ranges(const uint8_t *in, uint32_t n, uint64_t total, struc
  * Reads /proc: call once per connection. */
 kvl_err kvl_cma_peer_check(int fd, uint32_t pid);
 
+/* KVL_OK when the socket at the other end of fd is in this network namespace
+ * (on this host: /proc/net/tcp lists it), else KVL_ERR_PROTOCOL saying so.
+ * What a listener asks before it agrees to same-host copies on fd. */
+kvl_err kvl_cma_peer_here(int fd);
+
 /* Copies up to max bytes from process pid's ranges r[*ri..nr) (starting
  * *roff into r[*ri]) into local l[0..nl), advancing *ri / *roff.  Returns
  * bytes copied (> 0), or -1 with errno (EFAULT: the sender's memory is

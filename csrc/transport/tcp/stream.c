@@ -59,6 +59,9 @@ struct kvl_out {
     uint64_t fseq;         /* remote: the flush's number */
     int dst_req;           /* a READ_REQ with DST: once sent, counts in ep->ucx_reads */
     int cma;               /* same host: a descriptor (desc) goes where the payload would */
+    int cma_crc;           /* cma: the source's crc32c is taken (before the descriptor goes) */
+    int cma_zeroed;        /* cma, cancelled before its descriptor went: it names zeros */
+    int acked;             /* engine: its ACK came while it was still going out */
     uint8_t *desc;
     size_t desc_len, desc_sent;
     kvl_stage_buf *slot;   /* f.stage: the host slot the payload was gathered into (stage_out) */
@@ -70,10 +73,61 @@ static const uint8_t zeros[256u << 10];
 
 /* ---- send queue ---- */
 
+/* A same-host DATA frame that has left: the receiver reads its source after
+ * that, so its hold (the transfer's io_ref) lasts until the frame's ACK. */
+struct kvl_cma_held {
+    uint64_t xid;
+    uint32_t chunk, attempt;
+    kvl_tp_hold hold;
+};
+
+/* Keeps o's hold until its ACK (cma_acked) or the close; 0 if it cannot. */
+static int cma_hold(kvl_ep *ep, kvl_out *o)
+{
+    if (ep->cma_nheld == ep->cma_capheld) {
+        size_t cap = ep->cma_capheld ? 2 * ep->cma_capheld : 8;
+        struct kvl_cma_held *n = realloc(ep->cma_held, cap * sizeof *n);
+        if (!n)
+            return 0;
+        ep->cma_held = n;
+        ep->cma_capheld = cap;
+    }
+    ep->cma_held[ep->cma_nheld++] = (struct kvl_cma_held){
+        .xid = o->f.xid, .chunk = o->f.chunk, .attempt = o->f.attempt, .hold = o->f.hold};
+    memset(&o->f.hold, 0, sizeof o->f.hold);
+    return 1;
+}
+
+/* An ACK arrived (body: its status message): the copy it answers is over. */
+static void cma_acked(kvl_ep *ep, const uint8_t *body, size_t len)
+{
+    kvl_msg_status m;
+    if (kvl_dec_status(body, len, &m))
+        return; /* the core refuses it */
+    for (size_t i = 0; i < ep->cma_nheld; i++) {
+        struct kvl_cma_held *h = &ep->cma_held[i];
+        if (h->xid == m.xfer && h->chunk == m.chunk && h->attempt == m.attempt) {
+            kvl_proto_release(ep->a, &h->hold);
+            *h = ep->cma_held[--ep->cma_nheld];
+            return;
+        }
+    }
+    /* the receiver may answer before the I/O thread has reported the frame
+     * out: then it is still queued, and lets go of its hold when it leaves */
+    for (kvl_out *o = ep->sq; o; o = o->next)
+        if (o->cma && o->f.is_chunk && o->f.xid == m.xfer && o->f.chunk == m.chunk &&
+            o->f.attempt == m.attempt)
+            o->acked = 1;
+}
+
 static void out_free(kvl_ep *ep, kvl_out *o)
 {
     ep->sq_bytes -= o->f.head.len;
-    kvl_proto_release(ep->a, &o->f.hold);
+    int held = o->cma && o->f.is_chunk && !ep->dead && !o->acked &&
+               o->desc_sent == o->desc_len &&
+               (o->f.hold.xfer || o->f.hold.nrefs) && cma_hold(ep, o);
+    if (!held)
+        kvl_proto_release(ep->a, &o->f.hold);
     kvl_stage_give(ep->a, o->slot); /* the payload has left (or never will) */
     free(o->f.payload);
     free(o->f.dst);
@@ -298,10 +352,18 @@ static int out_iov(kvl_out *o, struct iovec *v)
         want += o->f.head.len - o->head_sent;
     }
     if (o->cma && o->desc_sent < o->desc_len) {
-        /* the stream's shape does not change when cancelled: the trailer
-         * goes out inverted then, so the copy never verifies */
+        /* descriptor and trailer in one go: the receiver has all it needs and
+         * copies while we go on.  The stream's shape does not change when
+         * cancelled: the trailer goes out inverted then, never verifying */
         v[n].iov_base = o->desc + o->desc_sent;
         v[n++].iov_len = o->desc_len - o->desc_sent;
+        if (o->trailer_sent == 0) {
+            uint32_t t = o->cancelled ? ~o->crc : o->crc;
+            for (int i = 0; i < 4; i++)
+                o->trailer[i] = (uint8_t)(t >> (8 * i));
+        }
+        v[n].iov_base = o->trailer + o->trailer_sent;
+        v[n++].iov_len = 4 - o->trailer_sent;
     } else if (o->payload_sent < o->f.payload_len && o->cancelled) {
         uint64_t rest = o->f.payload_len - o->payload_sent;
         v[n].iov_base = (void *)zeros;
@@ -388,6 +450,35 @@ static int remote_step(kvl_ep *ep, kvl_out *o)
     return OUT_MORE;
 }
 
+/* A CMA frame cancelled before its descriptor went out: the memory it named
+ * may be let go of, so the descriptor names the static zeros instead (as a
+ * cancelled in-stream frame sends zeros), and the trailer stays inverted. */
+static void cma_cancel_desc(kvl_out *o)
+{
+    uint64_t len = o->f.payload_len;
+    uint64_t n = (len + sizeof zeros - 1) / sizeof zeros;
+    o->cma_zeroed = 1;
+    uint8_t *d = n <= KVL_MAX_PIECES ? malloc(kvl_cma_desc_len((uint32_t)n)) : NULL;
+    struct iovec *v = d ? calloc(n, sizeof *v) : NULL;
+    if (!v) { /* cannot happen for a chunk (<= KVL_MAX_CHUNK); keep the source's */
+        free(d);
+        return;
+    }
+    for (uint64_t i = 0; i < n; i++) {
+        v[i].iov_base = (void *)zeros;
+        v[i].iov_len = i + 1 < n ? sizeof zeros : (size_t)(len - i * sizeof zeros);
+    }
+    kvl_cma_desc_encode(d, v, (int)n);
+    o->crc = 0;
+    for (uint64_t i = 0; i < n; i++)
+        o->crc = kvl_crc32c(o->crc, zeros, v[i].iov_len);
+    o->cma_crc = 1;
+    free(v);
+    free(o->desc);
+    o->desc = d;
+    o->desc_len = kvl_cma_desc_len((uint32_t)n);
+}
+
 /* One sendmsg of o (ep's head frame): OUT_DONE once all of it is out,
  * OUT_MORE, OUT_BLOCKED (the socket is full) or OUT_ERROR (errno); a REMOTE
  * frame also OUT_WAIT and OUT_FAILED (remote_step). */
@@ -395,6 +486,17 @@ static int out_step(kvl_ep *ep, kvl_out *o, size_t *budget)
 {
     if (o->remote && !o->flushed && o->head_sent == o->f.head.len)
         return remote_step(ep, o);
+    if (o->cma && o->cancelled && o->desc_sent == 0 && !o->cma_zeroed)
+        cma_cancel_desc(o);
+    if (o->cma && !o->cma_crc) {
+        /* the trailer vouches for the source as it is now; the receiver's
+         * copy of it must match (taken before the descriptor goes, so the
+         * trailer follows it at once: cma.h) */
+        o->cma_crc = 1;
+        o->crc = 0;
+        for (int i = 0; i < o->f.n_payload && !o->cancelled; i++)
+            o->crc = kvl_crc32c(o->crc, o->f.payload[i].iov_base, o->f.payload[i].iov_len);
+    }
     struct iovec v[MAX_IOV + 2];
     int n = out_iov(o, v);
     if (n == 0)
@@ -419,10 +521,6 @@ static int out_step(kvl_ep *ep, kvl_out *o, size_t *budget)
         o->desc_sent += d;
         left -= d;
         if (o->desc_sent == o->desc_len) {
-            /* the receiver copies now; the trailer vouches for the source */
-            o->crc = 0;
-            for (int i = 0; i < o->f.n_payload && !o->cancelled; i++)
-                o->crc = kvl_crc32c(o->crc, o->f.payload[i].iov_base, o->f.payload[i].iov_len);
             o->payload_sent = o->f.payload_len;
             __atomic_fetch_add(&ep->tx_payload, o->f.payload_len, __ATOMIC_RELAXED);
         }
@@ -547,7 +645,13 @@ static void ep_write(kvl_ep *ep)
     }
 }
 
-static void tcp_cma_enable(kvl_ep *ep) { ep->cma = 1; }
+static int tcp_cma_enable(kvl_ep *ep, int verify)
+{
+    if (verify && kvl_cma_peer_here(ep->fd))
+        return -1;
+    ep->cma = 1;
+    return 0;
+}
 
 static void tcp_refuse(kvl_ep *ep)
 {
@@ -680,7 +784,7 @@ static ssize_t read_payload(kvl_ep *ep, const struct iovec *dst, int ndst, int l
 static void set_lowat(kvl_ep *ep, int in_payload)
 {
     int want = 0;
-    if (in_payload) {
+    if (in_payload && !ep->rx_cma) { /* a CMA payload is not in the stream */
         uint64_t rest = ep->h.payload_len - ep->pay_got + 4; /* + the crc trailer */
         want = rest > (uint64_t)ep->lowat_max ? ep->lowat_max : (int)rest;
     }
@@ -830,6 +934,7 @@ static int on_cma_desc(kvl_ep *ep)
     ep->cma_fault = 0;
     ep->cma_ri = 0;
     ep->cma_roff = 0;
+    set_lowat(ep, 0); /* only the 4-byte trailer comes: wake for it at once */
     payload_begin(ep);
     return 0;
 }
@@ -837,6 +942,11 @@ static int on_cma_desc(kvl_ep *ep)
 /* Header and body are in: the core routes the frame; a payload follows. */
 static void on_body(kvl_ep *ep)
 {
+    /* before the core sees the ACK: the chunk it settles must not wait on
+     * its own copy's hold (a forged ACK lets go early of memory only the
+     * peer itself reads) */
+    if (ep->h.type == KVL_F_ACK && ep->cma)
+        cma_acked(ep, ep->body, ep->h.body_len);
     kvl_proto_on_frame(ep->c, &ep->h, ep->body);
     if (ep->dead || ep->refused)
         return;
@@ -1253,6 +1363,10 @@ static void tcp_close(kvl_ep *ep, int abortive)
     }
     ep->sq_tail = NULL;
     ep->sq_len = 0;
+    /* the peer reads nothing of ours any more */
+    for (size_t i = 0; i < ep->cma_nheld; i++)
+        kvl_proto_release(ep->a, &ep->cma_held[i].hold);
+    ep->cma_nheld = 0;
 }
 
 void kvl_tcp_ep_free(kvl_ep *ep)
@@ -1279,6 +1393,7 @@ void kvl_tcp_ep_free(kvl_ep *ep)
     free(ep->sink);
     free(ep->cma_buf);
     free(ep->cma_rv);
+    free(ep->cma_held); /* teardown: the agent releases what they held */
     pthread_mutex_destroy(&ep->jmu);
     free(ep);
 }

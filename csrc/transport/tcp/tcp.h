@@ -82,6 +82,10 @@ struct kvl_ep {
     uint32_t cma_nrv;
     int cma_ri;            /* copy cursor in cma_rv */
     size_t cma_roff;
+    /* CMA DATA frames sent, whose memory the receiver may still be copying:
+     * held until their ACK arrives or the connection closes */
+    struct kvl_cma_held *cma_held;
+    size_t cma_nheld, cma_capheld;
     kvl_ep *ucx_owner;     /* set on a worker fd's pseudo endpoint: the data endpoint */
     char ucx_note[128];    /* what carries the payloads and why (paths()) */
     int rx_remote;         /* the payload arriving was put: only its trailer comes */

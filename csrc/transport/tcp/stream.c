@@ -661,6 +661,48 @@ static void tcp_refuse(kvl_ep *ep)
 
 /* ---- receive ---- */
 
+/* The next batch of the sink from its cursor (dst_idx, dst_off): up to limit
+ * bytes in at most MAX_IOV pieces, stopping at a drained piece.  Returns the
+ * number of pieces in v. */
+static int sink_batch(const kvl_ep *ep, const struct iovec *dst, int ndst, size_t limit,
+                      struct iovec *v)
+{
+    int n = 0;
+    size_t want = 0;
+    int idx = ep->dst_idx;
+    size_t off = ep->dst_off;
+    while (n < MAX_IOV && idx < ndst && want < limit && dst[idx].iov_base) {
+        size_t len = dst[idx].iov_len - off;
+        if (len > limit - want)
+            len = limit - want;
+        v[n].iov_base = (uint8_t *)dst[idx].iov_base + off;
+        v[n++].iov_len = len;
+        want += len;
+        idx++;
+        off = 0;
+    }
+    return n;
+}
+
+/* got bytes landed in v[0..n) (from the sink's cursor on): their crc32c,
+ * taken while they are in cache, and the cursor moves past them. */
+static void sink_landed(kvl_ep *ep, const struct iovec *dst, const struct iovec *v, int n,
+                        size_t got)
+{
+    size_t left = got;
+    for (int i = 0; i < n && left; i++) {
+        size_t take = v[i].iov_len < left ? v[i].iov_len : left;
+        ep->crc = kvl_crc32c(ep->crc, v[i].iov_base, take);
+        left -= take;
+        ep->dst_off += take;
+        if (ep->dst_off == dst[ep->dst_idx].iov_len) {
+            ep->dst_idx++;
+            ep->dst_off = 0;
+        }
+    }
+    ep->pay_got += (uint64_t)got;
+}
+
 /* Advances the CMA source cursor by len bytes without copying. */
 static void cma_skip(kvl_ep *ep, size_t len)
 {
@@ -685,28 +727,15 @@ static void cma_skip(kvl_ep *ep, size_t len)
 static ssize_t cma_payload(kvl_ep *ep, const struct iovec *dst, int ndst, int live)
 {
     struct iovec v[MAX_IOV] = {{0}};
-    int n = 0;
-    size_t want = 0;
-    int idx = ep->dst_idx;
-    size_t off = ep->dst_off;
-    if (!live || ep->cma_fault || dst[idx].iov_base == NULL) {
-        size_t len = dst[idx].iov_len - off;
+    if (!live || ep->cma_fault || dst[ep->dst_idx].iov_base == NULL) {
+        size_t len = dst[ep->dst_idx].iov_len - ep->dst_off;
         cma_skip(ep, len);
         ep->dst_idx++;
         ep->dst_off = 0;
         ep->pay_got += len;
         return (ssize_t)len;
     }
-    while (n < MAX_IOV && idx < ndst && want < CMA_BATCH && dst[idx].iov_base) {
-        size_t len = dst[idx].iov_len - off;
-        if (len > CMA_BATCH - want)
-            len = CMA_BATCH - want;
-        v[n].iov_base = (uint8_t *)dst[idx].iov_base + off;
-        v[n++].iov_len = len;
-        want += len;
-        idx++;
-        off = 0;
-    }
+    int n = sink_batch(ep, dst, ndst, CMA_BATCH, v);
     ssize_t got = kvl_cma_read(ep->cma_pid, v, n, ep->cma_rv, (int)ep->cma_nrv, &ep->cma_ri,
                                &ep->cma_roff);
     if (got < 0) {
@@ -715,18 +744,7 @@ static ssize_t cma_payload(kvl_ep *ep, const struct iovec *dst, int ndst, int li
         ep->cma_fault = 1; /* the rest is skipped: this copy never verifies */
         return cma_payload(ep, dst, ndst, live);
     }
-    size_t left = (size_t)got;
-    for (int i = 0; i < n && left; i++) {
-        size_t take = v[i].iov_len < left ? v[i].iov_len : left;
-        ep->crc = kvl_crc32c(ep->crc, v[i].iov_base, take);
-        left -= take;
-        ep->dst_off += take;
-        if (ep->dst_off == dst[ep->dst_idx].iov_len) {
-            ep->dst_idx++;
-            ep->dst_off = 0;
-        }
-    }
-    ep->pay_got += (uint64_t)got;
+    sink_landed(ep, dst, v, n, (size_t)got);
     return got;
 }
 
@@ -738,42 +756,20 @@ static ssize_t read_payload(kvl_ep *ep, const struct iovec *dst, int ndst, int l
     if (ep->rx_cma)
         return cma_payload(ep, dst, ndst, live);
     struct iovec v[MAX_IOV];
-    int n = 0;
-    size_t want = 0;
-    int idx = ep->dst_idx;
-    size_t off = ep->dst_off;
-    if (!live || dst[idx].iov_base == NULL) {
+    int n;
+    if (!live || dst[ep->dst_idx].iov_base == NULL) {
         /* drained: the destination must not change through this copy */
-        size_t len = dst[idx].iov_len - off;
-        v[n].iov_base = scratch;
-        v[n++].iov_len = len < scratch_len ? len : scratch_len;
+        size_t len = dst[ep->dst_idx].iov_len - ep->dst_off;
+        v[0].iov_base = scratch;
+        v[0].iov_len = len < scratch_len ? len : scratch_len;
+        n = 1;
     } else {
-        while (n < MAX_IOV && idx < ndst && want < IO_BATCH && dst[idx].iov_base) {
-            size_t len = dst[idx].iov_len - off;
-            if (len > IO_BATCH - want)
-                len = IO_BATCH - want;
-            v[n].iov_base = (uint8_t *)dst[idx].iov_base + off;
-            v[n++].iov_len = len;
-            want += len;
-            idx++;
-            off = 0;
-        }
+        n = sink_batch(ep, dst, ndst, IO_BATCH, v);
     }
     ssize_t got = readv(ep->fd, v, n);
     if (got <= 0)
         return got;
-    size_t left = (size_t)got;
-    for (int i = 0; i < n && left; i++) {
-        size_t take = v[i].iov_len < left ? v[i].iov_len : left;
-        ep->crc = kvl_crc32c(ep->crc, v[i].iov_base, take);
-        left -= take;
-        ep->dst_off += take;
-        if (ep->dst_off == dst[ep->dst_idx].iov_len) {
-            ep->dst_idx++;
-            ep->dst_off = 0;
-        }
-    }
-    ep->pay_got += (uint64_t)got;
+    sink_landed(ep, dst, v, n, (size_t)got);
     return got;
 }
 

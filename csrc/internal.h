@@ -224,6 +224,9 @@ kvl_err kvl_hdr_decode(const uint8_t in[KVL_HDR_BYTES], kvl_frame_hdr *h);
 void kvl_frame_start(kvl_buf *b);
 void kvl_frame_finish(kvl_buf *b, uint8_t type, uint64_t payload_len);
 void kvl_buf_free(kvl_buf *b);
+/* Appends n bytes of src to b, growing it; on allocation failure b->oom
+ * latches and nothing more is appended. */
+void kvl_buf_put(kvl_buf *b, const void *src, size_t n);
 
 void kvl_enc_hello(kvl_buf *b, const kvl_msg_hello *m);
 void kvl_enc_hello_ack(kvl_buf *b, uint32_t status, uint64_t instance, const char *name,

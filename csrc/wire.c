@@ -27,7 +27,7 @@ static void buf_reserve(kvl_buf *b, size_t more)
     b->cap = ncap;
 }
 
-static void put_bytes(kvl_buf *b, const void *src, size_t n)
+void kvl_buf_put(kvl_buf *b, const void *src, size_t n)
 {
     buf_reserve(b, n);
     if (b->oom)
@@ -42,19 +42,19 @@ static void put_u64(kvl_buf *b, uint64_t v)
     uint8_t t[8];
     for (int i = 0; i < 8; i++)
         t[i] = (uint8_t)(v >> (8 * i));
-    put_bytes(b, t, 8);
+    kvl_buf_put(b, t, 8);
 }
 
 static void put_u32(kvl_buf *b, uint32_t v)
 {
     uint8_t t[4] = {(uint8_t)v, (uint8_t)(v >> 8), (uint8_t)(v >> 16), (uint8_t)(v >> 24)};
-    put_bytes(b, t, 4);
+    kvl_buf_put(b, t, 4);
 }
 
 static void put_u16(kvl_buf *b, uint16_t v)
 {
     uint8_t t[2] = {(uint8_t)v, (uint8_t)(v >> 8)};
-    put_bytes(b, t, 2);
+    kvl_buf_put(b, t, 2);
 }
 
 /* A short string: u16 length then bytes (no NUL). */
@@ -62,7 +62,7 @@ static void put_str(kvl_buf *b, const char *s, size_t max)
 {
     size_t n = s ? strnlen(s, max) : 0;
     put_u16(b, (uint16_t)n);
-    put_bytes(b, s, n);
+    kvl_buf_put(b, s, n);
 }
 
 static uint64_t ld_u64(const uint8_t *p)
@@ -154,7 +154,7 @@ void kvl_hdr_encode(uint8_t out[KVL_HDR_BYTES], const kvl_frame_hdr *h)
     b.cap = sizeof tmp;
     put_u32(&b, KVL_MAGIC);
     uint8_t vt[2] = {KVL_PROTO_VERSION, h->type};
-    put_bytes(&b, vt, 2);
+    kvl_buf_put(&b, vt, 2);
     put_u16(&b, h->flags);
     put_u32(&b, h->body_len);
     put_u32(&b, h->body_crc);
@@ -236,12 +236,12 @@ void kvl_enc_hello(kvl_buf *b, const kvl_msg_hello *m)
 {
     put_u64(b, m->instance);
     uint8_t k = m->kind;
-    put_bytes(b, &k, 1);
+    kvl_buf_put(b, &k, 1);
     put_u16(b, m->path);
     put_str(b, m->name, KVL_NAME_MAX - 1);
-    put_bytes(b, &m->flags, 1);
-    put_bytes(b, m->nonce, KVL_NONCE_BYTES);
-    put_bytes(b, m->token, KVL_TOKEN_BYTES);
+    kvl_buf_put(b, &m->flags, 1);
+    kvl_buf_put(b, m->nonce, KVL_NONCE_BYTES);
+    kvl_buf_put(b, m->token, KVL_TOKEN_BYTES);
 }
 
 kvl_err kvl_dec_hello(const uint8_t *body, size_t len, kvl_msg_hello *m)
@@ -277,8 +277,8 @@ void kvl_enc_challenge(kvl_buf *b, const kvl_msg_challenge *m)
 {
     put_u64(b, m->instance);
     put_str(b, m->name, KVL_NAME_MAX - 1);
-    put_bytes(b, m->nonce, KVL_NONCE_BYTES);
-    put_bytes(b, m->mac, KVL_MAC_BYTES);
+    kvl_buf_put(b, m->nonce, KVL_NONCE_BYTES);
+    kvl_buf_put(b, m->mac, KVL_MAC_BYTES);
 }
 
 kvl_err kvl_dec_challenge(const uint8_t *body, size_t len, kvl_msg_challenge *m)
@@ -297,7 +297,7 @@ kvl_err kvl_dec_challenge(const uint8_t *body, size_t len, kvl_msg_challenge *m)
 void kvl_enc_auth(kvl_buf *b, const kvl_msg_auth *m)
 {
     put_u32(b, m->status);
-    put_bytes(b, m->mac, KVL_MAC_BYTES);
+    kvl_buf_put(b, m->mac, KVL_MAC_BYTES);
 }
 
 kvl_err kvl_dec_auth(const uint8_t *body, size_t len, kvl_msg_auth *m)
@@ -318,10 +318,10 @@ static void put_region(kvl_buf *b, const kvl_region_info *r)
     put_u32(b, r->mem);
     char name[KVL_NAME_MAX] = {0};
     strncpy(name, r->name, sizeof name - 1);
-    put_bytes(b, name, sizeof name);
+    kvl_buf_put(b, name, sizeof name);
     uint16_t klen = r->rkey_len <= KVL_MAX_RKEY ? (uint16_t)r->rkey_len : 0;
     put_u16(b, klen);
-    put_bytes(b, r->rkey, klen);
+    kvl_buf_put(b, r->rkey, klen);
 }
 
 void kvl_enc_hello_ack(kvl_buf *b, uint32_t status, uint64_t instance, const char *name,
@@ -418,7 +418,7 @@ void kvl_enc_keys(kvl_buf *b, uint32_t n) { put_u32(b, n); }
 void kvl_enc_key(kvl_buf *b, uint64_t region, const uint8_t key[KVL_KEY_BYTES])
 {
     put_u64(b, region);
-    put_bytes(b, key, KVL_KEY_BYTES);
+    kvl_buf_put(b, key, KVL_KEY_BYTES);
 }
 
 kvl_err kvl_dec_chunk(const uint8_t *body, size_t len, kvl_msg_chunk *m)
@@ -521,7 +521,7 @@ void kvl_enc_notify(kvl_buf *b, uint64_t xfer, uint32_t op, const void *tag, uin
     put_u64(b, xfer);
     put_u32(b, op);
     put_u32(b, len);
-    put_bytes(b, tag, len);
+    kvl_buf_put(b, tag, len);
 }
 
 kvl_err kvl_dec_notify(const uint8_t *body, size_t len, kvl_msg_notify *m)
@@ -554,7 +554,7 @@ void kvl_enc_announce(kvl_buf *b, const kvl_msg_announce *m, const uint32_t *lay
     put_u32(b, m->n_layers);
     put_u32(b, m->timeout_ms);
     put_u32(b, m->tag_len);
-    put_bytes(b, m->tag, m->tag_len);
+    kvl_buf_put(b, m->tag, m->tag_len);
     for (uint32_t i = 0; i < m->n_chunks; i++) {
         put_u32(b, layer_first[i]);
         put_u32(b, layer_last[i]);

@@ -180,6 +180,20 @@ int kvl_cma_allowed(uint32_t pid)
     return errno;
 }
 
+void kvl_cma_advance(const struct iovec *r, int nr, int *ri, size_t *roff, size_t len)
+{
+    while (len && *ri < nr) {
+        size_t rest = r[*ri].iov_len - *roff;
+        size_t take = rest < len ? rest : len;
+        *roff += take;
+        len -= take;
+        if (*roff == r[*ri].iov_len) {
+            (*ri)++;
+            *roff = 0;
+        }
+    }
+}
+
 ssize_t kvl_cma_read(uint32_t pid, const struct iovec *l, int nl, const struct iovec *r, int nr,
                      int *ri, size_t *roff)
 {
@@ -215,19 +229,7 @@ ssize_t kvl_cma_read(uint32_t pid, const struct iovec *l, int nl, const struct i
             errno = EFAULT;
         return -1;
     }
-    /* advance the remote cursor by what was copied (a partial copy stops at
-     * a remote range's page boundary) */
-    size_t left = (size_t)done;
-    while (left) {
-        size_t len = r[*ri].iov_len - *roff;
-        if (len > left) {
-            *roff += left;
-            left = 0;
-        } else {
-            left -= len;
-            (*ri)++;
-            *roff = 0;
-        }
-    }
+    /* a partial copy stops at a remote range's page boundary */
+    kvl_cma_advance(r, nr, ri, roff, (size_t)done);
     return done;
 }

@@ -50,6 +50,10 @@ kvl_err kvl_cma_peer_check(int fd, uint32_t pid);
  * What a listener asks before it agrees to same-host copies on fd. */
 kvl_err kvl_cma_peer_here(int fd);
 
+/* Moves the cursor (*ri, *roff) in ranges r[0..nr) forward by len bytes
+ * (at most what is left: the cursor stops at the end). */
+void kvl_cma_advance(const struct iovec *r, int nr, int *ri, size_t *roff, size_t len);
+
 /* Copies up to max bytes from process pid's ranges r[*ri..nr) (starting
  * *roff into r[*ri]) into local l[0..nl), advancing *ri / *roff.  Returns
  * bytes copied (> 0), or -1 with errno (EFAULT: the sender's memory is

@@ -706,16 +706,7 @@ static void sink_landed(kvl_ep *ep, const struct iovec *dst, const struct iovec 
 /* Advances the CMA source cursor by len bytes without copying. */
 static void cma_skip(kvl_ep *ep, size_t len)
 {
-    while (len && (uint32_t)ep->cma_ri < ep->cma_nrv) {
-        size_t rest = ep->cma_rv[ep->cma_ri].iov_len - ep->cma_roff;
-        size_t take = rest < len ? rest : len;
-        ep->cma_roff += take;
-        len -= take;
-        if (ep->cma_roff == ep->cma_rv[ep->cma_ri].iov_len) {
-            ep->cma_ri++;
-            ep->cma_roff = 0;
-        }
-    }
+    kvl_cma_advance(ep->cma_rv, (int)ep->cma_nrv, &ep->cma_ri, &ep->cma_roff, len);
 }
 
 /* read_payload for a CMA frame: copies the next batch from the sender's

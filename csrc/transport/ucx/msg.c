@@ -5,35 +5,14 @@
 
 #include "transport/ucx/msg.h"
 
-/* ---- appending to a kvl_buf (as wire.c does; its helpers are private) ---- */
-
-static void put(kvl_buf *b, const void *src, size_t n)
-{
-    if (b->oom)
-        return;
-    if (b->len + n > b->cap) {
-        size_t ncap = b->cap ? b->cap : 256;
-        while (ncap < b->len + n)
-            ncap *= 2;
-        uint8_t *np = realloc(b->p, ncap);
-        if (!np) {
-            b->oom = 1;
-            return;
-        }
-        b->p = np;
-        b->cap = ncap;
-    }
-    if (n)
-        memcpy(b->p + b->len, src, n);
-    b->len += n;
-}
+/* ---- appending to a kvl_buf: kvl_buf_put (wire.c) ---- */
 
 static void put_le(kvl_buf *b, uint64_t v, int bytes)
 {
     uint8_t t[8];
     for (int i = 0; i < bytes; i++)
         t[i] = (uint8_t)(v >> (8 * i));
-    put(b, t, (size_t)bytes);
+    kvl_buf_put(b, t, (size_t)bytes);
 }
 
 /* ---- a cursor that latches "bad" on overrun ---- */
@@ -94,14 +73,14 @@ kvl_err kvl_ucx_enc_setup(kvl_buf *b, const uint8_t *addr, uint16_t addr_len,
                             why ? why : "no key bytes");
     }
     put_le(b, addr_len, 2);
-    put(b, addr, addr_len);
+    kvl_buf_put(b, addr, addr_len);
     put_le(b, n_keys, 4);
     for (uint32_t i = 0; i < n_keys; i++) {
         put_le(b, keys[i].region, 8);
         put_le(b, keys[i].base, 8);
         put_le(b, keys[i].size, 8);
         put_le(b, keys[i].key_len, 2);
-        put(b, keys[i].key, keys[i].key_len);
+        kvl_buf_put(b, keys[i].key, keys[i].key_len);
     }
     return KVL_OK;
 }
@@ -188,7 +167,7 @@ void kvl_ucx_enc_refuse(kvl_buf *b, uint32_t status, const char *msg)
         n = 255;
     put_le(b, status, 4);
     put_le(b, n, 2);
-    put(b, msg, n);
+    kvl_buf_put(b, msg, n);
 }
 
 kvl_err kvl_ucx_dec_refuse(const uint8_t *body, size_t len, uint32_t *status, char *msg)

@@ -80,8 +80,9 @@ void kvl_engine_snapshot_paths(kvl_agent *a)
             o->inflight_bytes = pa->inflight_bytes;
             o->est_gbps = pa->bw_Bps / 1e9;
             snprintf(o->last_error, sizeof o->last_error, "%s", pa->last_error);
+            const kvl_mover_ops *mv = kvl_mover_by_kind(pa->mover_kind);
             snprintf(o->transport, sizeof o->transport, "%s",
-                     pa->ucx ? "ucx" : pa->cma ? "shm" : "tcp");
+                     mv ? mv->name : a->stream->name);
             snprintf(o->transport_note, sizeof o->transport_note, "%s", pa->tnote);
         }
     }
@@ -322,9 +323,9 @@ static void *engine_main(void *arg)
                 ssize_t rc = read(a->wakefd, &v, sizeof v);
                 (void)rc;
                 run_commands(a);
-                a->tp->progress(a);
+                a->stream->progress(a);
             } else {
-                a->tp->on_event(evs[i].data.ptr, evs[i].events);
+                a->stream->on_event(evs[i].data.ptr, evs[i].events);
             }
         }
         now = kvl_now_ns();
@@ -340,7 +341,7 @@ static void *engine_main(void *arg)
                 kvl_notify_resend(p, now);
             kvl_conn_expire(a, now);
             for (size_t i = 0; i < a->n_addrs; i++)
-                a->tp->tick(a->listeners[i], now);
+                a->stream->tick(a->listeners[i], now);
             kvl_engine_snapshot_paths(a);
             a->next_tick_ns = now + interval;
         }
@@ -393,14 +394,9 @@ static kvl_err check_config(const kvl_config *cfg)
     if (cfg->transport > KVL_TRANSPORT_UCX)
         return kvl_fail(KVL_ERR_INVALID_ARG, "config.transport must be 0..2 (got %u)",
                         cfg->transport);
-    if (cfg->transport == KVL_TRANSPORT_UCX && !cfg->secret_len)
-        return kvl_fail(KVL_ERR_INVALID_ARG,
-                        "config.transport UCX needs a cluster secret: libucp parses a peer's "
-                        "worker address unchecked, so UCX is set up only between agents that "
-                        "proved the secret (docs/ucx.md)");
-    if (cfg->transport == KVL_TRANSPORT_UCX && !kvl_ucx_loaded_version()[0])
-        return kvl_fail(KVL_ERR_INVALID_ARG,
-                        "config.transport UCX: UCX is not loaded (kvl_ucx_load_lib first)");
+    kvl_err me = kvl_movers_usable(cfg, (uint32_t)cfg->secret_len);
+    if (me)
+        return me;
     if (!cfg->connect_timeout_ms || !cfg->monitor_interval_ms || !cfg->max_attempts ||
         !cfg->window_chunks || !cfg->stall_factor || !cfg->probe_backoff_max_ms)
         return kvl_fail(KVL_ERR_INVALID_ARG,
@@ -431,11 +427,11 @@ static kvl_err check_exposure(const kvl_config *cfg)
 
 static void agent_free(kvl_agent *a)
 {
-    a->tp->stop(a); /* every endpoint but the listeners is gone; they never had an I/O thread */
+    a->stream->stop(a); /* every endpoint but the listeners is gone; they never had an I/O thread */
     for (size_t i = 0; a->listeners && i < a->n_addrs; i++)
         if (a->listeners[i]) {
-            a->tp->close(a->listeners[i], 0);
-            a->tp->free(a->listeners[i]);
+            a->stream->close(a->listeners[i], 0);
+            a->stream->free(a->listeners[i]);
         }
     if (a->epfd >= 0)
         close(a->epfd);
@@ -493,7 +489,7 @@ kvl_err kvl_agent_create(const kvl_config *cfg, kvl_agent **out)
     if (cfg->secret_len)
         memcpy(a->secret, cfg->secret, cfg->secret_len);
     snprintf(a->name, sizeof a->name, "%s", cfg->name);
-    a->tp = &kvl_tcp_ops;
+    a->stream = kvl_stream_default();
     a->n_addrs = cfg->n_addrs;
     a->addrs = calloc(cfg->n_addrs, sizeof *a->addrs);
     a->ports = calloc(cfg->n_addrs, sizeof *a->ports);
@@ -524,7 +520,7 @@ kvl_err kvl_agent_create(const kvl_config *cfg, kvl_agent **out)
     for (size_t i = 0; i < cfg->n_addrs; i++) {
         snprintf(a->addrs[i], sizeof a->addrs[i], "%s", cfg->addrs[i]);
         uint16_t port = cfg->port;
-        if ((e = a->tp->listen(a, a->addrs[i], &port, &a->listeners[i])) == KVL_OK)
+        if ((e = a->stream->listen(a, a->addrs[i], &port, &a->listeners[i])) == KVL_OK)
             a->ports[i] = port;
         if (e) {
             agent_free(a);
@@ -537,7 +533,7 @@ kvl_err kvl_agent_create(const kvl_config *cfg, kvl_agent **out)
         return e;
     }
     kvl_monitor_init(a);
-    if ((e = a->tp->start(a, cfg->io_threads))) {
+    if ((e = a->stream->start(a, cfg->io_threads))) {
         agent_free(a);
         return e;
     }
@@ -607,7 +603,7 @@ kvl_err kvl_agent_close(kvl_agent *a)
         if (cmd->type == KVL_CMD_SUBMIT)
             fail_and_drop(cmd->xfer);
         if (cmd->type == KVL_CMD_PROBED && cmd->ep)
-            a->tp->discard(cmd->ep);
+            a->stream->discard(cmd->ep);
         if (cmd->type == KVL_CMD_REMOVE_PEER) { /* out of the callers' list: freed below */
             cmd->peer->retiring = 1;
             if (!cmd->peer->adopted) { /* in no engine list either */
@@ -637,10 +633,10 @@ kvl_err kvl_agent_close(kvl_agent *a)
         }
         if (!p->adopted) {
             if (p->ctrl_ep)
-                a->tp->discard(p->ctrl_ep);
+                a->stream->discard(p->ctrl_ep);
             for (uint32_t i = 0; i < p->n_paths; i++)
                 if (p->paths[i].ep)
-                    a->tp->discard(p->paths[i].ep);
+                    a->stream->discard(p->paths[i].ep);
         }
         kvl_peer_free(p);
     }

@@ -14,10 +14,8 @@
 
 #include "kvlink.h"
 
-#define KVL_NAME_MAX 64          /* agent and region names, with the NUL */
 #define KVL_MAX_PATHS 64
 #define KVL_MAX_IO_THREADS 64
-#define KVL_MAX_PIECES 8192      /* pieces per chunk: bounds a frame body to 192 KiB */
 #define KVL_MAX_REGIONS 8192     /* regions per agent: bounds the region table frame */
 #define KVL_MAX_TAG 4096
 #define KVL_ERR_MAX KVL_ERR_AUTH  /* the highest error code: a peer's status above is garbage */
@@ -57,225 +55,7 @@ void kvl_cond_init(pthread_cond_t *cv);
 int kvl_cond_wait_until(pthread_cond_t *cv, pthread_mutex_t *mu, int (*pred)(void *, uint32_t),
                         void *obj, uint32_t arg, uint32_t timeout_ms);
 
-/* ---- wire.c: frames on the wire (docs/wire-protocol.md) ----
- * Every frame: a 24-byte header, body_len bytes of body, then payload_len
- * bytes of payload followed by a 4-byte crc32c trailer when payload_len > 0.
- * All integers little-endian. */
-#define KVL_MAGIC 0x4b4c564bu /* "KVLK" */
-#define KVL_PROTO_VERSION 4 /* 2: ANNOUNCE, NOTIFY_ACK, END with status; 3: CHALLENGE, AUTH;
-                              4: UCX set-up frames, HELLO flag UCX, header flag REMOTE */
-#define KVL_HDR_BYTES 24
-#define KVL_MAX_BODY (1u << 20)
-
-enum kvl_frame_type {
-    KVL_F_HELLO = 1,       /* initiator -> listener: who I am, which connection this is */
-    KVL_F_HELLO_ACK = 2,   /* listener -> initiator: accepted or why not, region table */
-    KVL_F_DATA = 3,        /* push: chunk header (destination pieces) + payload */
-    KVL_F_ACK = 4,         /* push: chunk verified and placed, or why not */
-    KVL_F_READ_REQ = 5,    /* pull: send me these source pieces */
-    KVL_F_READ_RESP = 6,   /* pull: status + payload */
-    KVL_F_NOTIFY = 7,      /* transfer finished: the caller's tag */
-    KVL_F_REGIONS_REQ = 8, /* send me your region table */
-    KVL_F_REGIONS = 9,     /* region table */
-    KVL_F_PING = 10,       /* idle-path probe: echo my token */
-    KVL_F_PONG = 11,       /* the echo */
-    KVL_F_END = 12,        /* push finished (either way): drain any late copy */
-    KVL_F_NOTIFY_ACK = 13, /* the NOTIFY of this transfer arrived (token: its id) */
-    KVL_F_ANNOUNCE = 14,   /* push: tag, size and chunk-to-layer map, before its first DATA */
-    KVL_F_CHALLENGE = 15,  /* listener -> initiator: its nonce and proof of the secret */
-    KVL_F_AUTH = 16,       /* initiator -> listener: its proof of the secret */
-    /* data connections only, after the handshake (docs/ucx.md; bodies: transport/ucx/msg.h) */
-    KVL_F_UCX_OFFER = 17,  /* initiator -> listener: its worker address and keys */
-    KVL_F_UCX_ACCEPT = 18, /* listener -> initiator: its worker address and keys */
-    KVL_F_UCX_KEYS = 19,   /* either way: the sender's keys changed (regions registered) */
-    KVL_F_UCX_REFUSE = 20, /* listener -> initiator: no UCX on this path, and why */
-    KVL_F_TYPE_MAX = 20
-};
-
-enum kvl_conn_kind { KVL_CONN_CONTROL = 0, KVL_CONN_DATA = 1 };
-
-/* Header flags.  REMOTE: the payload's bytes travel one-sided (UCX put) and
- * are not in the stream; the frame ends with its crc32c trailer only, sent
- * after the puts were flushed (docs/ucx.md).  Legal on DATA / READ_RESP with
- * a payload, on a path whose UCX set-up succeeded (proto.c checks that).
- * DST: a READ_REQ whose body ends with where each piece goes in the
- * initiator's regions (pull over UCX: the responder may put the bytes there
- * and answer with a REMOTE READ_RESP).  Legal on READ_REQ only, on a path
- * whose UCX set-up succeeded.
- * CMA: a same-host DATA / READ_RESP with a payload whose bytes the receiver
- * copies from the sender's memory: a descriptor (transport/tcp/cma.h) stands
- * in the stream where the payload would, then the trailer.  Legal on a data
- * connection whose HELLO carried KVL_HELLO_CMA; never with REMOTE. */
-enum { KVL_HF_REMOTE = 1, KVL_HF_DST = 2, KVL_HF_CMA = 4 };
-
-typedef struct kvl_frame_hdr {
-    uint8_t type;
-    uint16_t flags;
-    uint32_t body_len;
-    uint32_t body_crc;
-    uint64_t payload_len;
-} kvl_frame_hdr;
-
-/* Growable byte buffer for building frames.  oom latches allocation failure. */
-typedef struct kvl_buf {
-    uint8_t *p;
-    size_t len, cap;
-    int oom;
-} kvl_buf;
-
-typedef struct kvl_wire_piece {
-    uint64_t region, offset, len;
-} kvl_wire_piece;
-#define KVL_WIRE_PIECE_BYTES 24
-#define KVL_KEY_BYTES 16          /* a region's access key (docs/security.md) */
-#define KVL_WIRE_KEY_BYTES (8 + KVL_KEY_BYTES) /* region id + its key */
-#define KVL_WIRE_REGION_BYTES 90 /* a region record without its remote key */
-#define KVL_MAX_RKEY 256          /* bytes of a transport's remote key */
-
-#define KVL_NONCE_BYTES 16
-#define KVL_MAC_BYTES 32        /* HMAC-SHA256 */
-#define KVL_TOKEN_BYTES 16
-/* hello flags: AUTH: the initiator holds a secret; UCX: a UCX_OFFER follows
- * HELLO_ACK on this data connection (docs/ucx.md); CMA: the initiator runs on
- * the listener's host (its metadata said so) and both ends may send CMA
- * frames on this data connection */
-enum { KVL_HELLO_AUTH = 1, KVL_HELLO_UCX = 2, KVL_HELLO_CMA = 4 };
-
-typedef struct kvl_msg_hello {
-    uint64_t instance;
-    uint8_t kind;   /* kvl_conn_kind */
-    uint16_t path;  /* path index for data connections */
-    char name[KVL_NAME_MAX];
-    uint8_t flags;  /* KVL_HELLO_AUTH | KVL_HELLO_UCX | KVL_HELLO_CMA */
-    uint8_t nonce[KVL_NONCE_BYTES]; /* the initiator's challenge (with KVL_HELLO_AUTH) */
-    uint8_t token[KVL_TOKEN_BYTES]; /* the initiator's session with this listener: random,
-                                       the same on every connection of one kvl_peer */
-} kvl_msg_hello;
-
-/* CHALLENGE: the listener's nonce and its proof (kvl_auth_mac, server side). */
-typedef struct kvl_msg_challenge {
-    uint64_t instance;
-    char name[KVL_NAME_MAX];
-    uint8_t nonce[KVL_NONCE_BYTES];
-    uint8_t mac[KVL_MAC_BYTES];
-} kvl_msg_challenge;
-
-/* AUTH: the initiator's proof, or status != OK: the listener's proof failed. */
-typedef struct kvl_msg_auth {
-    uint32_t status;
-    uint8_t mac[KVL_MAC_BYTES];
-} kvl_msg_auth;
-
-/* HELLO_ACK and REGIONS share the region table encoding. */
-typedef struct kvl_msg_hello_ack {
-    uint32_t status; /* kvl_err */
-    uint64_t instance;
-    char name[KVL_NAME_MAX];
-    char msg[256];
-    uint32_t n_regions;
-    const uint8_t *regions; /* n_regions records (checked), inside the body */
-} kvl_msg_hello_ack;
-
-/* DATA and READ_REQ */
-typedef struct kvl_msg_chunk {
-    uint64_t xfer;
-    uint32_t chunk, attempt, n_pieces;
-    const uint8_t *pieces; /* n_pieces * KVL_WIRE_PIECE_BYTES, inside the body */
-    uint32_t n_keys;       /* access keys of the regions the pieces name: 1..n_pieces, */
-    const uint8_t *keys;   /* ids strictly ascending; n_keys * KVL_WIRE_KEY_BYTES */
-    const uint8_t *dst;    /* READ_REQ with KVL_HF_DST: n_pieces * KVL_WIRE_DST_BYTES
-                              (the initiator's region id u64, offset u64 per piece, the
-                              piece's len); else NULL */
-} kvl_msg_chunk;
-#define KVL_WIRE_DST_BYTES 16
-
-/* ACK and READ_RESP */
-typedef struct kvl_msg_status {
-    uint64_t xfer;
-    uint32_t chunk, attempt, status;
-    char msg[256];
-} kvl_msg_status;
-
-typedef struct kvl_msg_notify {
-    uint64_t xfer;
-    uint32_t op, tag_len;
-    const uint8_t *tag; /* inside the body */
-} kvl_msg_notify;
-
-/* ANNOUNCE: a push's shape, sent on each connection before its first DATA
- * there, so the receiver can report it (kvl_inbound_next) from the first
- * frame on.  map: n_chunks x (u32 layer_first, u32 layer_last). */
-typedef struct kvl_msg_announce {
-    uint64_t xfer;
-    uint64_t bytes;
-    uint32_t n_chunks, n_layers;
-    uint32_t timeout_ms;      /* what is left of the sender's deadline (0: none) */
-    uint32_t tag_len;
-    const uint8_t *tag;       /* inside the body */
-    const uint8_t *map;       /* inside the body */
-} kvl_msg_announce;
-
-/* Header: decode checks magic, version, type and the body/payload bounds. */
-void kvl_hdr_encode(uint8_t out[KVL_HDR_BYTES], const kvl_frame_hdr *h);
-kvl_err kvl_hdr_decode(const uint8_t in[KVL_HDR_BYTES], kvl_frame_hdr *h);
-
-/* Frame builders: start reserves the header, finish fills it in (body crc
- * included).  Check b->oom after finishing. */
-void kvl_frame_start(kvl_buf *b);
-void kvl_frame_finish(kvl_buf *b, uint8_t type, uint64_t payload_len);
-void kvl_buf_free(kvl_buf *b);
-/* Appends n bytes of src to b, growing it; on allocation failure b->oom
- * latches and nothing more is appended. */
-void kvl_buf_put(kvl_buf *b, const void *src, size_t n);
-
-void kvl_enc_hello(kvl_buf *b, const kvl_msg_hello *m);
-void kvl_enc_hello_ack(kvl_buf *b, uint32_t status, uint64_t instance, const char *name,
-                       const char *msg, const kvl_region_info *regions, size_t n_regions);
-void kvl_enc_chunk(kvl_buf *b, uint64_t xfer, uint32_t chunk, uint32_t attempt,
-                   uint32_t n_pieces); /* pieces follow with kvl_enc_piece */
-void kvl_enc_piece(kvl_buf *b, const kvl_wire_piece *p);
-/* After the pieces: n keys follow with kvl_enc_key, ids strictly ascending. */
-void kvl_enc_keys(kvl_buf *b, uint32_t n);
-void kvl_enc_key(kvl_buf *b, uint64_t region, const uint8_t key[KVL_KEY_BYTES]);
-void kvl_enc_status(kvl_buf *b, const kvl_msg_status *m);
-void kvl_enc_notify(kvl_buf *b, uint64_t xfer, uint32_t op, const void *tag, uint32_t len);
-void kvl_enc_token(kvl_buf *b, uint64_t token); /* PING and PONG */
-void kvl_enc_challenge(kvl_buf *b, const kvl_msg_challenge *m);
-void kvl_enc_auth(kvl_buf *b, const kvl_msg_auth *m);
-
-/* Body decoders: every length is checked against the body; any mismatch
- * is KVL_ERR_PROTOCOL with a message.  Outputs may point into body. */
-kvl_err kvl_dec_hello(const uint8_t *body, size_t len, kvl_msg_hello *m);
-kvl_err kvl_dec_hello_ack(const uint8_t *body, size_t len, kvl_msg_hello_ack *m);
-kvl_err kvl_dec_chunk(const uint8_t *body, size_t len, kvl_msg_chunk *m);
-/* kvl_dec_chunk for a frame whose header flags are flags: with KVL_HF_DST the
- * body ends with the destination pieces (m->dst).  Trusts nothing: lengths
- * checked against the body, trailing bytes refused. */
-kvl_err kvl_dec_chunk_flags(const uint8_t *body, size_t len, uint16_t flags, kvl_msg_chunk *m);
-/* Destination i of a DST READ_REQ (m->dst set, i < m->n_pieces): region and
- * offset from the DST section, len from source piece i. */
-void kvl_dec_dst_piece(const kvl_msg_chunk *m, uint32_t i, kvl_wire_piece *p);
-/* Appends one destination entry of a DST READ_REQ (after the keys). */
-void kvl_enc_dst(kvl_buf *b, uint64_t region, uint64_t offset);
-kvl_err kvl_dec_status(const uint8_t *body, size_t len, kvl_msg_status *m);
-kvl_err kvl_dec_notify(const uint8_t *body, size_t len, kvl_msg_notify *m);
-kvl_err kvl_dec_token(const uint8_t *body, size_t len, uint64_t *token);
-kvl_err kvl_dec_challenge(const uint8_t *body, size_t len, kvl_msg_challenge *m);
-kvl_err kvl_dec_auth(const uint8_t *body, size_t len, kvl_msg_auth *m);
-void kvl_enc_announce(kvl_buf *b, const kvl_msg_announce *m, const uint32_t *layer_first,
-                      const uint32_t *layer_last);
-/* Also checks the map: layers inside [0, n_layers), chunks in layer order. */
-kvl_err kvl_dec_announce(const uint8_t *body, size_t len, kvl_msg_announce *m);
-void kvl_dec_announce_chunk(const kvl_msg_announce *m, uint32_t i, uint32_t *layer_first,
-                            uint32_t *layer_last);
-void kvl_dec_piece(const kvl_msg_chunk *m, uint32_t i, kvl_wire_piece *p);
-/* The key the frame carries for region id, or NULL (binary search). */
-const uint8_t *kvl_dec_key_for(const kvl_msg_chunk *m, uint64_t region);
-/* Decodes the region record at p (from a table kvl_dec_hello_ack accepted)
- * and returns where the next one starts. */
-const uint8_t *kvl_dec_region_next(const uint8_t *p, kvl_region_info *r);
-/* The whole table of an accepted HELLO_ACK/REGIONS, in a new array (caller frees). */
-kvl_err kvl_dec_region_table(const kvl_msg_hello_ack *m, kvl_region_info **out);
+#include "wire.h"
 
 /* ---- the transport interface (csrc/transport/transport.h) ---- */
 #include "transport/transport.h"
@@ -400,7 +180,7 @@ typedef struct kvl_path {
     uint32_t stall_ms;
     uint64_t t_last_ping_ns, ping_sent_ns; /* ping_sent_ns != 0: a probe is outstanding */
     uint64_t bytes_sent_prev, bytes_recv_prev; /* totals of earlier connections */
-    uint64_t bytes_put_prev;   /* ... of which placed by UCX put (kvl_path_info.bytes_put) */
+    uint64_t bytes_put_prev;   /* ... of which placed by a one-sided mover (bytes_put) */
     /* re-probing (probe.c) */
     uint64_t next_probe_ns;
     uint32_t backoff_ms;
@@ -415,17 +195,17 @@ typedef struct kvl_path {
     double jitter_ms;          /* longest silence the path recovered from (decays) */
     uint64_t chunks_done;
     char last_error[160];
-    int ucx;                   /* the connection's payloads travel by UCX put (docs/ucx.md) */
-    int cma;                   /* same host: payloads copied by the receiver (tcp/cma.h) */
+    /* what carries the connection's payloads (transport.h): its mover's kind and
+     * KVL_MV_* bits, 0 in-stream; the scheduler reads the bits, never a name */
+    uint32_t mover_kind, mover_caps;
     char tnote[128];           /* why this transport (kvl_path_info.transport_note) */
-    /* a connection that carried UCX died: the path's next connections run TCP on the
-     * same NIC (no offer) until this CLOCK_MONOTONIC time; atomic (the connecting
-     * threads read it) */
-    uint64_t ucx_off_until_ns;
-    char ucx_died[96];         /* engine: why it died (for the fallen-back path's note) */
+    /* a connection that a KVL_MV_FALLS_BACK mover carried died: the path's next
+     * connections run in-stream on the same NIC (no mover) until this
+     * CLOCK_MONOTONIC time; atomic (the connecting threads read it) */
+    uint64_t mover_off_until_ns;
+    char mover_died[96];       /* engine: why it died (for the fallen-back path's note) */
+    uint32_t mover_died_kind;  /* engine: the mover that carried it */
 } kvl_path;
-/* How long a path whose UCX connection died runs TCP before offering UCX again. */
-#define KVL_UCX_FALLBACK_MS 60000u
 
 struct kvl_peer {
     kvl_agent *agent;
@@ -549,7 +329,7 @@ enum {
     KVL_CMD_PROBED = 4,
     KVL_CMD_PREPARE = 5,
     KVL_CMD_REMOVE_PEER = 6,   /* error: why */
-    KVL_CMD_REGIONS = 7        /* no peer: this agent's regions changed (UCX paths re-map) */
+    KVL_CMD_REGIONS = 7        /* no peer: this agent's regions changed (movers re-map) */
 };
 
 struct kvl_agent {
@@ -561,7 +341,7 @@ struct kvl_agent {
     uint16_t *ports;
     size_t n_addrs;
     uint64_t instance;
-    const kvl_transport_ops *tp;
+    const kvl_stream_ops *stream; /* every connection's (transport/registry.c) */
     void *tp_state;            /* the transport's own (TCP: its I/O threads) */
     kvl_regions regions;
     int epfd, wakefd;
@@ -666,9 +446,6 @@ int kvl_conn_send_frame(kvl_conn *c, kvl_buf *buf);
 /* Queues a DATA frame (push) or READ_REQ (pull) for chunk ci of x. */
 int kvl_conn_send_chunk(kvl_conn *c, kvl_xfer *x, uint32_t ci);
 void kvl_conn_bind_outbound(kvl_conn *c, kvl_peer *p, int path);
-/* 1 if connections of this kind to p send HELLO flag CMA: a data connection
- * to a peer on this host (KVL_PEER_SAME_HOST) unless transport is TCP. */
-int kvl_peer_uses_cma(const kvl_agent *a, const kvl_peer *p, int kind);
 void kvl_conn_expire(kvl_agent *a, uint64_t now);
 int kvl_conn_sample(const kvl_conn *c, kvl_tp_sample *out);
 /* Iterates a->conns (live connections). */
@@ -679,10 +456,10 @@ int kvl_conn_has_output(const kvl_conn *c);
 void kvl_conn_drop_unstarted(kvl_conn *c);
 uint64_t kvl_conn_bytes_sent(const kvl_conn *c);
 uint64_t kvl_conn_bytes_recv(const kvl_conn *c);
-/* Engine thread: this agent's regions changed: c's one-sided companion maps
- * the new ones and drops the gone ones (transport op remote_sync). */
+/* Engine thread: this agent's regions changed: c's mover, if it maps
+ * regions (KVL_MV_MAPS_REGIONS), maps the new ones and drops the gone ones. */
 void kvl_conn_regions_changed(kvl_conn *c);
-/* Payload bytes moved by UCX put on c, either way (transport op bytes_put).  Engine thread. */
+/* Payload bytes a one-sided mover placed on c, either way (bytes_put).  Engine thread. */
 uint64_t kvl_conn_bytes_put(const kvl_conn *c);
 /* Cancels the copy (xid, ci, attempt) queued on c without disturbing the
  * connection (the transport's cancel()).  Returns 1 if the copy was found. */

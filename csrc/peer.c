@@ -35,7 +35,7 @@ static kvl_err recv_frame(kvl_agent *a, kvl_ep *ep, uint64_t deadline, kvl_frame
 {
     uint8_t hdr[KVL_HDR_BYTES];
     *body = NULL;
-    kvl_err e = a->tp->recv_all(ep, hdr, sizeof hdr, deadline);
+    kvl_err e = a->stream->recv_all(ep, hdr, sizeof hdr, deadline);
     if (e)
         return e;
     if ((e = kvl_hdr_decode(hdr, h)))
@@ -45,7 +45,7 @@ static kvl_err recv_frame(kvl_agent *a, kvl_ep *ep, uint64_t deadline, kvl_frame
     *body = malloc(h->body_len ? h->body_len : 1);
     if (!*body)
         return kvl_fail(KVL_ERR_NOMEM, "handshake: out of memory");
-    if ((e = a->tp->recv_all(ep, *body, h->body_len, deadline)))
+    if ((e = a->stream->recv_all(ep, *body, h->body_len, deadline)))
         return e;
     if (kvl_crc32c(0, *body, h->body_len) != h->body_crc)
         return kvl_fail(KVL_ERR_PROTOCOL, "a handshake frame body failed its crc32c check");
@@ -56,7 +56,7 @@ static kvl_err send_frame(kvl_agent *a, kvl_ep *ep, kvl_buf *b, uint8_t type, ui
 {
     kvl_frame_finish(b, type, 0);
     kvl_err e = b->oom ? kvl_fail(KVL_ERR_NOMEM, "handshake: out of memory")
-                       : a->tp->send_all(ep, b->p, b->len, deadline);
+                       : a->stream->send_all(ep, b->p, b->len, deadline);
     kvl_buf_free(b);
     return e;
 }
@@ -101,36 +101,35 @@ static kvl_err answer_challenge(kvl_agent *a, kvl_peer *p, kvl_ep *ep, const kvl
     return KVL_OK;
 }
 
-/* Whether a connection offers UCX after its handshake: data paths of an
- * agent configured for it (engine.c checked the secret and that UCX is
- * loaded), unless the path's last UCX connection died less than
- * KVL_UCX_FALLBACK_MS ago (then it runs TCP on the same NIC: docs/ucx.md). */
-static int offers_ucx(const kvl_agent *a, const kvl_peer *p, int kind, uint16_t path)
+/* The mover a connection of this kind to p wants (its HELLO names it), or
+ * NULL: data paths only, chosen from Config.transport, whether p runs on
+ * this host (its metadata and the permission probe: KVL_PEER_SAME_HOST)
+ * and whether the path's last connection that a KVL_MV_FALLS_BACK mover
+ * carried died less than KVL_MOVER_FALLBACK_MS ago (then it runs in-stream
+ * on the same NIC: docs/ucx.md). */
+static const kvl_mover_ops *wanted_mover(const kvl_agent *a, const kvl_peer *p, int kind,
+                                         uint16_t path)
 {
-    if (kind != KVL_CONN_DATA || a->cfg.transport != KVL_TRANSPORT_UCX || !a->secret_len)
-        return 0;
-    if (path >= KVL_MAX_PATHS)
-        return 1;
-    uint64_t off = __atomic_load_n(&p->paths[path].ucx_off_until_ns, __ATOMIC_RELAXED);
-    return !off || kvl_now_ns() >= off;
-}
-
-int kvl_peer_uses_cma(const kvl_agent *a, const kvl_peer *p, int kind)
-{
-    return kind == KVL_CONN_DATA && (p->flags & KVL_PEER_SAME_HOST) &&
-           a->cfg.transport != KVL_TRANSPORT_TCP;
+    if (kind != KVL_CONN_DATA)
+        return NULL;
+    uint64_t off = path < KVL_MAX_PATHS
+                       ? __atomic_load_n(&p->paths[path].mover_off_until_ns, __ATOMIC_RELAXED)
+                       : 0;
+    int fallen_back = off && kvl_now_ns() < off;
+    return kvl_mover_choose(&a->cfg, a->secret_len, (p->flags & KVL_PEER_SAME_HOST) != 0,
+                            fallen_back);
 }
 
 /* HELLO on ep, with a secret the challenge-response (auth.c), then the
  * HELLO_ACK.  Fills *instance; on a control connection the region table
  * is copied into p. */
 static kvl_err handshake(kvl_agent *a, kvl_peer *p, kvl_ep *ep, int kind, uint16_t path,
-                         int ucx, const char *where, uint64_t deadline, uint64_t *instance)
+                         const kvl_mover_ops *mv, const char *where, uint64_t deadline,
+                         uint64_t *instance)
 {
     kvl_msg_hello m = {.instance = a->instance, .kind = (uint8_t)kind, .path = path,
-                       .flags = (a->secret_len ? KVL_HELLO_AUTH : 0) |
-                                (ucx ? KVL_HELLO_UCX : 0) |
-                                (kvl_peer_uses_cma(a, p, kind) ? KVL_HELLO_CMA : 0)};
+                       .flags = a->secret_len ? KVL_HELLO_AUTH : 0,
+                       .movers = mv ? mv->kind : 0};
     strcpy(m.name, a->name);
     memcpy(m.token, p->token, sizeof m.token);
     if (a->secret_len && kvl_auth_nonce(m.nonce))
@@ -236,15 +235,23 @@ static kvl_err open_conn(kvl_agent *a, kvl_peer *p, const char *local, const cha
     snprintf(where, sizeof where, "%s:%u", host, port);
     uint64_t deadline = kvl_now_ns() + (uint64_t)a->cfg.connect_timeout_ms * 1000000ull;
     *ep = NULL;
-    kvl_err e = a->tp->connect(a, local, host, port, a->cfg.connect_timeout_ms, ep);
+    kvl_err e = a->stream->connect(a, local, host, port, a->cfg.connect_timeout_ms, ep);
     if (e)
         return kvl_fail(e, "peer '%s': %s", p->name, kvl_last_error());
-    int ucx = offers_ucx(a, p, kind, path); /* decided once: the HELLO flag says an offer follows */
-    e = handshake(a, p, *ep, kind, path, ucx, where, deadline, instance);
-    if (!e && ucx && (e = a->tp->remote_offer(*ep, local, deadline)))
-        e = kvl_fail(e, "peer '%s' at %s: UCX set-up: %s", p->name, where, kvl_last_error());
+    /* decided once: the HELLO names it, and a mover with KVL_MV_OFFER sends its offer */
+    const kvl_mover_ops *mv = wanted_mover(a, p, kind, path);
+    e = handshake(a, p, *ep, kind, path, mv, where, deadline, instance);
+    if (!e && mv) {
+        kvl_mover *m = NULL;
+        char note[128] = "";
+        if ((e = mv->start(a, *ep, local, deadline, &m, note, sizeof note)))
+            e = kvl_fail(e, "peer '%s' at %s: %s set-up: %s", p->name, where, mv->label,
+                         kvl_last_error());
+        else
+            a->stream->set_mover(*ep, mv, m, note);
+    }
     if (e) {
-        a->tp->discard(*ep);
+        a->stream->discard(*ep);
         *ep = NULL;
     }
     return e;
@@ -378,9 +385,9 @@ static int old_agent_listens(kvl_agent *a, const old_addrs *old, const char *con
             taken |= ports[j] == pa->rport && strcmp(hosts[j], pa->rhost) == 0;
         kvl_ep *ep = NULL;
         if (taken || !pa->rhost[0] ||
-            a->tp->connect(a, pa->local, pa->rhost, pa->rport, a->cfg.connect_timeout_ms, &ep))
+            a->stream->connect(a, pa->local, pa->rhost, pa->rport, a->cfg.connect_timeout_ms, &ep))
             continue;
-        a->tp->discard(ep);
+        a->stream->discard(ep);
         return 1;
     }
     return 0;
@@ -533,17 +540,17 @@ kvl_err kvl_peer_connect(kvl_agent *a, const char *name, uint64_t instance,
         snprintf(msg, sizeof msg, "%s", kvl_last_error());
         for (uint32_t i = 0; i <= p->n_paths; i++)
             if (jobs[i].ep)
-                a->tp->discard(jobs[i].ep);
+                a->stream->discard(jobs[i].ep);
         kvl_peer_free(p);
         return kvl_fail(e, "%s", msg);
     }
 
     kvl_cmd *cmd = calloc(1, sizeof *cmd);
     if (!cmd) {
-        a->tp->discard(jobs[0].ep);
+        a->stream->discard(jobs[0].ep);
         for (uint32_t i = 0; i < p->n_paths; i++)
             if (p->paths[i].ep)
-                a->tp->discard(p->paths[i].ep);
+                a->stream->discard(p->paths[i].ep);
         kvl_peer_free(p);
         return kvl_fail(KVL_ERR_NOMEM, "add_peer: out of memory");
     }

@@ -136,7 +136,7 @@ void kvl_prober_done(kvl_agent *a, kvl_cmd *cmd)
     if (cmd->ep && !p->replaced)
         c = kvl_conn_adopt(a, cmd->ep); /* discards the endpoint when it fails */
     else if (cmd->ep)
-        a->tp->discard(cmd->ep);
+        a->stream->discard(cmd->ep);
     cmd->ep = NULL;
     if (!c) {
         char why[sizeof pa->last_error];

@@ -10,6 +10,7 @@
  *
  * Everything here runs on the engine thread only.
  */
+#include <ctype.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,9 +32,8 @@ struct kvl_conn {
     char peer_name[KVL_NAME_MAX]; /* inbound: from HELLO */
     kvl_inbound *ib;
     int rx_path;           /* inbound data: the sender's path index (HELLO) */
-    int ucx_due;           /* inbound data: HELLO said a UCX_OFFER follows (docs/ucx.md) */
-    int ucx_on;            /* data: UCX set up on this path: frames may carry REMOTE */
-    int cma_on;            /* data: same host (HELLO flag CMA): frames may carry CMA */
+    /* inbound data: the HELLO named this mover, whose MOVER_OFFER follows */
+    const kvl_mover_ops *mover_due;
     uint64_t serial;       /* unique per agent: tells a reconnected path's connection apart */
     uint64_t t_open_ns;
     int dead;
@@ -57,7 +57,21 @@ struct kvl_conn {
     kvl_conn *next, *prev;
 };
 
-static const kvl_transport_ops *tp(const kvl_conn *c) { return c->a->tp; }
+static const kvl_stream_ops *tp(const kvl_conn *c) { return c->a->stream; }
+
+/* c's mover (NULL: payloads in-stream), as the stream has it now: a mover
+ * may drop itself (a fence, keys that disagree with the region table). */
+static const kvl_mover_ops *mover_of(const kvl_conn *c, kvl_mover **m)
+{
+    kvl_mover *dummy;
+    return tp(c)->mover(c->ep, m ? m : &dummy);
+}
+
+static uint32_t mover_caps(const kvl_conn *c)
+{
+    const kvl_mover_ops *ops = mover_of(c, NULL);
+    return ops ? ops->caps : 0;
+}
 
 kvl_conn *kvl_conn_new(kvl_agent *a, kvl_ep *ep)
 {
@@ -134,7 +148,7 @@ uint32_t kvl_proto_max_body(const kvl_conn *c)
 kvl_conn *kvl_conn_adopt(kvl_agent *a, kvl_ep *ep)
 {
     kvl_conn *c = kvl_conn_new(a, ep);
-    if (c && a->tp->attach(ep, c) == KVL_OK)
+    if (c && a->stream->attach(ep, c) == KVL_OK)
         return c;
     if (c) { /* unlink the half-made connection */
         a->conns = c->next;
@@ -142,7 +156,7 @@ kvl_conn *kvl_conn_adopt(kvl_agent *a, kvl_ep *ep)
             a->conns->prev = NULL;
         free(c);
     }
-    a->tp->discard(ep);
+    a->stream->discard(ep);
     return NULL;
 }
 
@@ -156,26 +170,35 @@ void kvl_conn_bind_outbound(kvl_conn *c, kvl_peer *p, int path)
     strcpy(c->peer_name, p->name);
     if (path >= 0) { /* what carries this path's payloads from now on, and why */
         kvl_path *pa = &p->paths[path];
-        pthread_mutex_lock(&p->mu); /* the peer's keys must agree with its region table */
-        tp(c)->remote_check(c->ep, p->regions, p->n_regions);
-        pthread_mutex_unlock(&p->mu);
-        pa->ucx = c->ucx_on = tp(c)->remote_note(c->ep, pa->tnote, sizeof pa->tnote);
-        pa->cma = kvl_peer_uses_cma(c->a, p, c->kind);
-        if (pa->cma) {
-            c->cma_on = 1;
-            tp(c)->cma_enable(c->ep, 0); /* the metadata and the probe said so */
-            if (!pa->ucx)
-                snprintf(pa->tnote, sizeof pa->tnote,
-                         "same host: payloads copied process to process (CMA), no socket");
+        kvl_mover *m;
+        const kvl_mover_ops *mv = mover_of(c, &m);
+        if (mv && mv->check) {
+            char why[sizeof pa->tnote];
+            pthread_mutex_lock(&p->mu); /* what it learnt must agree with the region table */
+            int bad = mv->check(m, p->regions, p->n_regions, why, sizeof why);
+            pthread_mutex_unlock(&p->mu);
+            if (bad) {
+                tp(c)->set_mover(c->ep, mv, NULL, why);
+                mv = NULL;
+            }
         }
-        uint64_t off = __atomic_load_n(&pa->ucx_off_until_ns, __ATOMIC_RELAXED);
+        tp(c)->note(c->ep, pa->tnote, sizeof pa->tnote);
+        pa->mover_kind = mv ? mv->kind : 0;
+        pa->mover_caps = mv ? mv->caps : 0;
+        uint64_t off = __atomic_load_n(&pa->mover_off_until_ns, __ATOMIC_RELAXED);
         uint64_t now = kvl_now_ns();
-        if (!pa->ucx && now < off && c->a->cfg.transport == KVL_TRANSPORT_UCX) {
-            char died[sizeof pa->ucx_died];
-            memcpy(died, pa->ucx_died, sizeof died);
+        const kvl_mover_ops *gone = kvl_mover_by_kind(pa->mover_died_kind);
+        if (!mv && gone && now < off) {
+            char died[sizeof pa->mover_died];
+            memcpy(died, pa->mover_died, sizeof died);
+            char stream[16];
+            size_t i = 0;
+            for (; tp(c)->name[i] && i + 1 < sizeof stream; i++)
+                stream[i] = (char)toupper((unsigned char)tp(c)->name[i]);
+            stream[i] = 0;
             snprintf(pa->tnote, sizeof pa->tnote,
-                     "UCX path died (%.60s): TCP on the same NIC; UCX again in %llu s", died,
-                     (unsigned long long)((off - now) / 1000000000ull));
+                     "%s path died (%.60s): %s on the same NIC; %s again in %llu s", gone->label,
+                     died, stream, gone->label, (unsigned long long)((off - now) / 1000000000ull));
         }
     }
 }
@@ -200,8 +223,10 @@ uint64_t kvl_conn_bytes_recv(const kvl_conn *c) { return tp(c)->bytes_recv(c->ep
 uint64_t kvl_conn_bytes_put(const kvl_conn *c) { return tp(c)->bytes_put(c->ep); }
 void kvl_conn_regions_changed(kvl_conn *c)
 {
-    if (!c->dead && c->ucx_on)
-        tp(c)->remote_sync(c->ep);
+    kvl_mover *m;
+    const kvl_mover_ops *mv = c->dead ? NULL : mover_of(c, &m);
+    if (mv && (mv->caps & KVL_MV_MAPS_REGIONS) && mv->sync)
+        mv->sync(m);
 }
 kvl_conn *kvl_conn_next(const kvl_conn *c) { return c->next; }
 int kvl_conn_has_output(const kvl_conn *c) { return !c->dead && tp(c)->has_output(c->ep); }
@@ -282,7 +307,8 @@ int kvl_conn_send_chunk(kvl_conn *c, kvl_xfer *x, uint32_t ci)
     kvl_tp_frame f = {.is_chunk = 1, .xid = x->id, .chunk = ci, .attempt = x->attempt[ci]};
     kvl_frame_start(&f.head);
     kvl_enc_chunk(&f.head, x->id, ci, x->attempt[ci], ch->n_pieces);
-    if (push && c->ucx_on) { /* the transport may put the payload one-sided */
+    uint32_t caps = mover_caps(c);
+    if (push && (caps & KVL_MV_ONE_SIDED)) { /* the mover may put the payload */
         f.dst = malloc(ch->n_pieces * sizeof *f.dst);
         if (!f.dst)
             f.head.oom = 1;
@@ -315,7 +341,8 @@ int kvl_conn_send_chunk(kvl_conn *c, kvl_xfer *x, uint32_t ci)
     for (size_t k = 0; k < x->n_keys; k++)
         if (x->key_used[k] == mark)
             kvl_enc_key(&f.head, x->keys[k].id, x->keys[k].key);
-    int want_put = !push && c->ucx_on; /* pull over UCX: say where the bytes go here */
+    /* a pull over a one-sided mover: say where the bytes go here */
+    int want_put = !push && (caps & KVL_MV_ONE_SIDED);
     for (uint32_t i = 0; want_put && i < ch->n_pieces; i++) {
         const kvl_segment *s = &x->segs[pc[i].seg];
         kvl_enc_dst(&f.head, s->dst_region, s->dst_offset + pc[i].seg_offset);
@@ -500,8 +527,9 @@ static uint64_t stage_cap(const kvl_agent *a)
  * failed (out of memory). */
 static int rx_stage(kvl_conn *c, int kind, uint64_t total)
 {
-    if (kind == KVL_STAGE_NONE || (c->h->flags & KVL_HF_REMOTE))
-        return 0; /* a REMOTE payload was put into the pieces one-sided */
+    if (kind == KVL_STAGE_NONE ||
+        ((c->h->flags & KVL_HF_OOB) && (mover_caps(c) & KVL_MV_ONE_SIDED)))
+        return 0; /* an OOB payload of a one-sided mover was put into the pieces */
     if (c->ndst > c->sdst_cap) {
         struct iovec *nd = realloc(c->sdst, (size_t)c->ndst * sizeof *nd);
         if (!nd) {
@@ -763,40 +791,69 @@ static void admit(kvl_conn *c, const kvl_msg_hello *hello)
         ib->conns++;
         c->ib = ib;
     }
-    if (status == KVL_OK && (m.flags & KVL_HELLO_CMA) && a->cfg.transport == KVL_TRANSPORT_TCP) {
-        status = KVL_ERR_INVALID_ARG;
-        snprintf(msg, sizeof msg,
-                 "agent '%s' runs transport='tcp' and takes no same-host copies: '%s' read "
-                 "stale metadata of it (add the peer again)",
-                 a->name, m.name);
-    }
-    if (status == KVL_OK && (m.flags & KVL_HELLO_CMA) && tp(c)->cma_enable(c->ep, 1)) {
-        /* a peer elsewhere asking for descriptors of our memory: no */
+    const kvl_mover_ops *mv = m.movers ? kvl_mover_by_kind(m.movers) : NULL;
+    if (status == KVL_OK && m.movers && !mv) {
         status = KVL_ERR_PROTOCOL;
-        snprintf(msg, sizeof msg, "agent '%s' refused same-host copies to '%s': %s", a->name,
-                 m.name, kvl_last_error());
+        snprintf(msg, sizeof msg, "agent '%s' has no mover of kind %#x ('%s' asked for it)",
+                 a->name, m.movers, m.name);
     }
-    c->cma_on = status == KVL_OK && (m.flags & KVL_HELLO_CMA) != 0;
-    c->ucx_due = status == KVL_OK && (m.flags & KVL_HELLO_UCX) != 0;
+    if (status == KVL_OK && mv && kvl_mover_allowed(&a->cfg, mv, a->name, m.name)) {
+        status = KVL_ERR_INVALID_ARG;
+        snprintf(msg, sizeof msg, "%s", kvl_last_error());
+    }
+    if (status == KVL_OK && mv && !(mv->caps & KVL_MV_OFFER)) {
+        kvl_mover *mover = NULL;
+        if (mv->agree(a, c->ep, &mover)) {
+            /* e.g. a peer elsewhere asking for descriptors of our memory: no */
+            status = KVL_ERR_PROTOCOL;
+            snprintf(msg, sizeof msg, "agent '%s' refused %s to '%s': %s", a->name, mv->what,
+                     m.name, kvl_last_error());
+        } else {
+            tp(c)->set_mover(c->ep, mv, mover, NULL);
+        }
+    }
+    c->mover_due = status == KVL_OK && mv && (mv->caps & KVL_MV_OFFER) ? mv : NULL;
     send_region_table(c, KVL_F_HELLO_ACK, status, msg);
     if (status != KVL_OK)
         tp(c)->refuse(c->ep); /* nothing behind a refused HELLO is read */
 }
 
-/* UCX_OFFER: once per data connection whose HELLO announced it.  The
- * transport answers (UCX_ACCEPT or UCX_REFUSE); only a peer that proved the
- * cluster secret gets an answer other than a refusal (docs/ucx.md: libucp
- * parses worker addresses unchecked). */
-static void on_ucx_offer(kvl_conn *c)
+/* MOVER_OFFER: once per data connection whose HELLO named a mover set up by
+ * an offer.  The mover answers (MOVER_ACCEPT or MOVER_REFUSE); only a peer
+ * that proved the cluster secret gets an answer other than a refusal
+ * (docs/ucx.md: libucp parses worker addresses unchecked). */
+static void on_mover_offer(kvl_conn *c)
 {
-    if (!c->ucx_due) {
-        kvl_conn_fail(c, KVL_ERR_PROTOCOL, "UCX_OFFER without the HELLO flag, or a second one");
+    const kvl_mover_ops *mv = c->mover_due;
+    if (!mv || c->h->body_len < 1 || c->body[0] != mv->kind) {
+        kvl_conn_fail(c, KVL_ERR_PROTOCOL,
+                      "MOVER_OFFER for a mover the HELLO did not name, or a second one");
         return;
     }
-    c->ucx_due = 0;
-    int r = tp(c)->remote_answer(c->ep, c->body, c->h->body_len, c->a->secret_len != 0);
-    if (r == 1)
-        c->ucx_on = 1;
+    c->mover_due = NULL;
+    mv->answer(c->a, c->ep, c->body + 1, c->h->body_len - 1, c->a->secret_len != 0);
+}
+
+/* MOVER_KEYS: the peer's mover mapped regions registered after its set-up
+ * (docs/ucx.md step 3).  For a mover it has gone since (fenced, dropped) the
+ * keys have nothing to go with. */
+static void on_mover_keys(kvl_conn *c)
+{
+    kvl_mover *m;
+    const kvl_mover_ops *mv = mover_of(c, &m);
+    if (c->h->body_len < 1 || (mv && c->body[0] != mv->kind) ||
+        !kvl_mover_by_kind(c->body[0])) {
+        kvl_conn_fail(c, KVL_ERR_PROTOCOL, "MOVER_KEYS for a mover this path does not run");
+        return;
+    }
+    if (!mv || !mv->keys)
+        return;
+    if (mv->keys(m, c->body + 1, c->h->body_len - 1) != 0)
+        kvl_conn_fail(c, KVL_ERR_PROTOCOL, kvl_last_error());
+    else if (c->outbound && c->path >= 0) { /* paths() shows the keys it holds now */
+        kvl_path *pa = &c->peer->paths[c->path];
+        tp(c)->note(c->ep, pa->tnote, sizeof pa->tnote);
+    }
 }
 
 static void on_data(kvl_conn *c)
@@ -878,7 +935,7 @@ static void on_read_req(kvl_conn *c)
             return;
         }
         memcpy(iov, c->dst, (size_t)c->ndst * sizeof *iov);
-        if (m.dst) { /* pull over UCX: the transport may put into the initiator's pieces */
+        if (m.dst) { /* a pull over a one-sided mover: it may put into the initiator's pieces */
             f.dst = malloc(m.n_pieces * sizeof *f.dst);
             if (!f.dst) {
                 free(iov);
@@ -1105,18 +1162,16 @@ void kvl_proto_on_frame(kvl_conn *c, const kvl_frame_hdr *h, const uint8_t *body
     int in_ctrl = !c->outbound && c->kind == KVL_CONN_CONTROL;
     int out_data = c->outbound && c->kind == KVL_CONN_DATA;
     int out_ctrl = c->outbound && c->kind == KVL_CONN_CONTROL;
-    if ((h->flags & KVL_HF_CMA) && !c->cma_on) {
-        kvl_conn_fail(c, KVL_ERR_PROTOCOL,
-                      "a frame with header flag CMA on a connection whose HELLO did not agree "
-                      "to same-host copies");
-        return;
-    }
-    if ((h->flags & (KVL_HF_REMOTE | KVL_HF_DST)) && !c->ucx_on) {
-        kvl_conn_fail(c, KVL_ERR_PROTOCOL,
-                      (h->flags & KVL_HF_REMOTE)
-                          ? "a frame with header flag REMOTE on a path without UCX set up"
-                          : "a frame with header flag DST on a path without UCX set up");
-        return;
+    if (h->flags & (KVL_HF_OOB | KVL_HF_DST)) {
+        uint32_t caps = c->kind == KVL_CONN_DATA ? mover_caps(c) : 0;
+        if (!caps || ((h->flags & KVL_HF_DST) && !(caps & KVL_MV_ONE_SIDED))) {
+            kvl_conn_fail(c, KVL_ERR_PROTOCOL,
+                          (h->flags & KVL_HF_OOB)
+                              ? "a frame with header flag OOB on a path without a mover set up"
+                              : "a frame with header flag DST on a path without a one-sided "
+                                "mover set up");
+            return;
+        }
     }
     if (!c->handshaken && c->auth_wait) {
         if (t != KVL_F_AUTH)
@@ -1152,17 +1207,10 @@ void kvl_proto_on_frame(kvl_conn *c, const kvl_frame_hdr *h, const uint8_t *body
         on_notify_ack(c);
     else if (t == KVL_F_ANNOUNCE && in_data)
         on_announce(c);
-    else if (t == KVL_F_UCX_OFFER && in_data)
-        on_ucx_offer(c);
-    else if (t == KVL_F_UCX_KEYS && (in_data || out_data) && c->ucx_on) {
-        /* the peer mapped regions registered after the set-up (docs/ucx.md step 3) */
-        if (tp(c)->remote_keys(c->ep, c->body, c->h->body_len) != 0)
-            kvl_conn_fail(c, KVL_ERR_PROTOCOL, kvl_last_error());
-        else if (c->outbound && c->path >= 0) { /* paths() shows the keys it holds now */
-            kvl_path *pa = &c->peer->paths[c->path];
-            tp(c)->remote_note(c->ep, pa->tnote, sizeof pa->tnote);
-        }
-    }
+    else if (t == KVL_F_MOVER_OFFER && in_data)
+        on_mover_offer(c);
+    else if (t == KVL_F_MOVER_KEYS && (in_data || out_data))
+        on_mover_keys(c);
     else {
         char why[96];
         snprintf(why, sizeof why, "unexpected frame type %u on this connection", t);
@@ -1297,10 +1345,10 @@ static void conn_close(kvl_conn *c, int abortive, kvl_err err, const char *why)
     }
     uint64_t sent = tp(c)->bytes_sent(c->ep), recv = tp(c)->bytes_recv(c->ep);
     uint64_t put = tp(c)->bytes_put(c->ep);
-    /* a path whose connection still ran UCX (not fenced: that is no failure) */
-    char note[8];
-    int ucx_died = c->outbound && c->path >= 0 && c->ucx_on && !atomic_load(&a->closing) &&
-                   tp(c)->remote_note(c->ep, note, sizeof note);
+    /* a path whose connection still ran a mover that falls back (not fenced:
+     * that is no failure) */
+    int mover_died = c->outbound && c->path >= 0 && !atomic_load(&a->closing) &&
+                     (mover_caps(c) & KVL_MV_FALLS_BACK);
     tp(c)->close(c->ep, abortive);
     rx_release(c); /* after close: no I/O thread writes into the slot any more */
     if (c->ib)
@@ -1316,10 +1364,11 @@ static void conn_close(kvl_conn *c, int abortive, kvl_err err, const char *why)
             pa->bytes_sent_prev += sent;
             pa->bytes_recv_prev += recv;
             pa->bytes_put_prev += put;
-            if (ucx_died) { /* the "a UCX path that dies falls back to TCP" */
-                snprintf(pa->ucx_died, sizeof pa->ucx_died, "%s", why);
-                __atomic_store_n(&pa->ucx_off_until_ns,
-                                 kvl_now_ns() + KVL_UCX_FALLBACK_MS * 1000000ull,
+            if (mover_died) { /* "a UCX path that dies falls back to TCP" */
+                snprintf(pa->mover_died, sizeof pa->mover_died, "%s", why);
+                pa->mover_died_kind = pa->mover_kind;
+                __atomic_store_n(&pa->mover_off_until_ns,
+                                 kvl_now_ns() + KVL_MOVER_FALLBACK_MS * 1000000ull,
                                  __ATOMIC_RELAXED);
             }
             kvl_sched_path_down(c->peer, (uint32_t)c->path, why);
@@ -1344,7 +1393,7 @@ void kvl_conn_fail(kvl_conn *c, kvl_err err, const char *why) { conn_close(c, 0,
 
 static void conn_free(kvl_conn *c)
 {
-    c->a->tp->free(c->ep); /* teardown: queued frames' holds are the agent's to free */
+    c->a->stream->free(c->ep); /* teardown: queued frames' holds are the agent's to free */
     free(c->prefs);
     free(c->dst);
     free(c->sdst);

@@ -57,12 +57,12 @@ static kvl_region *find(kvl_regions *t, uint64_t id, size_t *pos)
     return lo < t->n && t->v[lo]->id == id ? t->v[lo] : NULL;
 }
 
-/* UCX paths map each region in their own context (docs/ucx.md step 3): the
- * engine re-maps them and sends the new keys.  Nothing for other transports.
- * Out of memory: the new region goes in-stream on the UCX paths. */
+/* Movers that map regions in their own context (KVL_MV_MAPS_REGIONS: UCX,
+ * docs/ucx.md step 3) hear of every change: the engine has them re-map and
+ * send the new keys.  Out of memory: the new region goes in-stream there. */
 static void regions_changed(kvl_agent *a)
 {
-    if (a->cfg.transport != KVL_TRANSPORT_UCX)
+    if (!(kvl_movers_caps(&a->cfg) & KVL_MV_MAPS_REGIONS))
         return;
     kvl_cmd *cmd = calloc(1, sizeof *cmd);
     if (!cmd)
@@ -119,12 +119,9 @@ kvl_err kvl_region_register_device(kvl_agent *a, void *ptr, uint64_t len, uint32
     r->rights = rights;
     r->mem = mem;
     r->device = ordinal;
-    /* the transport's remote key, carried in the region table (none for TCP) */
-    kvl_err ke = a->tp->reg_mem(a, ptr, len, mem, r->rkey, &r->rkey_len);
-    if (ke || r->rkey_len > KVL_MAX_RKEY) {
-        free(r);
-        return ke ? ke : kvl_fail(KVL_ERR_SYSTEM, "register: the remote key is too long");
-    }
+    /* the region table's remote-key slot stays empty: movers that need keys
+     * send their own (MOVER_* frames, after their set-up) */
+    r->rkey_len = 0;
     if (name)
         strcpy(r->name, name);
     if ((rights & (KVL_REMOTE_READ | KVL_REMOTE_WRITE)) &&

@@ -150,12 +150,13 @@ static void hedge(kvl_peer *p)
     double prior = kvl_policy_prior(v, p->n_paths);
     for (uint32_t i = 0; i < p->n_paths; i++) {
         kvl_path *idle = &p->paths[i];
-        /* never two copies of one chunk where one is a UCX put: a late put
-         * cannot be drained at the receiver, and the fence that would make
-         * it safe (docs/ucx.md, "Cancel and duplicate copies") is not built;
-         * nor a same-host copy, which reads the source after the other copy
-         * may have completed the transfer and let the caller reuse it */
-        if (!v[i].usable || v[i].inflight_chunks || idle->ucx || idle->cma)
+        /* never two copies of one chunk where one goes by a KVL_MV_NO_HEDGE
+         * mover: a late put cannot be drained at the receiver, and the fence
+         * that would make it safe (docs/ucx.md, "Cancel and duplicate
+         * copies") is not built; a same-host copy reads the source after the
+         * other copy may have completed the transfer and let the caller
+         * reuse it */
+        if (!v[i].usable || v[i].inflight_chunks || (idle->mover_caps & KVL_MV_NO_HEDGE))
             continue;
         kvl_xfer *bx = NULL;
         uint32_t bci = 0;
@@ -165,8 +166,8 @@ static void hedge(kvl_peer *p)
                 continue;
             for (uint32_t ci = 0; ci < x->plan.n_chunks; ci++) {
                 if (x->cstate[ci] != KVL_CHUNK_INFLIGHT || x->hpath[ci] != KVL_NO_PATH ||
-                    x->cpath[ci] == idle->index || p->paths[x->cpath[ci]].ucx ||
-                    p->paths[x->cpath[ci]].cma)
+                    x->cpath[ci] == idle->index ||
+                    (p->paths[x->cpath[ci]].mover_caps & KVL_MV_NO_HEDGE))
                     continue;
                 double late = kvl_policy_hedge_late_s(&v[x->cpath[ci]], &v[i],
                                                       x->plan.chunks[ci].bytes, prior);

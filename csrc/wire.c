@@ -188,17 +188,13 @@ kvl_err kvl_hdr_decode(const uint8_t in[KVL_HDR_BYTES], kvl_frame_hdr *h)
     int may_carry = h->type == KVL_F_DATA || h->type == KVL_F_READ_RESP;
     if (h->payload_len && !may_carry)
         return kvl_fail(KVL_ERR_PROTOCOL, "frame type %u cannot carry a payload", h->type);
-    if (h->flags & ~(KVL_HF_REMOTE | KVL_HF_DST | KVL_HF_CMA))
+    if (h->flags & ~(KVL_HF_OOB | KVL_HF_DST))
         return kvl_fail(KVL_ERR_PROTOCOL, "unknown header flags %#x", h->flags);
-    if ((h->flags & KVL_HF_CMA) && (!h->payload_len || (h->flags & KVL_HF_REMOTE)))
-        return kvl_fail(KVL_ERR_PROTOCOL,
-                        "header flag CMA on frame type %u without a payload or with REMOTE",
-                        h->type);
     if ((h->flags & KVL_HF_DST) && h->type != KVL_F_READ_REQ)
         return kvl_fail(KVL_ERR_PROTOCOL, "header flag DST on frame type %u (READ_REQ only)",
                         h->type);
-    if ((h->flags & KVL_HF_REMOTE) && !h->payload_len)
-        return kvl_fail(KVL_ERR_PROTOCOL, "header flag REMOTE on frame type %u without a payload",
+    if ((h->flags & KVL_HF_OOB) && !h->payload_len)
+        return kvl_fail(KVL_ERR_PROTOCOL, "header flag OOB on frame type %u without a payload",
                         h->type);
     return KVL_OK;
 }
@@ -242,6 +238,7 @@ void kvl_enc_hello(kvl_buf *b, const kvl_msg_hello *m)
     kvl_buf_put(b, &m->flags, 1);
     kvl_buf_put(b, m->nonce, KVL_NONCE_BYTES);
     kvl_buf_put(b, m->token, KVL_TOKEN_BYTES);
+    put_u32(b, m->movers);
 }
 
 kvl_err kvl_dec_hello(const uint8_t *body, size_t len, kvl_msg_hello *m)
@@ -257,6 +254,7 @@ kvl_err kvl_dec_hello(const uint8_t *body, size_t len, kvl_msg_hello *m)
         memcpy(m->nonce, nonce, KVL_NONCE_BYTES);
         memcpy(m->token, token, KVL_TOKEN_BYTES);
     }
+    m->movers = get_u32(&r);
     kvl_err e = finish(&r, "HELLO");
     if (e)
         return e;
@@ -266,10 +264,14 @@ kvl_err kvl_dec_hello(const uint8_t *body, size_t len, kvl_msg_hello *m)
         return kvl_fail(KVL_ERR_PROTOCOL, "HELLO: empty agent name");
     if (m->kind == KVL_CONN_DATA && m->path >= KVL_MAX_PATHS)
         return kvl_fail(KVL_ERR_PROTOCOL, "HELLO: path index %u out of range", m->path);
-    if (m->flags & ~(KVL_HELLO_AUTH | KVL_HELLO_UCX | KVL_HELLO_CMA))
+    if (m->flags & ~KVL_HELLO_AUTH)
         return kvl_fail(KVL_ERR_PROTOCOL, "HELLO: unknown flags %#x", m->flags);
-    if ((m->flags & (KVL_HELLO_UCX | KVL_HELLO_CMA)) && m->kind != KVL_CONN_DATA)
-        return kvl_fail(KVL_ERR_PROTOCOL, "HELLO: UCX or CMA offered on a control connection");
+    if (m->movers & ~(uint32_t)KVL_MOVERS_KNOWN)
+        return kvl_fail(KVL_ERR_PROTOCOL, "HELLO: unknown movers %#x", m->movers);
+    if (m->movers & (m->movers - 1))
+        return kvl_fail(KVL_ERR_PROTOCOL, "HELLO: more than one mover wanted (%#x)", m->movers);
+    if (m->movers && m->kind != KVL_CONN_DATA)
+        return kvl_fail(KVL_ERR_PROTOCOL, "HELLO: a mover wanted on a control connection");
     return KVL_OK;
 }
 

@@ -17,10 +17,11 @@ from cffi import FFI
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
 
-# Relative to setup.py: setuptools wants relative source paths.
+# Relative to setup.py: setuptools wants relative source paths.  Every transport folder
+# (csrc/transport/<name>/) is built: a new transport is a folder and a line in registry.c.
 SOURCES = sorted(
     str(p.relative_to(ROOT))
-    for p in [*CSRC.glob("*.c"), *CSRC.glob("transport/tcp/*.c"), *CSRC.glob("transport/ucx/*.c")]
+    for p in [*CSRC.glob("*.c"), *CSRC.glob("transport/*.c"), *CSRC.glob("transport/*/*.c")]
 )
 
 CFLAGS = [

@@ -15,13 +15,13 @@ import threading
 from kvlink._native import crc32c
 
 MAGIC = 0x4B4C564B
-VERSION = 4
+VERSION = 5
 HELLO, HELLO_ACK, DATA, ACK, READ_REQ, READ_RESP, NOTIFY = 1, 2, 3, 4, 5, 6, 7
 REGIONS_REQ, REGIONS, PING, PONG, END, NOTIFY_ACK, ANNOUNCE = 8, 9, 10, 11, 12, 13, 14
 CHALLENGE, AUTH = 15, 16
 HELLO_AUTH = 1  # HELLO flag: the initiator holds a secret
-HELLO_CMA = 4  # HELLO flag: same host, CMA frames agreed on this data connection
-HF_CMA = 4  # header flag: the payload is a same-host descriptor (csrc/transport/tcp/cma.h)
+MOVER_SHM, MOVER_UCX = 1, 2  # HELLO movers: the mover wanted on this data connection
+HF_OOB = 1  # header flag: a mover places the payload; a cover stands in the stream
 CONTROL, DATA_CONN = 0, 1
 SUPERSEDED = 100  # wire-only ACK status: a newer copy owns the chunk
 
@@ -49,14 +49,17 @@ def hello(
     nonce: bytes | None = None,
     token: bytes | None = None,
     flags: int = 0,
+    movers: int = 0,
 ) -> bytes:
     """HELLO; with ``nonce`` (16 bytes) it asks for the challenge-response; ``flags``
-    are added (HELLO_CMA)."""
+    are added; ``movers``: the mover wanted (MOVER_SHM)."""
     raw = name.encode()
     flags |= HELLO_AUTH if nonce is not None else 0
     body = struct.pack("<QBHH", instance, kind, path, len(raw)) + raw
     tok = token if token is not None else session_token(name, instance)
-    return frame(HELLO, body + bytes([flags]) + (nonce or bytes(16)) + tok)
+    return frame(
+        HELLO, body + bytes([flags]) + (nonce or bytes(16)) + tok + struct.pack("<I", movers)
+    )
 
 
 def _u8str(s: str) -> bytes:
@@ -98,11 +101,12 @@ def authenticate(
     kind: int = CONTROL,
     path: int = 0,
     flags: int = 0,
+    movers: int = 0,
 ) -> bytes:
-    """The initiator's side of an authenticated handshake (HELLO ``flags`` added);
-    returns HELLO_ACK's body."""
+    """The initiator's side of an authenticated handshake (HELLO ``flags`` and
+    ``movers`` added); returns HELLO_ACK's body."""
     nonce_c = os.urandom(16)
-    s.sendall(hello(name, instance, kind, path, nonce=nonce_c, flags=flags))
+    s.sendall(hello(name, instance, kind, path, nonce=nonce_c, flags=flags, movers=movers))
     t, body = recv_frame(s)
     if t != CHALLENGE:
         return body
@@ -142,14 +146,15 @@ def cma_data(
     xfer: int, chunk: int, attempt: int, region: int, n: int, key: bytes, pid: int,
     ranges: list[tuple[int, int]],
 ) -> bytes:
-    """A same-host DATA frame (header flag CMA) for piece [0, n) of region: the header,
-    then the descriptor (pid, source ranges (address, length) in process pid); the crc32c
-    trailer follows."""
+    """A same-host DATA frame (header flag OOB) for piece [0, n) of region: the header,
+    then the cover (u32 length + the descriptor: pid, source ranges (address, length) in
+    process pid); the crc32c trailer follows."""
     body = struct.pack("<QIII", xfer, chunk, attempt, 1) + struct.pack("<QQQ", region, 0, n)
     desc = struct.pack("<II", pid, len(ranges)) + b"".join(
         struct.pack("<QQ", a, ln) for a, ln in ranges
     )
-    return frame(DATA, body + struct.pack("<IQ", 1, region) + key, n, HF_CMA) + desc
+    cover = struct.pack("<I", len(desc)) + desc
+    return frame(DATA, body + struct.pack("<IQ", 1, region) + key, n, HF_OOB) + cover
 
 
 def key_of(metadata: bytes, region: int) -> bytes:
@@ -201,10 +206,12 @@ def connect(
     name: str = "scripted-tx",
     instance: int = 77,
     flags: int = 0,
+    movers: int = 0,
 ) -> socket.socket:
-    """A connection that completed the handshake as agent `name` (HELLO ``flags``)."""
+    """A connection that completed the handshake as agent `name` (HELLO ``flags``,
+    ``movers``)."""
     s = socket.create_connection(addr, timeout=10)
-    s.sendall(hello(name, instance, kind, path, flags=flags))
+    s.sendall(hello(name, instance, kind, path, flags=flags, movers=movers))
     t, body = recv_frame(s)
     assert t == HELLO_ACK and struct.unpack_from("<I", body)[0] == 0, body
     return s
@@ -343,12 +350,13 @@ class ScriptedReceiver:
     close = kill
 
 
-UCX_OFFER, UCX_ACCEPT, UCX_KEYS, UCX_REFUSE = 17, 18, 19, 20
+MOVER_OFFER, MOVER_ACCEPT, MOVER_KEYS, MOVER_REFUSE = 17, 18, 19, 20
 
 
 def ucx_setup_decode(body: bytes) -> tuple[bytes, list[list]]:
-    """A UCX_OFFER / UCX_ACCEPT body (docs/wire-protocol.md): the worker address and the
-    keys as [region, base, size, key bytes]."""
+    """The UCX mover's part of a MOVER_OFFER / MOVER_ACCEPT body, after its kind byte
+    (docs/wire-protocol.md): the worker address and the keys as [region, base, size, key
+    bytes]."""
     (alen,) = struct.unpack_from("<H", body)
     addr = body[2 : 2 + alen]
     off = 2 + alen
@@ -372,7 +380,8 @@ def ucx_setup_encode(addr: bytes, keys: list[list]) -> bytes:
 
 class RewritingProxy:
     """A man in the middle for every address of an agent's metadata: bytes go through
-    unchanged, except that the body of the first UCX_ACCEPT on each connection is handed
+    unchanged, except that the UCX part of the first MOVER_ACCEPT on each connection (its
+    body after the kind byte) is handed
     to ``rewrite(body) -> body`` (its crc32c recomputed), as a peer that answers with bad
     keys would.  Frames after the handshake carry no MAC, so this is what a broken or
     hostile listener can send.  ``metadata()`` is the agent's, pointing at the proxy."""
@@ -424,13 +433,13 @@ class RewritingProxy:
                 hdr = recv_exact(up, 24)
                 magic, ver, t, flags, blen, _, plen = struct.unpack("<IBBHIIQ", hdr)
                 body = recv_exact(up, blen)
-                if t == UCX_ACCEPT:
-                    body = self.rewrite(body)
+                if t == MOVER_ACCEPT:
+                    body = body[:1] + self.rewrite(body[1:])
                     hdr = struct.pack("<IBBHIIQ", magic, ver, t, flags, len(body), crc(body), plen)
                     with self._lock:
                         self.accepts_rewritten += 1
                 down.sendall(hdr + body)
-                if t in (UCX_ACCEPT, UCX_REFUSE) or plen:
+                if t in (MOVER_ACCEPT, MOVER_REFUSE) or plen:
                     break
         except (OSError, ConnectionError):
             return

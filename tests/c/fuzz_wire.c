@@ -64,10 +64,9 @@ static int fuzz_hdr(const uint8_t *in, size_t len)
     REQUIRE(h.type >= 1 && h.type <= KVL_F_TYPE_MAX);
     REQUIRE(h.body_len <= KVL_MAX_BODY && h.payload_len <= KVL_MAX_CHUNK);
     REQUIRE(h.payload_len == 0 || h.type == KVL_F_DATA || h.type == KVL_F_READ_RESP);
-    REQUIRE((h.flags & ~(KVL_HF_REMOTE | KVL_HF_DST | KVL_HF_CMA)) == 0 &&
-            (!(h.flags & KVL_HF_REMOTE) || h.payload_len) &&
-            (!(h.flags & KVL_HF_DST) || h.type == KVL_F_READ_REQ) &&
-            (!(h.flags & KVL_HF_CMA) || (h.payload_len && !(h.flags & KVL_HF_REMOTE))));
+    REQUIRE((h.flags & ~(KVL_HF_OOB | KVL_HF_DST)) == 0 &&
+            (!(h.flags & KVL_HF_OOB) || h.payload_len) &&
+            (!(h.flags & KVL_HF_DST) || h.type == KVL_F_READ_REQ));
     uint8_t again[KVL_HDR_BYTES];
     kvl_hdr_encode(again, &h);
     REQUIRE(memcmp(again, in, KVL_HDR_BYTES) == 0);
@@ -91,8 +90,9 @@ static int fuzz_body(int k, const uint8_t *body, size_t len)
         REQUIRE(n > 0 && n < sizeof m.name);
         REQUIRE(m.kind <= KVL_CONN_DATA);
         REQUIRE(m.kind != KVL_CONN_DATA || m.path < KVL_MAX_PATHS);
-        REQUIRE((m.flags & ~(KVL_HELLO_AUTH | KVL_HELLO_UCX | KVL_HELLO_CMA)) == 0);
-        REQUIRE(!(m.flags & (KVL_HELLO_UCX | KVL_HELLO_CMA)) || m.kind == KVL_CONN_DATA);
+        REQUIRE((m.flags & ~KVL_HELLO_AUTH) == 0);
+        REQUIRE((m.movers & ~(uint32_t)KVL_MOVERS_KNOWN) == 0 && !(m.movers & (m.movers - 1)));
+        REQUIRE(!m.movers || m.kind == KVL_CONN_DATA);
         break;
     }
     case F_HELLO_ACK: {

@@ -322,16 +322,16 @@ static void finish(kvl_buf *b, uint8_t type, uint64_t payload_len)
 }
 
 /* An admitted data connection of this attacker thread asks for same-host
- * copies (HELLO flag CMA): its DATA frames may then carry descriptors. */
+ * copies (HELLO naming the shm mover): its DATA frames may then carry
+ * descriptors as covers. */
 static _Thread_local int hello_cma;
 
 static void make_hello(kvl_buf *b, const char *name, uint64_t instance, uint8_t kind,
                        uint16_t path, int auth, uint8_t nonce[KVL_NONCE_BYTES])
 {
     kvl_msg_hello h = {.instance = instance, .kind = kind, .path = path,
-                       .flags = (uint8_t)((auth ? KVL_HELLO_AUTH : 0) |
-                                          (hello_cma && kind == KVL_CONN_DATA ? KVL_HELLO_CMA
-                                                                              : 0))};
+                       .flags = (uint8_t)(auth ? KVL_HELLO_AUTH : 0),
+                       .movers = hello_cma && kind == KVL_CONN_DATA ? KVL_MOVER_SHM : 0};
     snprintf(h.name, sizeof h.name, "%s", name);
     if (nonce)
         memcpy(h.nonce, nonce, KVL_NONCE_BYTES);
@@ -615,9 +615,10 @@ static void hostile_frame(test_rng *r, kvl_buf *b, int *then_close)
 static uint8_t cma_src[64 * 1024];
 
 /* b holds a DATA frame built by hostile_frame: its payload (if any) is
- * replaced by a same-host descriptor (header flag CMA): ranges inside
- * cma_src, at wild addresses, or disagreeing with the payload's length; a
- * pid that is ours or not; counts from 0 to far above the limit. */
+ * replaced by a cover (header flag OOB) holding a same-host descriptor:
+ * ranges inside cma_src, at wild addresses, or disagreeing with the
+ * payload's length; a pid that is ours or not; counts from 0 to far above
+ * the limit; a cover length that is right, or a lie. */
 static void make_cma(test_rng *r, kvl_buf *b)
 {
     if (b->len < KVL_HDR_BYTES || b->p[5] != KVL_F_DATA)
@@ -628,8 +629,11 @@ static void make_cma(test_rng *r, kvl_buf *b)
     memcpy(&body_len, b->p + 8, 4);
     if (!payload || (size_t)KVL_HDR_BYTES + body_len > b->len)
         return;
-    b->p[6] |= KVL_HF_CMA;
+    b->p[6] |= KVL_HF_OOB;
     b->len = KVL_HDR_BYTES + body_len;
+    size_t cover_at = b->len;
+    uint32_t cover_len = 0;
+    bput(b, &cover_len, 4);
     uint32_t pid = rng_u64(r) % 8 ? (uint32_t)getpid() : (uint32_t)pick32(r);
     uint32_t n = rng_u64(r) % 8 ? 1 + (uint32_t)(rng_u64(r) % 4) : (uint32_t)pick32(r);
     bput(b, &pid, 4);
@@ -649,6 +653,10 @@ static void make_cma(test_rng *r, kvl_buf *b)
         bput(b, &len, 8);
         left -= left < len ? left : len;
     }
+    cover_len = (uint32_t)(b->len - cover_at - 4);
+    if (rng_u64(r) % 8 == 0)
+        cover_len = (uint32_t)pick32(r); /* a liar's length: too short, too long, huge */
+    memcpy(b->p + cover_at, &cover_len, 4);
     uint32_t crc = (uint32_t)rng_u64(r);
     bput(b, &crc, 4);
     atomic_fetch_add(&st.cma_frames, 1);

@@ -8,7 +8,7 @@
 #include <unistd.h>
 
 #include "test_main.h"
-#include "transport/tcp/cma.h"
+#include "transport/shm/cma.h"
 
 int main(void)
 {

@@ -245,15 +245,15 @@ static void test_header(void)
 {
     static const kvl_frame_hdr cases[] = {
         {KVL_F_HELLO, 0, 0, 0, 0},
-        {KVL_F_DATA, KVL_HF_REMOTE, 12345, 0xdeadbeef, 1ull << 30},
-        {KVL_F_READ_RESP, KVL_HF_REMOTE, KVL_MAX_BODY, 0xffffffffu, 1},
-        {KVL_F_DATA, KVL_HF_CMA, 12345, 7, 1ull << 26},
-        {KVL_F_READ_RESP, KVL_HF_CMA, 10, 7, 1},
+        {KVL_F_DATA, KVL_HF_OOB, 12345, 0xdeadbeef, 1ull << 30},
+        {KVL_F_READ_RESP, KVL_HF_OOB, KVL_MAX_BODY, 0xffffffffu, 1},
+        {KVL_F_DATA, KVL_HF_OOB, 12345, 7, 1ull << 26},
+        {KVL_F_READ_REQ, KVL_HF_DST, 10, 7, 0},
         {KVL_F_REGIONS, 0, 1, 7, 0},
-        {KVL_F_UCX_OFFER, 0, 300, 7, 0},
-        {KVL_F_UCX_ACCEPT, 0, 300, 7, 0},
-        {KVL_F_UCX_KEYS, 0, 6, 7, 0},
-        {KVL_F_UCX_REFUSE, 0, 6, 7, 0},
+        {KVL_F_MOVER_OFFER, 0, 300, 7, 0},
+        {KVL_F_MOVER_ACCEPT, 0, 300, 7, 0},
+        {KVL_F_MOVER_KEYS, 0, 6, 7, 0},
+        {KVL_F_MOVER_REFUSE, 0, 6, 7, 0},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         uint8_t raw[KVL_HDR_BYTES];
@@ -287,18 +287,18 @@ static void test_header(void)
         {"version 1", 4, 1, {KVL_F_HELLO, 0, 10, 0, 0}, KVL_ERR_HANDSHAKE},
         {"version 2", 4, 2, {KVL_F_HELLO, 0, 10, 0, 0}, KVL_ERR_HANDSHAKE},
         {"version 3", 4, 3, {KVL_F_HELLO, 0, 10, 0, 0}, KVL_ERR_HANDSHAKE},
-        {"version 5", 4, 5, {KVL_F_HELLO, 0, 10, 0, 0}, KVL_ERR_HANDSHAKE},
+        {"version 4", 4, 4, {KVL_F_HELLO, 0, 10, 0, 0}, KVL_ERR_HANDSHAKE},
+        {"version 6", 4, 6, {KVL_F_HELLO, 0, 10, 0, 0}, KVL_ERR_HANDSHAKE},
         {"unknown header flag 8", -1, 0, {KVL_F_DATA, 8, 10, 0, 4096}, KVL_ERR_PROTOCOL},
-        {"CMA without a payload", -1, 0, {KVL_F_DATA, KVL_HF_CMA, 10, 0, 0}, KVL_ERR_PROTOCOL},
-        {"CMA with REMOTE", -1, 0, {KVL_F_DATA, KVL_HF_CMA | KVL_HF_REMOTE, 10, 0, 4096},
-         KVL_ERR_PROTOCOL},
+        {"version 4's CMA flag", -1, 0, {KVL_F_DATA, 4, 10, 0, 4096}, KVL_ERR_PROTOCOL},
+        {"OOB without a payload", -1, 0, {KVL_F_DATA, KVL_HF_OOB, 10, 0, 0}, KVL_ERR_PROTOCOL},
         {"DST on a DATA", -1, 0, {KVL_F_DATA, KVL_HF_DST, 10, 0, 4096}, KVL_ERR_PROTOCOL},
         {"DST on a READ_RESP", -1, 0, {KVL_F_READ_RESP, KVL_HF_DST, 10, 0, 0}, KVL_ERR_PROTOCOL},
         {"header flags 0xffff", -1, 0, {KVL_F_DATA, 0xffff, 10, 0, 4096}, KVL_ERR_PROTOCOL},
-        {"REMOTE without a payload", -1, 0, {KVL_F_DATA, KVL_HF_REMOTE, 10, 0, 0},
+        {"OOB on a READ_RESP without a payload", -1, 0, {KVL_F_READ_RESP, KVL_HF_OOB, 10, 0, 0},
          KVL_ERR_PROTOCOL},
-        {"REMOTE on an ACK", -1, 0, {KVL_F_ACK, KVL_HF_REMOTE, 10, 0, 0}, KVL_ERR_PROTOCOL},
-        {"UCX_OFFER with payload", -1, 0, {KVL_F_UCX_OFFER, 0, 10, 0, 1}, KVL_ERR_PROTOCOL},
+        {"OOB on an ACK", -1, 0, {KVL_F_ACK, KVL_HF_OOB, 10, 0, 0}, KVL_ERR_PROTOCOL},
+        {"MOVER_OFFER with payload", -1, 0, {KVL_F_MOVER_OFFER, 0, 10, 0, 1}, KVL_ERR_PROTOCOL},
         {"version 255", 4, 255, {KVL_F_HELLO, 0, 10, 0, 0}, KVL_ERR_HANDSHAKE},
         {"type 0", -1, 0, {0, 0, 10, 0, 0}, KVL_ERR_PROTOCOL},
         {"type TYPE_MAX+1", -1, 0, {KVL_F_TYPE_MAX + 1, 0, 10, 0, 0}, KVL_ERR_PROTOCOL},
@@ -406,21 +406,23 @@ static void test_hello(void)
         kvl_msg_hello in = {.instance = cases[i].instance, .kind = cases[i].kind,
                             .path = cases[i].path, .flags = (uint8_t)(i & KVL_HELLO_AUTH)};
         if (cases[i].kind == KVL_CONN_DATA && i == 2)
-            in.flags |= KVL_HELLO_UCX; /* UCX is offered on data connections only */
+            in.movers = KVL_MOVER_UCX; /* movers are named on data connections only */
         memset(in.nonce, (int)i + 1, sizeof in.nonce);
         fill_str(in.name, cases[i].name_len, (char)('a' + i));
         frame f = {0};
         kvl_frame_start(&f.b);
         kvl_enc_hello(&f.b, &in);
         frame_done(&f, KVL_F_HELLO, 0);
-        CHECK(f.len == 8 + 1 + 2 + 2 + cases[i].name_len + 1 + KVL_NONCE_BYTES + KVL_TOKEN_BYTES);
+        CHECK(f.len ==
+              8 + 1 + 2 + 2 + cases[i].name_len + 1 + KVL_NONCE_BYTES + KVL_TOKEN_BYTES + 4);
         kvl_msg_hello out;
         uint8_t *body = dup_exact(f.body, f.len);
         if (CHECKF(kvl_dec_hello(body, f.len, &out) == KVL_OK, "case %zu: %s", i,
                    kvl_last_error()))
             CHECK(out.instance == in.instance && out.kind == in.kind &&
                   out.path == in.path && strcmp(out.name, in.name) == 0 &&
-                  out.flags == in.flags && memcmp(out.nonce, in.nonce, sizeof in.nonce) == 0);
+                  out.flags == in.flags && out.movers == in.movers &&
+                  memcmp(out.nonce, in.nonce, sizeof in.nonce) == 0);
         free(body);
         check_truncations(D_HELLO, f.body, f.len, "HELLO");
         keep(D_HELLO, &f);
@@ -447,8 +449,9 @@ static void test_hello(void)
     }
 
     /* Hand-built bodies: u64 instance, u8 kind, u16 path, u16 name_len,
-     * name, u8 flags, 16-byte nonce, 16-byte token (T bytes after the name). */
-    enum { T = 1 + KVL_NONCE_BYTES + KVL_TOKEN_BYTES };
+     * name, u8 flags, 16-byte nonce, 16-byte token, u32 movers (T bytes
+     * after the name; the movers at byte 14 + 1 + 32 with a 1-byte name). */
+    enum { T = 1 + KVL_NONCE_BYTES + KVL_TOKEN_BYTES + 4, MV = 14 + 1 + KVL_NONCE_BYTES + KVL_TOKEN_BYTES };
     uint8_t b[8 + 1 + 2 + 2 + 80 + T];
     memset(b, 0, sizeof b);
     b[8] = KVL_CONN_CONTROL;
@@ -464,20 +467,29 @@ static void test_hello(void)
     /* unknown flags */
     b[14] = 8;
     EXPECT_PROTOCOL(D_HELLO, b, 14 + T, "HELLO with flag 8");
-    b[14] = KVL_HELLO_CMA; /* same-host copies: data connections only */
-    EXPECT_PROTOCOL(D_HELLO, b, 14 + T, "HELLO with CMA on a control connection");
+    b[14] = 4; /* version 4's CMA flag: a mover now */
+    EXPECT_PROTOCOL(D_HELLO, b, 14 + T, "HELLO with version 4's flag CMA");
     b[14] = KVL_HELLO_AUTH;
     CHECK(run_decoder(D_HELLO, b, 14 + T) == KVL_OK);
-    /* UCX on a control connection: never offered there */
-    b[14] = KVL_HELLO_AUTH | KVL_HELLO_UCX;
-    EXPECT_PROTOCOL(D_HELLO, b, 14 + T, "HELLO with UCX on a control connection");
+    /* a mover on a control connection: never named there */
+    b[MV] = KVL_MOVER_SHM;
+    EXPECT_PROTOCOL(D_HELLO, b, 14 + T, "HELLO with a mover on a control connection");
     b[8] = KVL_CONN_DATA;
     CHECK(run_decoder(D_HELLO, b, 14 + T) == KVL_OK);
+    b[MV] = KVL_MOVER_SHM | KVL_MOVER_UCX;
+    EXPECT_PROTOCOL(D_HELLO, b, 14 + T, "HELLO naming two movers");
+    b[MV] = 0x80;
+    EXPECT_PROTOCOL(D_HELLO, b, 14 + T, "HELLO naming an unknown mover");
+    b[MV + 3] = 0x80;
+    b[MV] = 0;
+    EXPECT_PROTOCOL(D_HELLO, b, 14 + T, "HELLO naming an unknown mover (high bit)");
+    b[MV + 3] = 0;
     b[8] = KVL_CONN_CONTROL;
     b[14] = 0;
     /* no flags and nonce (a version 2 HELLO) */
     EXPECT_PROTOCOL(D_HELLO, b, 14, "HELLO without flags and nonce");
     EXPECT_PROTOCOL(D_HELLO, b, 14 + 1 + KVL_NONCE_BYTES, "HELLO without its token");
+    EXPECT_PROTOCOL(D_HELLO, b, 14 + T - 4, "HELLO without its movers (a version 4 HELLO)");
     /* name length field larger than the body */
     b[11] = 2 + T;
     EXPECT_PROTOCOL(D_HELLO, b, 14 + T, "HELLO name_len one past the body");

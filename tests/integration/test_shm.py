@@ -103,7 +103,7 @@ def test_cma_copies_from_the_process_that_owns_the_socket(target):
     rx, dst, rid, key = target
     src = (ctypes.c_uint8 * 4096).from_buffer(bytearray(os.urandom(4096)))
     addr = ctypes.addressof(src)
-    s = wc.connect(rx.addresses[0], wc.DATA_CONN, 0, "raw", 99, flags=wc.HELLO_CMA)
+    s = wc.connect(rx.addresses[0], wc.DATA_CONN, 0, "raw", 99, movers=wc.MOVER_SHM)
     try:
         s.sendall(wc.announce(5, 4096, 1))
         ranges = [(addr, 1000), (addr + 1000, 3096)]
@@ -118,7 +118,7 @@ def test_cma_copies_from_the_process_that_owns_the_socket(target):
 def test_cma_wrong_trailer_is_not_acknowledged(target):
     rx, _, rid, key = target
     src = (ctypes.c_uint8 * 4096).from_buffer(bytearray(b"\x05" * 4096))
-    s = wc.connect(rx.addresses[0], wc.DATA_CONN, 0, "raw", 99, flags=wc.HELLO_CMA)
+    s = wc.connect(rx.addresses[0], wc.DATA_CONN, 0, "raw", 99, movers=wc.MOVER_SHM)
     try:
         s.sendall(wc.announce(5, 4096, 1))
         ranges = [(ctypes.addressof(src), 4096)]
@@ -147,8 +147,8 @@ def test_hostile_cma_frames_close_the_connection_and_copy_nothing(target, make_a
         ranges = []
     elif case == "wrapping-range":
         ranges = [(2**64 - 16, 4096)]
-    flags = 0 if case == "no-hello-flag" else wc.HELLO_CMA
-    s = wc.connect(rx.addresses[0], wc.DATA_CONN, 0, "raw", 99, flags=flags)
+    movers = 0 if case == "no-hello-flag" else wc.MOVER_SHM
+    s = wc.connect(rx.addresses[0], wc.DATA_CONN, 0, "raw", 99, movers=movers)
     s.settimeout(10)
     try:
         s.sendall(wc.announce(5, 4096, 1))
@@ -169,7 +169,7 @@ def test_tcp_listener_refuses_a_cma_hello(make_agent):
     rx = make_agent("rx", transport="tcp")
     s = socket.create_connection(rx.addresses[0], timeout=10)
     try:
-        s.sendall(wc.hello("raw", 99, wc.DATA_CONN, 0, flags=wc.HELLO_CMA))
+        s.sendall(wc.hello("raw", 99, wc.DATA_CONN, 0, movers=wc.MOVER_SHM))
         t, body = wc.recv_frame(s)
         assert t == wc.HELLO_ACK and struct.unpack_from("<I", body)[0] != 0
         assert b"takes no same-host copies" in body

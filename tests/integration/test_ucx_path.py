@@ -124,7 +124,7 @@ def wait_for(cond, timeout_s=10.0):
 
 def test_region_registered_after_setup_gets_keys(make_agent):
     """A region registered after the paths' UCX set-up is mapped in each
-    path's context and its key sent in UCX_KEYS (docs/ucx.md step 3): the
+    path's context and its key sent in MOVER_KEYS (docs/ucx.md step 3): the
     initiator's notes count the new key, and a push into it goes by put."""
     rx, tx = pair(make_agent)
     early = np.zeros(MiB, dtype=np.uint8)
@@ -180,7 +180,7 @@ def test_deregister_unmaps_from_every_ucx_path(make_agent, caplog):
 
 
 def test_pull_over_ucx_is_byte_exact(make_agent):
-    """Pull over UCX: the initiator's UCX_OFFER carries a key per host region,
+    """Pull over UCX: the initiator's MOVER_OFFER carries a key per host region,
     its READ_REQs say where each piece goes (header flag DST), the side that
     has the bytes puts them there, flushes and sends READ_RESP with REMOTE
     and the crc32c trailer; the initiator checks the crc over its own
@@ -209,7 +209,7 @@ def test_pull_over_ucx_is_byte_exact(make_agent):
 
 def test_pull_into_a_region_registered_after_setup_goes_by_put(make_agent):
     """A pull destination registered after the paths' set-up is mapped in each
-    path's context and its key sent in UCX_KEYS ahead of any READ_REQ on the
+    path's context and its key sent in MOVER_KEYS ahead of any READ_REQ on the
     same connections (the engine runs register's re-sync before the pull's
     submission), so the peer puts into it; one pull into it and an earlier
     region lands both, every byte by put."""
@@ -277,7 +277,7 @@ def test_no_hedged_copies_onto_or_from_ucx_paths(make_agent):
 def test_one_push_mixes_put_and_in_stream_chunks(make_agent):
     """One transfer whose destinations are a region with a UCX key on the
     paths (chunks go by put) and one without (its key stripped from the
-    UCX_ACCEPT by a man in the middle: chunks go in-stream on the same
+    MOVER_ACCEPT by a man in the middle: chunks go in-stream on the same
     connections): both land byte-exact, and bytes_put shows the split."""
     rx, tx = pair(make_agent)
     early = np.zeros(8 * MiB, dtype=np.uint8)
@@ -313,7 +313,7 @@ def test_one_push_mixes_put_and_in_stream_chunks(make_agent):
 
 
 # ---- a peer that answers the UCX offer with bad keys (docs/ucx.md, "Everything is
-# hostile and bounded"): a man in the middle rewrites each UCX_ACCEPT; frames after
+# hostile and bounded"): a man in the middle rewrites each MOVER_ACCEPT; frames after
 # the handshake carry no MAC, so this is what a broken or hostile listener can send.
 
 

@@ -21,7 +21,7 @@ import json, os, socket, struct, sys
 from tests import wire_client as wc
 s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10)
 body = wc.authenticate(s, "raw", 99, os.environ["KVLINK_SECRET"].encode(), wc.DATA_CONN, 0,
-                       flags=int(sys.argv[3]))
+                       movers=int(sys.argv[3]))
 print(json.dumps({"status": struct.unpack_from("<I", body)[0], "text": body.decode("latin-1")}))
 """
 
@@ -36,17 +36,17 @@ def test_namespaces_keep_tcp_and_a_foreign_cma_hello_is_refused(testbed):
         assert {p["transport"] for p in tx.call("paths")["paths"]} == {"tcp"}
         host, port = json.loads(rx.metadata)["addrs"][0]
 
-        def hello(flags: int) -> dict:
+        def hello(movers: int) -> dict:
             out = subprocess.run(
                 [*tb.exec_prefix("a"), sys.executable, "-c", RAW_HELLO, host, str(port),
-                 str(flags)],
+                 str(movers)],
                 capture_output=True, text=True, timeout=30, check=True,
             ).stdout  # fmt: skip
             return json.loads(out)
 
         plain = hello(0)
         assert plain["status"] == 0, plain
-        cma = hello(4)  # HELLO_CMA from another namespace
+        cma = hello(1)  # HELLO naming the shm mover, from another namespace
         assert cma["status"] != 0, cma
         assert "refused same-host copies" in cma["text"], cma["text"]
     finally:

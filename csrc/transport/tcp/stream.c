@@ -12,6 +12,15 @@
  * into the crc32c while in cache, and the result handed back with the
  * trailer (kvl_proto_on_payload).
  *
+ * A mover (transport.h) may carry a chunk frame's payload out of band:
+ * the frame then has header flag OOB, and the stream carries header, body,
+ * the mover's cover (u32 length + bytes) and the trailer.  For a one-sided
+ * mover the cover and trailer go once its writes are complete, and the
+ * receiver's crc runs over its memory after the trailer; for a
+ * receiver-pulled one the receiver copies the bytes in batches (pull),
+ * exactly where an in-stream payload would be read, and the sender holds
+ * the memory until the chunk's ACK.  This file knows no mover by name.
+ *
  * Engine thread only, but for the blocking helpers of a detached endpoint
  * (tcp.c) and, with I/O threads (iopool.c), the payload of one frame at a
  * time each way: kvl_tcp_tx_step and kvl_tcp_rx_step run there under
@@ -28,17 +37,15 @@
 #include <unistd.h>
 
 #include "../../internal.h"
-#include "../ucx/path.h"
-#include "cma.h"
 #include "tcp.h"
 
 #define IO_BATCH (2u << 20)  /* bytes per syscall: fewer wakeups, and the crc pass still hits L2 */
 #define IO_BUDGET (8u << 20) /* bytes per readiness event before serving others */
 #define MAX_IOV 64
-#define CMA_BATCH (512u << 10) /* bytes per same-host copy: its crc pass reads from L2 */
+#define PULL_BATCH (512u << 10) /* bytes per mover pull (a same-host copy): crc from L2 */
 #define BODY_KEEP (64u << 10) /* a body buffer larger than this is freed after use */
 
-enum { RS_HDR, RS_BODY, RS_CMA, RS_PAYLOAD, RS_TRAILER };
+enum { RS_HDR, RS_BODY, RS_COVER, RS_PAYLOAD, RS_TRAILER };
 
 typedef struct kvl_out kvl_out;
 struct kvl_out {
@@ -53,69 +60,74 @@ struct kvl_out {
     size_t trailer_sent;
     int cancelled;         /* the rest of the payload comes from zeros, not our memory */
     int in_job;            /* engine: handed to the I/O thread (started, whatever head_sent says) */
-    int remote;            /* the payload goes by UCX put (ep->ucx): header, puts, flush, trailer */
-    int posted;            /* remote: puts and flush posted (the source is read until flushed) */
-    int flushed;           /* remote: the flush completed: the trailer may go */
-    uint64_t fseq;         /* remote: the flush's number */
-    int dst_req;           /* a READ_REQ with DST: once sent, counts in ep->ucx_reads */
-    int cma;               /* same host: a descriptor (desc) goes where the payload would */
-    int cma_crc;           /* cma: the source's crc32c is taken (before the descriptor goes) */
-    int cma_zeroed;        /* cma, cancelled before its descriptor went: it names zeros */
+    int oob;               /* the payload goes by ep's mover: header flag OOB, a cover */
+    uint32_t mv_caps;      /* oob: the mover's KVL_MV_* when the frame was queued */
+    int posted;            /* oob: the mover's post() ran: crc, cover and ticket are known */
+    int ready;             /* oob: the mover's writes are complete: cover and trailer may go */
+    int zeroed;            /* oob, cancelled before its cover went: the cover names zeros */
+    uint64_t ticket;       /* oob: the mover's name for its writes */
+    int dst_req;           /* a READ_REQ with DST: once sent, counts in ep->oob_reads */
     int acked;             /* engine: its ACK came while it was still going out */
-    uint8_t *desc;
-    size_t desc_len, desc_sent;
+    uint8_t *cov;          /* oob: u32 cover length + the cover, as it goes out */
+    size_t cov_len, cov_sent;
     kvl_stage_buf *slot;   /* f.stage: the host slot the payload was gathered into (stage_out) */
 };
 
-/* A cancelled DATA frame's remaining payload is sent from here: the stream
- * must stay whole, and the receiver drains the bytes (its chunk is settled). */
-static const uint8_t zeros[256u << 10];
+/* A cancelled DATA frame's remaining payload is sent from kvl_zeros: the
+ * stream must stay whole, and the receiver drains the bytes (its chunk is
+ * settled). */
+#define zeros kvl_zeros
+
+static void tcp_mover_failed(kvl_ep *ep, const char *why);
+static void tcp_set_mover(kvl_ep *ep, const kvl_mover_ops *ops, kvl_mover *m,
+                          const char *why_not);
 
 /* ---- send queue ---- */
 
-/* A same-host DATA frame that has left: the receiver reads its source after
- * that, so its hold (the transfer's io_ref) lasts until the frame's ACK. */
-struct kvl_cma_held {
+/* A receiver-pulled DATA frame that has left: the receiver reads its source
+ * after that, so its hold (the transfer's io_ref) lasts until the frame's
+ * ACK. */
+struct kvl_oob_held {
     uint64_t xid;
     uint32_t chunk, attempt;
     kvl_tp_hold hold;
 };
 
-/* Keeps o's hold until its ACK (cma_acked) or the close; 0 if it cannot. */
-static int cma_hold(kvl_ep *ep, kvl_out *o)
+/* Keeps o's hold until its ACK (held_acked) or the close; 0 if it cannot. */
+static int hold_until_ack(kvl_ep *ep, kvl_out *o)
 {
-    if (ep->cma_nheld == ep->cma_capheld) {
-        size_t cap = ep->cma_capheld ? 2 * ep->cma_capheld : 8;
-        struct kvl_cma_held *n = realloc(ep->cma_held, cap * sizeof *n);
+    if (ep->nheld == ep->capheld) {
+        size_t cap = ep->capheld ? 2 * ep->capheld : 8;
+        struct kvl_oob_held *n = realloc(ep->held, cap * sizeof *n);
         if (!n)
             return 0;
-        ep->cma_held = n;
-        ep->cma_capheld = cap;
+        ep->held = n;
+        ep->capheld = cap;
     }
-    ep->cma_held[ep->cma_nheld++] = (struct kvl_cma_held){
+    ep->held[ep->nheld++] = (struct kvl_oob_held){
         .xid = o->f.xid, .chunk = o->f.chunk, .attempt = o->f.attempt, .hold = o->f.hold};
     memset(&o->f.hold, 0, sizeof o->f.hold);
     return 1;
 }
 
 /* An ACK arrived (body: its status message): the copy it answers is over. */
-static void cma_acked(kvl_ep *ep, const uint8_t *body, size_t len)
+static void held_acked(kvl_ep *ep, const uint8_t *body, size_t len)
 {
     kvl_msg_status m;
     if (kvl_dec_status(body, len, &m))
         return; /* the core refuses it */
-    for (size_t i = 0; i < ep->cma_nheld; i++) {
-        struct kvl_cma_held *h = &ep->cma_held[i];
+    for (size_t i = 0; i < ep->nheld; i++) {
+        struct kvl_oob_held *h = &ep->held[i];
         if (h->xid == m.xfer && h->chunk == m.chunk && h->attempt == m.attempt) {
             kvl_proto_release(ep->a, &h->hold);
-            *h = ep->cma_held[--ep->cma_nheld];
+            *h = ep->held[--ep->nheld];
             return;
         }
     }
     /* the receiver may answer before the I/O thread has reported the frame
      * out: then it is still queued, and lets go of its hold when it leaves */
     for (kvl_out *o = ep->sq; o; o = o->next)
-        if (o->cma && o->f.is_chunk && o->f.xid == m.xfer && o->f.chunk == m.chunk &&
+        if (o->oob && o->f.is_chunk && o->f.xid == m.xfer && o->f.chunk == m.chunk &&
             o->f.attempt == m.attempt)
             o->acked = 1;
 }
@@ -123,15 +135,15 @@ static void cma_acked(kvl_ep *ep, const uint8_t *body, size_t len)
 static void out_free(kvl_ep *ep, kvl_out *o)
 {
     ep->sq_bytes -= o->f.head.len;
-    int held = o->cma && o->f.is_chunk && !ep->dead && !o->acked &&
-               o->desc_sent == o->desc_len &&
-               (o->f.hold.xfer || o->f.hold.nrefs) && cma_hold(ep, o);
+    int held = o->oob && (o->mv_caps & KVL_MV_RECEIVER_PULLED) && o->f.is_chunk &&
+               !ep->dead && !o->acked && o->cov && o->cov_sent == o->cov_len &&
+               (o->f.hold.xfer || o->f.hold.nrefs) && hold_until_ack(ep, o);
     if (!held)
         kvl_proto_release(ep->a, &o->f.hold);
     kvl_stage_give(ep->a, o->slot); /* the payload has left (or never will) */
     free(o->f.payload);
     free(o->f.dst);
-    free(o->desc);
+    free(o->cov);
     kvl_buf_free(&o->f.head);
     free(o);
 }
@@ -165,19 +177,11 @@ static int tcp_send(kvl_ep *ep, kvl_tp_frame *f)
     }
     o->f = *f;
     memset(f, 0, sizeof *f);
-    if (ep->ucx && o->f.payload_len && kvl_ucx_path_covers(ep->ucx, o->f.dst, o->f.n_dst)) {
-        o->remote = 1; /* header flag REMOTE: the stream carries no payload bytes */
-        o->f.head.p[6] |= KVL_HF_REMOTE;
-    } else if (ep->cma && !o->f.stage && o->f.payload_len && o->f.n_payload > 0 &&
-               (uint32_t)o->f.n_payload <= KVL_MAX_PIECES) {
-        /* header flag CMA: the receiver copies from our memory (cma.h);
-         * never from a staging slot, which is given back once the frame left */
-        o->desc_len = kvl_cma_desc_len((uint32_t)o->f.n_payload);
-        if ((o->desc = malloc(o->desc_len))) {
-            kvl_cma_desc_encode(o->desc, o->f.payload, o->f.n_payload);
-            o->cma = 1;
-            o->f.head.p[6] |= KVL_HF_CMA;
-        }
+    if (ep->mv && o->f.payload_len && (!o->f.stage || (ep->mv_ops->caps & KVL_MV_GPU_MEM)) &&
+        ep->mv_ops->covers(ep->mv, &o->f)) {
+        o->oob = 1; /* header flag OOB: the stream carries the cover, not the bytes */
+        o->mv_caps = ep->mv_ops->caps;
+        o->f.head.p[6] |= KVL_HF_OOB;
     }
     o->dst_req = o->f.head.len >= KVL_HDR_BYTES && o->f.head.p[5] == KVL_F_READ_REQ &&
                  (o->f.head.p[6] & KVL_HF_DST);
@@ -233,24 +237,26 @@ static void tcp_drop_unstarted(kvl_ep *ep)
     }
 }
 
-/* Pull over UCX: a READ_REQ sent with DST lets the peer put into our memory
- * until its READ_RESP has ended, and a put cannot be called back.  So a
- * cancelled copy that may be such a read destroys the path's UCX end at
- * once (over UCX's TCP nothing is placed but by our worker's progress; on
- * RDMA the unmapped memory invalidates the keys): once this returns nothing
- * lands (docs/ucx.md, "Cancel and duplicate copies").  The connection is
- * failed from the event loop, not from inside the core's cancel. */
-static void ucx_fence(kvl_ep *ep, const char *why)
+/* A pull over a one-sided mover: a READ_REQ sent with DST lets the peer put
+ * into our memory until its READ_RESP has ended, and a put cannot be called
+ * back.  So a cancelled copy that may be such a read fences the mover at
+ * once (it destroys its end: once this returns nothing lands; docs/ucx.md,
+ * "Cancel and duplicate copies").  The connection is failed from the event
+ * loop, not from inside the core's cancel. */
+static void mover_fence(kvl_ep *ep, const char *why)
 {
-    kvl_ucx_path_free(ep, ep->a->cfg.connect_timeout_ms);
+    char msg[160];
+    snprintf(msg, sizeof msg, "%s fenced: %s", ep->mv_ops->label, why);
     kvl_log(ep->a, KVL_LOG_WARNING, NULL, -1,
-            "UCX fenced: %s (%u reads outstanding): the path's UCX end is destroyed, its "
-            "connection closes and reconnects",
-            why, ep->ucx_reads);
-    snprintf(ep->ucx_note, sizeof ep->ucx_note, "UCX fenced: %s", why);
-    snprintf(ep->ucx_broken_why, sizeof ep->ucx_broken_why, "UCX fenced: %s", why);
-    ep->ucx_broken = 1;
-    watch(ep, 1);
+            "%s (%u reads outstanding): the path's %s end is destroyed, its connection "
+            "closes and reconnects",
+            msg, ep->oob_reads, ep->mv_ops->label);
+    if (ep->mv_ops->fence)
+        ep->mv_ops->fence(ep->mv, why);
+    ep->mv_ops->free(ep->mv, ep->a->cfg.connect_timeout_ms);
+    ep->mv = NULL; /* ops stay: what carried the path, for the note */
+    snprintf(ep->mv_note, sizeof ep->mv_note, "%s", msg);
+    tcp_mover_failed(ep, msg);
 }
 
 static int tcp_cancel(kvl_ep *ep, uint64_t xid, uint32_t chunk, uint32_t attempt)
@@ -262,7 +268,8 @@ static int tcp_cancel(kvl_ep *ep, uint64_t xid, uint32_t chunk, uint32_t attempt
         kvl_out *o = *pp;
         if (!o->f.is_chunk || o->f.xid != xid || o->f.chunk != chunk || o->f.attempt != attempt)
             continue;
-        if (!o->in_job && o->head_sent == 0) { /* not started: it simply never goes out */
+        if (!o->in_job && o->head_sent == 0 && !o->posted) {
+            /* not started: it simply never goes out */
             *pp = o->next;
             ep->sq_len--;
             if (ep->sq_tail == o)
@@ -273,28 +280,27 @@ static int tcp_cancel(kvl_ep *ep, uint64_t xid, uint32_t chunk, uint32_t attempt
             return 1;
         }
         if (o->dst_req) { /* part-way out: the peer will read it and may put */
-            if (ep->ucx)
-                ucx_fence(ep, "a pull the peer may be putting was cancelled");
+            if (ep->mv)
+                mover_fence(ep, "a pull the peer may be putting was cancelled");
             return 1;
         }
-        if (o->remote && o->posted && !o->flushed) {
-            /* puts cannot be called back: the memory is let go of only once
-             * they are placed (docs/ucx.md, cancel on a UCX endpoint) */
+        if (o->oob && (o->mv_caps & KVL_MV_ONE_SIDED) && o->posted && !o->ready) {
+            /* writes cannot be called back: the memory is let go of only
+             * once they are complete (docs/ucx.md, cancel on a UCX path) */
             uint64_t until = kvl_now_ns() + (uint64_t)ep->a->cfg.connect_timeout_ms * 1000000ull;
-            int r = ep->ucx ? kvl_ucx_path_wait_flush(ep->ucx, o->fseq, until) : -1;
+            int r = ep->mv ? ep->mv_ops->wait(ep->mv, o->ticket, until) : -1;
             if (r != 1) {
-                /* the puts may still read our memory: the frame keeps its
+                /* the writes may still read our memory: the frame keeps its
                  * hold, goes out cancelled, and the connection is failed
                  * from the event loop (not from inside the core's cancel),
-                 * which force-closes the UCX endpoint before the memory is
-                 * let go of */
+                 * which frees the mover before the memory is let go of */
                 o->cancelled = 1;
-                ep->ucx_broken = 1;
-                watch(ep, 1);
+                tcp_mover_failed(ep, "the writes of a cancelled copy did not complete: path "
+                                     "closed");
                 return 1;
             }
-            o->flushed = 1;
-            ep->ucx_acked += o->f.payload_len;
+            o->ready = 1;
+            ep->put_tx += o->f.payload_len;
         }
         if (o->in_job)
             pthread_mutex_lock(&ep->jmu); /* the I/O thread is between two sends */
@@ -312,8 +318,8 @@ static int tcp_cancel(kvl_ep *ep, uint64_t xid, uint32_t chunk, uint32_t attempt
     }
     /* a copy no longer queued here may be a pull read whose answer is still
      * to come: while any is (conservatively: not only this copy), fence */
-    if (!found && ep->ucx && ep->ucx_reads)
-        ucx_fence(ep, "a pull the peer may be putting was cancelled");
+    if (!found && ep->mv && ep->oob_reads)
+        mover_fence(ep, "a pull the peer may be putting was cancelled");
     return found;
 }
 
@@ -341,7 +347,16 @@ static void out_advance_payload(kvl_out *o, size_t n)
     }
 }
 
-/* The next piece of o to write: head, payload batch, or trailer. */
+/* o's trailer: its crc, inverted for a cancelled copy (it never verifies). */
+static void trailer_fill(kvl_out *o)
+{
+    uint32_t t = o->cancelled ? ~o->crc : o->crc;
+    for (int i = 0; i < 4; i++)
+        o->trailer[i] = (uint8_t)(t >> (8 * i));
+}
+
+/* The next piece of o to write: head, payload batch, or (OOB) cover, and
+ * trailer. */
 static int out_iov(kvl_out *o, struct iovec *v)
 {
     int n = 0;
@@ -351,24 +366,26 @@ static int out_iov(kvl_out *o, struct iovec *v)
         v[n++].iov_len = o->f.head.len - o->head_sent;
         want += o->f.head.len - o->head_sent;
     }
-    if (o->cma && o->desc_sent < o->desc_len) {
-        /* descriptor and trailer in one go: the receiver has all it needs and
-         * copies while we go on.  The stream's shape does not change when
+    if (o->oob) {
+        /* cover and trailer in one go, once the mover's writes are
+         * complete: the receiver has all it needs and copies (or checks)
+         * while we go on.  The stream's shape does not change when
          * cancelled: the trailer goes out inverted then, never verifying */
-        v[n].iov_base = o->desc + o->desc_sent;
-        v[n++].iov_len = o->desc_len - o->desc_sent;
-        if (o->trailer_sent == 0) {
-            uint32_t t = o->cancelled ? ~o->crc : o->crc;
-            for (int i = 0; i < 4; i++)
-                o->trailer[i] = (uint8_t)(t >> (8 * i));
+        if (!o->ready)
+            return n;
+        if (o->cov_sent < o->cov_len) {
+            v[n].iov_base = o->cov + o->cov_sent;
+            v[n++].iov_len = o->cov_len - o->cov_sent;
         }
+        if (o->trailer_sent == 0)
+            trailer_fill(o);
         v[n].iov_base = o->trailer + o->trailer_sent;
         v[n++].iov_len = 4 - o->trailer_sent;
     } else if (o->payload_sent < o->f.payload_len && o->cancelled) {
         uint64_t rest = o->f.payload_len - o->payload_sent;
         v[n].iov_base = (void *)zeros;
         v[n++].iov_len = rest < sizeof zeros ? (size_t)rest : sizeof zeros;
-    } else if (o->payload_sent < o->f.payload_len && !o->remote) {
+    } else if (o->payload_sent < o->f.payload_len) {
         int idx = o->iov_idx;
         size_t off = o->iov_off;
         while (n < MAX_IOV && idx < o->f.n_payload && want < IO_BATCH) {
@@ -381,13 +398,9 @@ static int out_iov(kvl_out *o, struct iovec *v)
             idx++;
             off = 0;
         }
-    } else if (o->f.payload_len && o->trailer_sent < 4 && (!o->remote || o->flushed)) {
-        /* a REMOTE frame's trailer only once its puts are flushed: it says "placed" */
-        if (o->trailer_sent == 0) {
-            uint32_t t = o->cancelled ? ~o->crc : o->crc; /* a cancelled copy never verifies */
-            for (int i = 0; i < 4; i++)
-                o->trailer[i] = (uint8_t)(t >> (8 * i));
-        }
+    } else if (o->f.payload_len && o->trailer_sent < 4) {
+        if (o->trailer_sent == 0)
+            trailer_fill(o);
         v[n].iov_base = o->trailer + o->trailer_sent;
         v[n++].iov_len = 4 - o->trailer_sent;
     }
@@ -397,9 +410,7 @@ static int out_iov(kvl_out *o, struct iovec *v)
 /* What a receive error came from, for its message. */
 static const char *rx_what(const kvl_ep *ep)
 {
-    return ep->rx_cma ? "same-host copy from the peer's memory (process_vm_readv; run "
-                        "transport='tcp' where the OS forbids it)"
-                      : "recv";
+    return ep->rx_pull && ep->mv_ops && ep->mv_ops->pull_what ? ep->mv_ops->pull_what : "recv";
 }
 
 static void fail(kvl_ep *ep, kvl_err err, const char *what, int errnum)
@@ -412,95 +423,131 @@ static void fail(kvl_ep *ep, kvl_err err, const char *what, int errnum)
 enum { OUT_DONE = 1, OUT_MORE = 0, OUT_BLOCKED = -1, OUT_ERROR = -2, OUT_WAIT = -3,
        OUT_FAILED = -4 };
 
-/* A REMOTE frame whose header is out: posts its puts and flush once, then
- * OUT_MORE when the flush completed (the trailer goes next), OUT_WAIT while
- * it has not (the worker's event calls ep_write again), OUT_FAILED when the
- * UCX endpoint failed (the core was told). */
-static int remote_step(kvl_ep *ep, kvl_out *o)
+/* The zeros a cancelled copy's mover places or names instead of memory that
+ * may be let go of: *n pieces (malloc'd) covering len bytes. */
+static struct iovec *zeros_iov(uint64_t len, int *n)
 {
-    char why[160] = "";
-    if (!o->posted && o->cancelled) {
-        /* cancelled before its puts: none is posted (its memory is let go
-         * of), and the trailer goes out inverted: the copy never verifies */
-        o->posted = o->flushed = 1;
-        o->payload_sent = o->f.payload_len;
-        return OUT_MORE;
+    uint64_t k = (len + sizeof zeros - 1) / sizeof zeros;
+    struct iovec *v = k <= KVL_MAX_PIECES ? calloc(k, sizeof *v) : NULL;
+    if (!v)
+        return NULL; /* cannot happen for a chunk (<= KVL_MAX_CHUNK) */
+    for (uint64_t i = 0; i < k; i++) {
+        v[i].iov_base = (void *)zeros;
+        v[i].iov_len = i + 1 < k ? sizeof zeros : (size_t)(len - i * sizeof zeros);
     }
+    *n = (int)k;
+    return v;
+}
+
+/* Hands o's payload to ep's mover (its source, or zeros once cancelled): the
+ * crc for the trailer, the cover, the ticket.  0, or -1 when the mover
+ * failed (the core was told). */
+static int oob_post(kvl_ep *ep, kvl_out *o)
+{
+    struct iovec *zv = NULL;
+    kvl_mv_send ms = {.f = &o->f, .src = o->f.payload, .n_src = o->f.n_payload};
+    if (o->cancelled) {
+        if (!(o->mv_caps & KVL_MV_RECEIVER_PULLED)) {
+            /* cancelled before its writes: none is posted (its memory is let
+             * go of) and the trailer goes out inverted: it never verifies */
+            o->posted = o->ready = 1;
+            o->payload_sent = o->f.payload_len;
+            free(o->cov);
+            o->cov = calloc(1, 4);
+            o->cov_len = o->cov ? 4 : 0;
+            return 0;
+        }
+        /* the cover names the static zeros instead (as a cancelled in-stream
+         * frame sends zeros); the trailer stays inverted */
+        if ((zv = zeros_iov(o->f.payload_len, &ms.n_src)))
+            ms.src = zv;
+        o->zeroed = 1;
+    }
+    kvl_err e = ep->mv ? ep->mv_ops->post(ep->mv, &ms) : KVL_ERR_CONN_LOST;
+    free(zv);
+    if (e) {
+        char why[200];
+        snprintf(why, sizeof why, "%s: %s", ep->mv_ops->name,
+                 ep->mv ? kvl_last_error() : "the mover is gone");
+        free(ms.cover);
+        kvl_proto_on_error(ep->c, KVL_ERR_CONN_LOST, why);
+        return -1;
+    }
+    free(o->cov);
+    o->cov_len = 4 + ms.cover_len;
+    o->cov = malloc(o->cov_len);
+    if (!o->cov) {
+        free(ms.cover);
+        kvl_proto_on_error(ep->c, KVL_ERR_NOMEM, "out of memory for a mover's cover");
+        return -1;
+    }
+    uint32_t cl = (uint32_t)ms.cover_len;
+    for (int i = 0; i < 4; i++)
+        o->cov[i] = (uint8_t)(cl >> (8 * i));
+    if (ms.cover_len)
+        memcpy(o->cov + 4, ms.cover, ms.cover_len);
+    free(ms.cover);
+    o->crc = ms.crc;
+    o->ticket = ms.ticket;
     if (!o->posted) {
         o->posted = 1;
-        kvl_err e = kvl_ucx_path_post(ep->ucx, o->f.payload, o->f.n_payload, o->f.dst,
-                                      o->f.n_dst, o->f.payload_len, &o->crc, &o->fseq);
-        if (e) {
-            snprintf(why, sizeof why, "UCX put: %s", kvl_last_error());
-            kvl_proto_on_error(ep->c, KVL_ERR_CONN_LOST, why);
-            return OUT_FAILED;
-        }
         o->payload_sent = o->f.payload_len;
         __atomic_fetch_add(&ep->tx_payload, o->f.payload_len, __ATOMIC_RELAXED);
     }
-    int r = kvl_ucx_path_flushed(ep->ucx, o->fseq, why, sizeof why);
+    return 0;
+}
+
+/* An OOB frame not ready to close: posts it once (a one-sided mover's
+ * writes after the header went, a receiver-pulled one's cover before
+ * anything goes), then OUT_MORE once its writes are complete, OUT_WAIT while
+ * not (the mover's event goes on: kvl_tcp_mover_progressed), OUT_FAILED
+ * when the mover failed (the core was told). */
+/* A receiver-pulled copy cancelled before its cover went: the memory its
+ * cover would name may be let go of, so it is posted again over zeros. */
+static int needs_zero_cover(const kvl_out *o)
+{
+    return (o->mv_caps & KVL_MV_RECEIVER_PULLED) && o->cancelled && !o->zeroed &&
+           o->cov_sent == 0;
+}
+
+static int oob_step(kvl_ep *ep, kvl_out *o)
+{
+    if (!o->posted || needs_zero_cover(o)) {
+        if (oob_post(ep, o))
+            return OUT_FAILED;
+        if (o->ready)
+            return OUT_MORE;
+    }
+    char why[160] = "";
+    int r = ep->mv ? ep->mv_ops->ready(ep->mv, o->ticket, why, sizeof why) : -1;
     if (r < 0) {
-        kvl_proto_on_error(ep->c, KVL_ERR_CONN_LOST, why);
+        kvl_proto_on_error(ep->c, KVL_ERR_CONN_LOST,
+                           why[0] ? why : "the path's mover is gone with a frame in flight");
         return OUT_FAILED;
     }
     if (!r)
         return OUT_WAIT;
-    o->flushed = 1;
-    ep->ucx_acked += o->f.payload_len;
+    o->ready = 1;
+    if (o->mv_caps & KVL_MV_ONE_SIDED)
+        ep->put_tx += o->f.payload_len;
     return OUT_MORE;
 }
 
-/* A CMA frame cancelled before its descriptor went out: the memory it named
- * may be let go of, so the descriptor names the static zeros instead (as a
- * cancelled in-stream frame sends zeros), and the trailer stays inverted. */
-static void cma_cancel_desc(kvl_out *o)
-{
-    uint64_t len = o->f.payload_len;
-    uint64_t n = (len + sizeof zeros - 1) / sizeof zeros;
-    o->cma_zeroed = 1;
-    uint8_t *d = n <= KVL_MAX_PIECES ? malloc(kvl_cma_desc_len((uint32_t)n)) : NULL;
-    struct iovec *v = d ? calloc(n, sizeof *v) : NULL;
-    if (!v) { /* cannot happen for a chunk (<= KVL_MAX_CHUNK); keep the source's */
-        free(d);
-        return;
-    }
-    for (uint64_t i = 0; i < n; i++) {
-        v[i].iov_base = (void *)zeros;
-        v[i].iov_len = i + 1 < n ? sizeof zeros : (size_t)(len - i * sizeof zeros);
-    }
-    kvl_cma_desc_encode(d, v, (int)n);
-    o->crc = 0;
-    for (uint64_t i = 0; i < n; i++)
-        o->crc = kvl_crc32c(o->crc, zeros, v[i].iov_len);
-    o->cma_crc = 1;
-    free(v);
-    free(o->desc);
-    o->desc = d;
-    o->desc_len = kvl_cma_desc_len((uint32_t)n);
-}
-
 /* One sendmsg of o (ep's head frame): OUT_DONE once all of it is out,
- * OUT_MORE, OUT_BLOCKED (the socket is full) or OUT_ERROR (errno); a REMOTE
- * frame also OUT_WAIT and OUT_FAILED (remote_step). */
+ * OUT_MORE, OUT_BLOCKED (the socket is full) or OUT_ERROR (errno); an OOB
+ * frame also OUT_WAIT and OUT_FAILED (oob_step). */
 static int out_step(kvl_ep *ep, kvl_out *o, size_t *budget)
 {
-    if (o->remote && !o->flushed && o->head_sent == o->f.head.len)
-        return remote_step(ep, o);
-    if (o->cma && o->cancelled && o->desc_sent == 0 && !o->cma_zeroed)
-        cma_cancel_desc(o);
-    if (o->cma && !o->cma_crc) {
-        /* the trailer vouches for the source as it is now; the receiver's
-         * copy of it must match (taken before the descriptor goes, so the
-         * trailer follows it at once: cma.h) */
-        o->cma_crc = 1;
-        o->crc = 0;
-        for (int i = 0; i < o->f.n_payload && !o->cancelled; i++)
-            o->crc = kvl_crc32c(o->crc, o->f.payload[i].iov_base, o->f.payload[i].iov_len);
+    if (o->oob && (!o->ready || needs_zero_cover(o)) &&
+        (o->head_sent == o->f.head.len || (o->mv_caps & KVL_MV_RECEIVER_PULLED))) {
+        int r = oob_step(ep, o);
+        if (r != OUT_MORE)
+            return r;
     }
     struct iovec v[MAX_IOV + 2];
     int n = out_iov(o, v);
     if (n == 0)
-        return OUT_DONE;
+        return o->oob && !o->ready ? OUT_MORE : OUT_DONE;
     struct msghdr mh = {.msg_iov = v, .msg_iovlen = (size_t)n};
     ssize_t got = sendmsg(ep->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (got < 0)
@@ -514,18 +561,14 @@ static int out_step(kvl_ep *ep, kvl_out *o, size_t *budget)
         o->head_sent += h;
         left -= h;
     }
-    if (left && o->cma && o->desc_sent < o->desc_len) {
-        size_t d = o->desc_len - o->desc_sent;
+    if (left && o->oob && o->cov_sent < o->cov_len) {
+        size_t d = o->cov_len - o->cov_sent;
         if (d > left)
             d = left;
-        o->desc_sent += d;
+        o->cov_sent += d;
         left -= d;
-        if (o->desc_sent == o->desc_len) {
-            o->payload_sent = o->f.payload_len;
-            __atomic_fetch_add(&ep->tx_payload, o->f.payload_len, __ATOMIC_RELAXED);
-        }
     }
-    if (left && o->payload_sent < o->f.payload_len) {
+    if (left && !o->oob && o->payload_sent < o->f.payload_len) {
         out_advance_payload(o, left);
         __atomic_fetch_add(&ep->tx_payload, left, __ATOMIC_RELAXED);
         left = 0;
@@ -533,7 +576,7 @@ static int out_step(kvl_ep *ep, kvl_out *o, size_t *budget)
     if (left)
         o->trailer_sent += left;
     if (o->head_sent < o->f.head.len || o->payload_sent < o->f.payload_len ||
-        (o->cma && o->desc_sent < o->desc_len) ||
+        (o->oob && (!o->ready || o->cov_sent < o->cov_len)) ||
         (o->f.payload_len && o->trailer_sent < 4))
         return OUT_MORE;
     return OUT_DONE;
@@ -598,18 +641,15 @@ static void stage_out(kvl_ep *ep, kvl_out *o)
 static void ep_write(kvl_ep *ep)
 {
     size_t budget = IO_BUDGET;
-    if (ep->ucx_broken) {
-        kvl_proto_on_error(ep->c, KVL_ERR_CONN_LOST,
-                           ep->ucx_broken_why[0]
-                               ? ep->ucx_broken_why
-                               : "UCX flush of a cancelled copy did not complete: path closed");
+    if (ep->mv_broken) {
+        kvl_proto_on_error(ep->c, KVL_ERR_CONN_LOST, ep->mv_broken_why);
         return;
     }
     while (ep->sq && budget && !ep->dead && !ep->tx_busy) {
         kvl_out *o = ep->sq;
         if (o->f.stage && !o->slot && !o->cancelled && o->f.payload_len && o->head_sent == 0)
             stage_out(ep, o);
-        if (ep->io && o->f.payload_len && !o->remote) {
+        if (ep->io && o->f.payload_len && !(o->oob && (o->mv_caps & KVL_MV_ONE_SIDED))) {
             /* the payload goes out on the I/O thread; tcp_progress goes on */
             o->in_job = 1;
             ep->tx_busy = 1;
@@ -620,10 +660,10 @@ static void ep_write(kvl_ep *ep)
         int r = out_step(ep, o, &budget);
         if (r == OUT_ERROR)
             fail(ep, KVL_ERR_CONN_LOST, "send", errno);
-        if (r == OUT_WAIT) /* the UCX worker's event goes on (kvl_tcp_ucx_progressed) */
+        if (r == OUT_WAIT) /* the mover's event goes on (kvl_tcp_mover_progressed) */
             watch(ep, 0);
         if (r == OUT_BLOCKED && !ep->epout)
-            watch(ep, 1); /* resumed by a UCX event after OUT_WAIT: the socket's turn now */
+            watch(ep, 1); /* resumed by a mover event after OUT_WAIT: the socket's turn now */
         if (r == OUT_ERROR || r == OUT_BLOCKED || r == OUT_WAIT || r == OUT_FAILED)
             return;
         if (r == OUT_MORE)
@@ -633,24 +673,16 @@ static void ep_write(kvl_ep *ep)
         if (!ep->sq)
             ep->sq_tail = NULL;
         if (o->dst_req)
-            ep->ucx_reads++;
+            ep->oob_reads++;
         out_free(ep, o);
     }
     if (ep->sq && !ep->dead && !ep->tx_busy && !ep->epout)
-        watch(ep, 1); /* out of budget after a UCX resume: go on when writable */
+        watch(ep, 1); /* out of budget after a mover resume: go on when writable */
     if (!ep->sq && !ep->dead) {
         watch(ep, 0);
         if (ep->refused)
             kvl_proto_on_error(ep->c, KVL_OK, "closed after refusing the handshake");
     }
-}
-
-static int tcp_cma_enable(kvl_ep *ep, int verify)
-{
-    if (verify && kvl_cma_peer_here(ep->fd))
-        return -1;
-    ep->cma = 1;
-    return 0;
 }
 
 static void tcp_refuse(kvl_ep *ep)
@@ -703,37 +735,32 @@ static void sink_landed(kvl_ep *ep, const struct iovec *dst, const struct iovec 
     ep->pay_got += (uint64_t)got;
 }
 
-/* Advances the CMA source cursor by len bytes without copying. */
-static void cma_skip(kvl_ep *ep, size_t len)
-{
-    kvl_cma_advance(ep->cma_rv, (int)ep->cma_nrv, &ep->cma_ri, &ep->cma_roff, len);
-}
-
-/* read_payload for a CMA frame: copies the next batch from the sender's
- * memory into the sink (process_vm_readv) and takes its crc32c while the
- * bytes are in cache.  A drained copy, or one whose source is gone (EFAULT:
- * the sender cancelled it and let the memory go), places nothing and cannot
- * verify.  Returns bytes handled, or -1 with errno (EPERM, ESRCH: this
- * process may not read the peer's: the connection fails). */
-static ssize_t cma_payload(kvl_ep *ep, const struct iovec *dst, int ndst, int live)
+/* read_payload for a receiver-pulled OOB frame: the mover copies the next
+ * batch from the sender's memory into the sink, and its crc32c is taken
+ * while the bytes are in cache.  A drained copy, or one whose source is gone
+ * (EFAULT: the sender cancelled it and let the memory go), places nothing
+ * and cannot verify.  Returns bytes handled, or -1 with errno (EPERM, ESRCH:
+ * this process may not read the peer's: the connection fails). */
+static ssize_t pull_payload(kvl_ep *ep, const struct iovec *dst, int ndst, int live)
 {
     struct iovec v[MAX_IOV] = {{0}};
-    if (!live || ep->cma_fault || dst[ep->dst_idx].iov_base == NULL) {
+    if (!live || ep->rx_fault || dst[ep->dst_idx].iov_base == NULL || !ep->mv) {
         size_t len = dst[ep->dst_idx].iov_len - ep->dst_off;
-        cma_skip(ep, len);
+        if (ep->mv)
+            ep->mv_ops->skip(ep->mv, len);
+        ep->rx_fault |= !ep->mv;
         ep->dst_idx++;
         ep->dst_off = 0;
         ep->pay_got += len;
         return (ssize_t)len;
     }
-    int n = sink_batch(ep, dst, ndst, CMA_BATCH, v);
-    ssize_t got = kvl_cma_read(ep->cma_pid, v, n, ep->cma_rv, (int)ep->cma_nrv, &ep->cma_ri,
-                               &ep->cma_roff);
+    int n = sink_batch(ep, dst, ndst, PULL_BATCH, v);
+    ssize_t got = ep->mv_ops->pull(ep->mv, v, n);
     if (got < 0) {
         if (errno != EFAULT)
             return -1;
-        ep->cma_fault = 1; /* the rest is skipped: this copy never verifies */
-        return cma_payload(ep, dst, ndst, live);
+        ep->rx_fault = 1; /* the rest is skipped: this copy never verifies */
+        return pull_payload(ep, dst, ndst, live);
     }
     sink_landed(ep, dst, v, n, (size_t)got);
     return got;
@@ -744,8 +771,8 @@ static ssize_t cma_payload(kvl_ep *ep, const struct iovec *dst, int ndst, int li
 static ssize_t read_payload(kvl_ep *ep, const struct iovec *dst, int ndst, int live,
                             uint8_t *scratch, size_t scratch_len)
 {
-    if (ep->rx_cma)
-        return cma_payload(ep, dst, ndst, live);
+    if (ep->rx_pull)
+        return pull_payload(ep, dst, ndst, live);
     struct iovec v[MAX_IOV];
     int n;
     if (!live || dst[ep->dst_idx].iov_base == NULL) {
@@ -771,7 +798,7 @@ static ssize_t read_payload(kvl_ep *ep, const struct iovec *dst, int ndst, int l
 static void set_lowat(kvl_ep *ep, int in_payload)
 {
     int want = 0;
-    if (in_payload && !ep->rx_cma) { /* a CMA payload is not in the stream */
+    if (in_payload && !ep->rx_pull) { /* a pulled payload is not in the stream */
         uint64_t rest = ep->h.payload_len - ep->pay_got + 4; /* + the crc trailer */
         want = rest > (uint64_t)ep->lowat_max ? ep->lowat_max : (int)rest;
     }
@@ -836,7 +863,7 @@ int kvl_tcp_rx_step(kvl_ep *ep, uint8_t *scratch, size_t scratch_len)
     return 0; /* its turn is over: the others on this thread go next */
 }
 
-/* A REMOTE frame's trailer is in: the crc32c over the bytes the puts placed
+/* A one-sided OOB frame's trailer is in: the crc32c over the bytes placed
  * in the sink (what the trailer vouches for, checked at the destination).  A
  * copy that may not place (drained) cannot verify. */
 static uint32_t placed_crc(kvl_ep *ep, uint32_t want)
@@ -854,7 +881,7 @@ static uint32_t placed_crc(kvl_ep *ep, uint32_t want)
     return crc;
 }
 
-/* A payload starts: in-stream bytes, or (rx_cma) a copy from the peer. */
+/* A payload starts: in-stream bytes, or (rx_pull) a copy by the mover. */
 static void payload_begin(kvl_ep *ep)
 {
     ep->rs = RS_PAYLOAD;
@@ -876,52 +903,60 @@ static void payload_begin(kvl_ep *ep)
         rx_job_start(ep);
 }
 
-/* The CMA descriptor's bytes so far are in (ep->cma_got == ep->cma_need):
- * its head says how many ranges follow; once they are in, they are checked
- * (bounds, sum, the process owns the peer's socket) and the copy begins.
- * Returns -1 when the core was told of a broken peer. */
-static int on_cma_desc(kvl_ep *ep)
+/* The cover's bytes so far are in (ep->cov_got == ep->cov_need): first its
+ * u32 length, then the cover, which the mover checks before one byte is
+ * placed.  A one-sided mover's bytes are placed already: only the trailer
+ * follows.  Returns -1 when the core was told of a broken peer. */
+static int on_cover(kvl_ep *ep)
 {
-    if (ep->cma_need == KVL_CMA_HEAD_BYTES) {
-        uint32_t n;
-        if (kvl_cma_desc_head(ep->cma_buf, KVL_MAX_PIECES, &ep->cma_pid, &n)) {
-            kvl_proto_on_error(ep->c, KVL_ERR_PROTOCOL, kvl_last_error());
+    if (ep->cov_need == 4) {
+        uint32_t len = (uint32_t)ep->cov[0] | (uint32_t)ep->cov[1] << 8 |
+                       (uint32_t)ep->cov[2] << 16 | (uint32_t)ep->cov[3] << 24;
+        if (len > KVL_MAX_COVER) {
+            char why[96];
+            snprintf(why, sizeof why, "a cover of %u bytes where at most %u are taken", len,
+                     KVL_MAX_COVER);
+            kvl_proto_on_error(ep->c, KVL_ERR_PROTOCOL, why);
             return -1;
         }
-        size_t need = kvl_cma_desc_len(n);
-        if (need > ep->cma_cap) {
-            uint8_t *nb = realloc(ep->cma_buf, need);
-            struct iovec *nv = nb ? realloc(ep->cma_rv, n * sizeof *nv) : NULL;
-            if (nb)
-                ep->cma_buf = nb;
-            if (!nv) {
-                kvl_proto_on_error(ep->c, KVL_ERR_NOMEM, "out of memory for a CMA descriptor");
-                return -1;
+        if (len) {
+            if (4 + (size_t)len > ep->cov_cap) {
+                uint8_t *nb = realloc(ep->cov, 4 + (size_t)len);
+                if (!nb) {
+                    kvl_proto_on_error(ep->c, KVL_ERR_NOMEM, "out of memory for a cover");
+                    return -1;
+                }
+                ep->cov = nb;
+                ep->cov_cap = 4 + (size_t)len;
             }
-            ep->cma_rv = nv;
-            ep->cma_cap = need;
+            ep->cov_need = 4 + (size_t)len;
+            return 0;
         }
-        ep->cma_nrv = n;
-        ep->cma_need = need;
+    }
+    size_t len = ep->cov_need - 4;
+    uint32_t caps = ep->mv_ops->caps;
+    if (caps & KVL_MV_ONE_SIDED) {
+        if (len) {
+            kvl_proto_on_error(ep->c, KVL_ERR_PROTOCOL,
+                               "a cover on a frame whose bytes were put (covers are empty)");
+            return -1;
+        }
+        /* the bytes were put into the sink already (the core allowed OOB
+         * on this path only): the trailer, sent after the writes, says so */
+        ep->rs = RS_TRAILER;
+        ep->rx_put = 1;
+        ep->pay_got = ep->h.payload_len;
+        ep->crc = 0;
+        ep->trailer_got = 0;
         return 0;
     }
-    if (kvl_cma_desc_ranges(ep->cma_buf + KVL_CMA_HEAD_BYTES, ep->cma_nrv, ep->h.payload_len,
-                            ep->cma_rv)) {
+    if (ep->mv_ops->rx_begin(ep->mv, ep->cov + 4, len, ep->h.payload_len)) {
         kvl_proto_on_error(ep->c, KVL_ERR_PROTOCOL, kvl_last_error());
         return -1;
     }
-    if (ep->cma_pid != ep->cma_pid_ok) {
-        if (kvl_cma_peer_check(ep->fd, ep->cma_pid)) {
-            kvl_proto_on_error(ep->c, KVL_ERR_PROTOCOL, kvl_last_error());
-            return -1;
-        }
-        ep->cma_pid_ok = ep->cma_pid;
-    }
-    ep->rx_cma = 1;
-    ep->cma_fault = 0;
-    ep->cma_ri = 0;
-    ep->cma_roff = 0;
-    set_lowat(ep, 0); /* only the 4-byte trailer comes: wake for it at once */
+    ep->rx_pull = 1;
+    ep->rx_fault = 0;
+    set_lowat(ep, 0); /* only the 4-byte trailer comes in-stream: wake for it at once */
     payload_begin(ep);
     return 0;
 }
@@ -932,35 +967,35 @@ static void on_body(kvl_ep *ep)
     /* before the core sees the ACK: the chunk it settles must not wait on
      * its own copy's hold (a forged ACK lets go early of memory only the
      * peer itself reads) */
-    if (ep->h.type == KVL_F_ACK && ep->cma)
-        cma_acked(ep, ep->body, ep->h.body_len);
+    if (ep->h.type == KVL_F_ACK && (ep->nheld || (ep->mv_ops && ep->sq)))
+        held_acked(ep, ep->body, ep->h.body_len);
     kvl_proto_on_frame(ep->c, &ep->h, ep->body);
     if (ep->dead || ep->refused)
         return;
-    int remote = ep->h.payload_len && (ep->h.flags & KVL_HF_REMOTE);
-    if (ep->h.type == KVL_F_READ_RESP && !remote && ep->ucx_reads)
-        ep->ucx_reads--; /* in-stream or a refusal: the peer puts nothing for it */
-    if (remote) {
-        /* the bytes were put into the sink already (the core allowed REMOTE
-         * on this path only): only the trailer follows, sent after the flush */
-        ep->rs = RS_TRAILER;
-        ep->rx_remote = 1;
-        ep->pay_got = ep->h.payload_len;
-        ep->crc = 0;
-        ep->trailer_got = 0;
-    } else if (ep->h.payload_len && (ep->h.flags & KVL_HF_CMA)) {
-        /* the core allowed CMA on this connection only (its HELLO agreed) */
-        if (!ep->cma_buf && !(ep->cma_buf = malloc(KVL_CMA_HEAD_BYTES))) {
-            kvl_proto_on_error(ep->c, KVL_ERR_NOMEM, "out of memory for a CMA descriptor");
+    int oob = ep->h.payload_len && (ep->h.flags & KVL_HF_OOB);
+    if (ep->h.type == KVL_F_READ_RESP && !oob && ep->oob_reads)
+        ep->oob_reads--; /* in-stream or a refusal: the peer puts nothing for it */
+    if (oob) {
+        /* the core allowed OOB on this connection only (its mover is set up) */
+        if (!ep->mv) {
+            kvl_proto_on_error(ep->c, KVL_ERR_PROTOCOL,
+                               "a frame with header flag OOB on a path whose mover is gone");
             return;
         }
-        if (!ep->cma_cap)
-            ep->cma_cap = KVL_CMA_HEAD_BYTES;
-        ep->rs = RS_CMA;
-        ep->cma_got = 0;
-        ep->cma_need = KVL_CMA_HEAD_BYTES;
+        if (ep->cov_cap < 4) {
+            uint8_t *nb = realloc(ep->cov, 4);
+            if (!nb) {
+                kvl_proto_on_error(ep->c, KVL_ERR_NOMEM, "out of memory for a cover");
+                return;
+            }
+            ep->cov = nb;
+            ep->cov_cap = 4;
+        }
+        ep->rs = RS_COVER;
+        ep->cov_got = 0;
+        ep->cov_need = 4;
     } else if (ep->h.payload_len) {
-        ep->rx_cma = 0;
+        ep->rx_pull = 0;
         payload_begin(ep);
     } else {
         ep->rs = RS_HDR;
@@ -1025,9 +1060,8 @@ static void ep_read(kvl_ep *ep)
             n = recv(ep->fd, ep->body + ep->body_got, ep->h.body_len - ep->body_got,
                      MSG_DONTWAIT);
             break;
-        case RS_CMA:
-            n = recv(ep->fd, ep->cma_buf + ep->cma_got, ep->cma_need - ep->cma_got,
-                     MSG_DONTWAIT);
+        case RS_COVER:
+            n = recv(ep->fd, ep->cov + ep->cov_got, ep->cov_need - ep->cov_got, MSG_DONTWAIT);
             break;
         case RS_PAYLOAD: {
             int ndst;
@@ -1068,9 +1102,9 @@ static void ep_read(kvl_ep *ep)
             if (ep->body_got == ep->h.body_len)
                 on_body(ep);
             break;
-        case RS_CMA:
-            ep->cma_got += (size_t)n;
-            if (ep->cma_got == ep->cma_need && on_cma_desc(ep))
+        case RS_COVER:
+            ep->cov_got += (size_t)n;
+            if (ep->cov_got == ep->cov_need && on_cover(ep))
                 return;
             break;
         case RS_PAYLOAD:
@@ -1086,15 +1120,15 @@ static void ep_read(kvl_ep *ep)
                     ep->rx_payload += ep->h.payload_len;
                 ep->rs = RS_HDR;
                 ep->hdr_got = 0;
-                if (ep->rx_cma && ep->cma_fault)
+                if (ep->rx_pull && ep->rx_fault)
                     ep->crc = ~want;
-                ep->rx_cma = 0;
-                if (ep->rx_remote) {
-                    ep->rx_remote = 0;
+                ep->rx_pull = 0;
+                if (ep->rx_put) {
+                    ep->rx_put = 0;
                     ep->crc = placed_crc(ep, want);
-                    ep->ucx_put_rx += ep->h.payload_len;
-                    if (ep->h.type == KVL_F_READ_RESP && ep->ucx_reads)
-                        ep->ucx_reads--; /* flushed before its trailer: placed */
+                    ep->put_rx += ep->h.payload_len;
+                    if (ep->h.type == KVL_F_READ_RESP && ep->oob_reads)
+                        ep->oob_reads--; /* written before its trailer: placed */
                 }
                 kvl_proto_on_payload(ep->c, ep->crc, want);
             }
@@ -1140,9 +1174,9 @@ static void rx_finished(kvl_ep *ep, int err)
     ep->rx_payload += ep->h.payload_len;
     ep->rs = RS_HDR;
     ep->hdr_got = 0;
-    if (ep->rx_cma && ep->cma_fault)
+    if (ep->rx_pull && ep->rx_fault)
         ep->crc = ~want;
-    ep->rx_cma = 0;
+    ep->rx_pull = 0;
     kvl_proto_on_payload(ep->c, ep->crc, want);
     if (!ep->dead)
         watch_update(ep); /* reading again: the next header */
@@ -1197,9 +1231,12 @@ static kvl_err tcp_attach(kvl_ep *ep, kvl_conn *c)
     ep->watched = 1;
     ep->ev_mask = EPOLLIN;
     ep->io = kvl_tcp_pool_pick(ep->a);
-    if (ep->ucx && kvl_ucx_path_watch(ep)) { /* cannot progress it: the path stays TCP */
-        kvl_ucx_path_free(ep, ep->a->cfg.connect_timeout_ms);
-        snprintf(ep->ucx_note, sizeof ep->ucx_note, "UCX worker cannot be watched: TCP");
+    if (ep->mv && ep->mv_ops->attach && ep->mv_ops->attach(ep->mv, ep)) {
+        /* the mover cannot run in the event loop: the path runs in-stream */
+        char note[sizeof ep->mv_note];
+        snprintf(note, sizeof note, "%s cannot run in the event loop (%s): in-stream",
+                 ep->mv_ops->name, kvl_last_error());
+        tcp_set_mover(ep, ep->mv_ops, NULL, note);
     }
     return KVL_OK;
 }
@@ -1296,16 +1333,98 @@ static void accept_all(kvl_ep *l)
     }
 }
 
-void kvl_tcp_ucx_progressed(kvl_ep *ep)
+/* The mover of ep made progress: a frame waiting for its writes may go on. */
+static void mover_progressed(kvl_ep *ep)
 {
     if (!ep->dead && ep->sq && !ep->tx_busy)
         ep_write(ep);
 }
 
+/* A mover's event source (watch_fd): a pseudo endpoint in the event loop. */
+static int tcp_watch_fd(kvl_ep *ep, int fd, void (*fn)(void *arg), void *arg)
+{
+    kvl_ep *aux = calloc(1, sizeof *aux);
+    if (!aux)
+        return -1;
+    aux->a = ep->a;
+    aux->fd = fd;
+    aux->spare = -1;
+    aux->aux_owner = ep;
+    aux->aux_fn = fn;
+    aux->aux_arg = arg;
+    pthread_mutex_init(&aux->jmu, NULL);
+    if (kvl_engine_watch(ep->a, fd, aux, EPOLLIN) != 0) {
+        pthread_mutex_destroy(&aux->jmu);
+        free(aux);
+        return -1;
+    }
+    aux->aux_next = ep->aux;
+    ep->aux = aux;
+    return 0;
+}
+
+/* Stops watching fd; its pseudo endpoint stays allocated until ep is freed
+ * (an event for it may be pending in this loop iteration). */
+static void tcp_unwatch_fd(kvl_ep *ep, int fd)
+{
+    for (kvl_ep *x = ep->aux; x; x = x->aux_next)
+        if (x->fd == fd && x->aux_fn) {
+            kvl_engine_unwatch(ep->a, fd);
+            x->aux_fn = NULL;
+            x->fd = -1;
+        }
+}
+
+static void tcp_mover_failed(kvl_ep *ep, const char *why)
+{
+    snprintf(ep->mv_broken_why, sizeof ep->mv_broken_why, "%s", why);
+    ep->mv_broken = 1;
+    watch(ep, 1); /* ep_write fails the connection from the event loop */
+}
+
+static void tcp_set_mover(kvl_ep *ep, const kvl_mover_ops *ops, kvl_mover *m,
+                          const char *why_not)
+{
+    if (ep->mv && ep->mv != m)
+        ep->mv_ops->free(ep->mv, ep->a->cfg.connect_timeout_ms);
+    ep->mv_ops = ops;
+    ep->mv = m;
+    snprintf(ep->mv_note, sizeof ep->mv_note, "%s", why_not ? why_not : "");
+}
+
+static int tcp_note(const kvl_ep *ep, char *out, size_t len)
+{
+    if (ep->mv) {
+        ep->mv_ops->note(ep->mv, out, len);
+        return 1;
+    }
+    snprintf(out, len, "%s", ep->mv_note);
+    return 0;
+}
+
+static const kvl_mover_ops *tcp_mover(const kvl_ep *ep, kvl_mover **m)
+{
+    *m = ep->mv;
+    return ep->mv ? ep->mv_ops : NULL;
+}
+
+static int tcp_addrs(const kvl_ep *ep, struct sockaddr_storage *local,
+                     struct sockaddr_storage *peer)
+{
+    socklen_t ll = sizeof *local, pl = sizeof *peer;
+    if (ep->fd < 0 || getsockname(ep->fd, (struct sockaddr *)local, &ll) < 0 ||
+        getpeername(ep->fd, (struct sockaddr *)peer, &pl) < 0)
+        return -1;
+    return 0;
+}
+
 static void tcp_on_event(kvl_ep *ep, uint32_t events)
 {
-    if (ep->ucx_owner) { /* a UCX worker's fd */
-        kvl_ucx_path_on_event(ep);
+    if (ep->aux_owner) { /* a mover's event source */
+        if (ep->aux_fn) {
+            ep->aux_fn(ep->aux_arg);
+            mover_progressed(ep->aux_owner);
+        }
         return;
     }
     if (ep->dead)
@@ -1341,8 +1460,11 @@ static void tcp_close(kvl_ep *ep, int abortive)
     if (ep->spare >= 0)
         close(ep->spare);
     ep->spare = -1;
-    /* before the frames let go of the memory their puts read */
-    kvl_ucx_path_free(ep, ep->a->cfg.connect_timeout_ms);
+    /* before the frames let go of the memory a mover's writes read */
+    if (ep->mv) {
+        ep->mv_ops->free(ep->mv, ep->a->cfg.connect_timeout_ms);
+        ep->mv = NULL;
+    }
     while (ep->sq) {
         kvl_out *o = ep->sq;
         ep->sq = o->next;
@@ -1351,9 +1473,9 @@ static void tcp_close(kvl_ep *ep, int abortive)
     ep->sq_tail = NULL;
     ep->sq_len = 0;
     /* the peer reads nothing of ours any more */
-    for (size_t i = 0; i < ep->cma_nheld; i++)
-        kvl_proto_release(ep->a, &ep->cma_held[i].hold);
-    ep->cma_nheld = 0;
+    for (size_t i = 0; i < ep->nheld; i++)
+        kvl_proto_release(ep->a, &ep->held[i].hold);
+    ep->nheld = 0;
 }
 
 void kvl_tcp_ep_free(kvl_ep *ep)
@@ -1361,10 +1483,15 @@ void kvl_tcp_ep_free(kvl_ep *ep)
     if (!ep)
         return;
     kvl_tcp_job_forget(ep);
-    kvl_ucx_path_free(ep, 0); /* a detached endpoint's: no engine watch, nothing in flight */
-    if (ep->ucx_wk_gone) {
-        pthread_mutex_destroy(&ep->ucx_wk_gone->jmu);
-        free(ep->ucx_wk_gone);
+    if (ep->mv) /* a detached endpoint's: no engine watch, nothing in flight */
+        ep->mv_ops->free(ep->mv, 0);
+    while (ep->aux) {
+        kvl_ep *x = ep->aux;
+        ep->aux = x->aux_next;
+        if (x->aux_fn)
+            kvl_engine_unwatch(ep->a, x->fd);
+        pthread_mutex_destroy(&x->jmu);
+        free(x);
     }
     if (ep->fd >= 0)
         close(ep->fd);
@@ -1378,9 +1505,8 @@ void kvl_tcp_ep_free(kvl_ep *ep)
     }
     free(ep->body);
     free(ep->sink);
-    free(ep->cma_buf);
-    free(ep->cma_rv);
-    free(ep->cma_held); /* teardown: the agent releases what they held */
+    free(ep->cov);
+    free(ep->held); /* teardown: the agent releases what they held */
     pthread_mutex_destroy(&ep->jmu);
     free(ep);
 }
@@ -1389,15 +1515,9 @@ static int tcp_sample_ep(const kvl_ep *ep, kvl_tp_sample *out)
 {
     if (ep->dead || kvl_tcp_sample(ep->fd, out) != 0)
         return -1;
-    if (ep->ucx) { /* payloads move on the UCX worker: its events are the path's progress */
-        out->bytes_acked += ep->ucx_acked;
-        uint64_t now = kvl_now_ns();
-        uint64_t ms = ep->t_ucx_ns && now > ep->t_ucx_ns ? (now - ep->t_ucx_ns) / 1000000ull
-                                                          : UINT32_MAX;
-        if (ms < out->last_ack_recv_ms)
-            out->last_ack_recv_ms = (uint32_t)ms;
-        if (ms < out->last_data_recv_ms)
-            out->last_data_recv_ms = (uint32_t)ms;
+    if (ep->mv && ep->mv_ops->sample) { /* writes the socket does not see */
+        out->bytes_acked += ep->put_tx;
+        ep->mv_ops->sample(ep->mv, out);
     }
     return 0;
 }
@@ -1407,23 +1527,10 @@ static uint64_t tcp_bytes_sent(const kvl_ep *ep)
     return __atomic_load_n(&ep->tx_payload, __ATOMIC_RELAXED);
 }
 static uint64_t tcp_bytes_recv(const kvl_ep *ep) { return ep->rx_payload; }
-static uint64_t tcp_bytes_put(const kvl_ep *ep) { return ep->ucx_acked + ep->ucx_put_rx; }
+static uint64_t tcp_bytes_put(const kvl_ep *ep) { return ep->put_tx + ep->put_rx; }
 
-static kvl_err tcp_reg_mem(kvl_agent *a, void *base, uint64_t len, uint32_t mem, uint8_t *rkey,
-                           uint32_t *rkey_len)
-{
-    (void)a;
-    (void)base;
-    (void)len;
-    (void)mem;
-    (void)rkey;
-    *rkey_len = 0; /* the receiver's CPU places every byte: no remote key */
-    return KVL_OK;
-}
-
-const kvl_transport_ops kvl_tcp_ops = {
+const kvl_stream_ops kvl_tcp_stream = {
     .name = "tcp",
-    .caps = KVL_TP_SW_CRC,
     .listen = kvl_tcp_listen,
     .connect = kvl_tcp_connect,
     .send_all = kvl_tcp_send_all,
@@ -1445,16 +1552,15 @@ const kvl_transport_ops kvl_tcp_ops = {
     .bytes_put = tcp_bytes_put,
     .close = tcp_close,
     .free = kvl_tcp_ep_free,
-    .reg_mem = tcp_reg_mem,
     .start = kvl_tcp_pool_start,
     .stop = kvl_tcp_pool_stop,
     .progress = tcp_progress,
     .revoke = tcp_revoke,
-    .remote_offer = kvl_ucx_path_offer,
-    .remote_check = kvl_ucx_path_check,
-    .remote_sync = kvl_ucx_path_sync,
-    .remote_keys = kvl_ucx_path_keys,
-    .remote_note = kvl_ucx_path_note,
-    .remote_answer = kvl_ucx_path_answer,
-    .cma_enable = tcp_cma_enable,
+    .set_mover = tcp_set_mover,
+    .mover = tcp_mover,
+    .note = tcp_note,
+    .addrs = tcp_addrs,
+    .watch_fd = tcp_watch_fd,
+    .unwatch_fd = tcp_unwatch_fd,
+    .mover_failed = tcp_mover_failed,
 };

@@ -1,5 +1,6 @@
-/* tcp.h: the TCP transport's own declarations (tcp.c: sockets; stream.c: the
- * endpoint's byte stream).  Nothing outside csrc/transport/tcp/ includes it. */
+/* tcp.h: the TCP stream's own declarations (tcp.c: sockets; stream.c: the
+ * endpoint's byte stream and the generic side of movers; iopool.c: I/O
+ * threads).  Nothing outside csrc/transport/tcp/ includes it. */
 #ifndef KVLINK_TCP_H
 #define KVLINK_TCP_H
 
@@ -67,38 +68,31 @@ struct kvl_ep {
     int listed, pins;      /* io->mu: in the thread's list / being served now */
     int done_queued;       /* pool mu: in the finished list */
     kvl_ep *done_next;
-    /* one-sided companion (csrc/transport/ucx/path.c, docs/ucx.md): DATA
-     * payloads go by UCX put, the stream carries header and trailer only */
-    struct kvl_ucx_path *ucx;  /* NULL: every payload in-stream (TCP) */
-    /* same host (cma.h): payloads go as descriptors the receiver copies from */
-    int cma;               /* agreed in the HELLO (cma_enable) */
-    int rx_cma;            /* the payload arriving is copied from the peer's memory */
-    int cma_fault;         /* its source was gone (EFAULT): the copy cannot verify */
-    uint8_t *cma_buf;      /* the descriptor arriving */
-    size_t cma_cap, cma_got, cma_need;
-    uint32_t cma_pid;      /* the descriptor's process */
-    uint32_t cma_pid_ok;   /* the process checked to own the peer's socket (0: none yet) */
-    struct iovec *cma_rv;  /* its source ranges */
-    uint32_t cma_nrv;
-    int cma_ri;            /* copy cursor in cma_rv */
-    size_t cma_roff;
-    /* CMA DATA frames sent, whose memory the receiver may still be copying:
-     * held until their ACK arrives or the connection closes */
-    struct kvl_cma_held *cma_held;
-    size_t cma_nheld, cma_capheld;
-    kvl_ep *ucx_owner;     /* set on a worker fd's pseudo endpoint: the data endpoint */
-    char ucx_note[128];    /* what carries the payloads and why (paths()) */
-    int rx_remote;         /* the payload arriving was put: only its trailer comes */
-    uint64_t t_ucx_ns;     /* the worker's last event: UCX progress for the path's samples */
-    uint64_t ucx_acked;    /* payload bytes of flushed puts (the samples' bytes_acked) */
-    uint64_t ucx_put_rx;   /* payload bytes the peer put here (REMOTE frames ended) */
-    int ucx_broken;        /* a cancelled copy's flush failed, or a pull over UCX was
-                              fenced: fail ep from the event loop (why: ucx_broken_why) */
-    char ucx_broken_why[128];
-    uint32_t ucx_reads;    /* READ_REQs with DST sent whose READ_RESP has not ended: the
-                              peer may be putting into our memory (pull over UCX) */
-    kvl_ep *ucx_wk_gone;   /* the worker fd's pseudo endpoint after kvl_ucx_path_free:
-                              freed with ep (an event for it may be pending) */
+    /* the path's mover (transport.h), NULL: every payload in-stream */
+    const kvl_mover_ops *mv_ops; /* kept after the mover is gone: what carried the path */
+    kvl_mover *mv;
+    char mv_note[128];     /* why the mover is gone (paths()), or "" */
+    int rx_pull;           /* job: the payload arriving is pulled by the mover */
+    int rx_fault;          /* job: its source was gone (EFAULT): the copy cannot verify */
+    int rx_put;            /* the payload arriving was put: only its trailer comes */
+    uint8_t *cov;          /* the cover arriving: u32 length, then the mover's bytes */
+    size_t cov_cap, cov_got, cov_need;
+    /* receiver-pulled DATA frames sent, whose memory the receiver may still
+     * be copying: held until their ACK arrives or the connection closes */
+    struct kvl_oob_held *held;
+    size_t nheld, capheld;
+    uint64_t put_tx;       /* payload bytes of one-sided frames whose writes completed */
+    uint64_t put_rx;       /* payload bytes the peer put here (OOB frames ended) */
+    int mv_broken;         /* the mover failed or fenced: fail ep from the event loop */
+    char mv_broken_why[160];
+    uint32_t oob_reads;    /* READ_REQs with DST sent whose READ_RESP has not ended: the
+                              peer's mover may be placing into our memory */
+    /* a mover's event sources (watch_fd): pseudo endpoints in the event loop */
+    kvl_ep *aux;           /* ep's, in a list (freed with ep) */
+    kvl_ep *aux_next;
+    kvl_ep *aux_owner;     /* set on a pseudo endpoint: the data endpoint */
+    void (*aux_fn)(void *arg); /* NULL once unwatched */
+    void *aux_arg;
 };
 
 /* ---- I/O threads (iopool.c) ---- */
@@ -123,10 +117,6 @@ kvl_ep *kvl_tcp_pool_next_done(kvl_agent *a);
  * would block. */
 int kvl_tcp_rx_step(kvl_ep *ep, uint8_t *scratch, size_t scratch_len);
 int kvl_tcp_tx_step(kvl_ep *ep);
-
-/* Engine: ep's UCX worker made progress: a frame waiting for its flush may
- * go on (stream.c). */
-void kvl_tcp_ucx_progressed(kvl_ep *ep);
 
 kvl_ep *kvl_tcp_ep_new(kvl_agent *a, int fd, int listener);
 /* Frees ep (closing its descriptors) once its I/O thread let go of it. */

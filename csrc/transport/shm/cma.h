@@ -1,7 +1,7 @@
 /* cma.h: same-host payloads by cross-memory attach (docs/ucx.md, "Same-host
  * peers").  Between two agents on one host (one boot, PID and network
- * namespace) a DATA or READ_RESP frame with header flag CMA carries no
- * payload bytes: after its body the stream holds a descriptor (the sender's
+ * namespace) a DATA or READ_RESP frame with header flag OOB carries no
+ * payload bytes: its cover (shm.c, the shm mover) is a descriptor (the sender's
  * pid and where the payload lies in the sender's memory), then the usual
  * crc32c trailer over the source.  The receiver copies the bytes with
  * process_vm_readv(2) straight into the destination the core resolved and
@@ -9,11 +9,12 @@
  * sender never writes into the receiver: a peer's descriptor can make us
  * read only from the process that owns the connection's other socket
  * (kvl_cma_peer_check), into memory the core already allowed. */
-#ifndef KVLINK_TCP_CMA_H
-#define KVLINK_TCP_CMA_H
+#ifndef KVLINK_SHM_CMA_H
+#define KVLINK_SHM_CMA_H
 
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/socket.h>
 #include <sys/types.h>
 #include <sys/uio.h>
 
@@ -39,16 +40,19 @@ kvl_err kvl_cma_desc_head(const uint8_t in[KVL_CMA_HEAD_BYTES], uint32_t max_ran
  * address space, and the lengths add up to total (the frame's payload). */
 kvl_err kvl_cma_desc_ranges(const uint8_t *in, uint32_t n, uint64_t total, struct iovec *out);
 
-/* KVL_OK when process pid owns the socket at the other end of fd (a TCP
- * connection in this network namespace: /proc/net/tcp names its inode,
- * /proc/<pid>/fd holds it); else KVL_ERR_PROTOCOL naming what failed.
- * Reads /proc: call once per connection. */
-kvl_err kvl_cma_peer_check(int fd, uint32_t pid);
+/* KVL_OK when process pid owns the socket at the other end of the TCP
+ * connection local <-> peer (in this network namespace: /proc/net/tcp names
+ * its inode, /proc/<pid>/fd holds it); else KVL_ERR_PROTOCOL naming what
+ * failed.  Reads /proc: call once per connection. */
+kvl_err kvl_cma_peer_check(const struct sockaddr_storage *local,
+                           const struct sockaddr_storage *peer, uint32_t pid);
 
-/* KVL_OK when the socket at the other end of fd is in this network namespace
- * (on this host: /proc/net/tcp lists it), else KVL_ERR_PROTOCOL saying so.
- * What a listener asks before it agrees to same-host copies on fd. */
-kvl_err kvl_cma_peer_here(int fd);
+/* KVL_OK when the socket at the other end of local <-> peer is in this
+ * network namespace (on this host: /proc/net/tcp lists it), else
+ * KVL_ERR_PROTOCOL saying so.  What a listener asks before it agrees to
+ * same-host copies on a connection. */
+kvl_err kvl_cma_peer_here(const struct sockaddr_storage *local,
+                          const struct sockaddr_storage *peer);
 
 /* Moves the cursor (*ri, *roff) in ranges r[0..nr) forward by len bytes
  * (at most what is left: the cursor stops at the end). */

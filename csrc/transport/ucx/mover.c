@@ -1,25 +1,34 @@
-/* path.c: the UCX side of one kvlink data path (path.h; docs/ucx.md).
+/* mover.c: the UCX mover (transport.h; docs/ucx.md).
  *
- * Set-up (after the TCP handshake, which proved the cluster secret):
- *   initiator: UCX_OFFER(its worker address, a key for each of its host
- *              regions: pull destinations)              -- kvl_ucx_path_offer
- *   listener:  UCX_ACCEPT(its worker address, a key for every region peers
- *              may write) or UCX_REFUSE(status, why)   -- kvl_ucx_path_answer
- * The initiator then puts DATA payloads into the listener's regions, and the
- * listener puts READ_RESP payloads into the initiator's (a READ_REQ with the
- * DST flag names where).
+ * One-sided: a data path stays one stream connection; it carries the
+ * handshake, the MOVER_* set-up frames, every frame's header and body, the
+ * crc32c trailers and the ACKs.  When the set-up succeeded, DATA payloads go
+ * by UCX put into the listener's regions, and READ_RESP payloads by put into
+ * the initiator's (a READ_REQ with the DST flag names where); the trailer
+ * follows the flush.  A path whose set-up was refused or failed keeps
+ * carrying payloads in-stream: that is the per-path fallback, on the same NIC.
+ *
+ * Set-up (after the handshake, which proved the cluster secret):
+ *   initiator: MOVER_OFFER(ucx: its worker address, a key for each of its
+ *              host regions: pull destinations)           -- ucx_start
+ *   listener:  MOVER_ACCEPT(ucx: its worker address, a key for every region
+ *              peers may write) or MOVER_REFUSE(ucx: status, why)  -- ucx_answer
+ *
+ * Threads: ucx_start runs on the thread that opens the connection (add_peer's
+ * helper threads, the prober), on a detached endpoint nothing else touches;
+ * everything else runs on the engine thread (the mover has no
+ * KVL_MV_RECEIVER_PULLED side and the stream keeps one-sided frames off its
+ * I/O threads).
  */
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/epoll.h>
 #include <sys/socket.h>
 
-#include "../tcp/tcp.h"
+#include "../../internal.h"
 #include "msg.h"
-#include "path.h"
 #include "ucx.h"
 
 typedef struct upkey {
@@ -28,7 +37,12 @@ typedef struct upkey {
     kvl_ucx_rkey *k;
 } upkey;
 
-struct kvl_ucx_path {
+typedef struct kvl_ucx_path {
+    kvl_agent *a;
+    kvl_ep *ep;         /* the stream endpoint it rides on */
+    char note[128];     /* what carries the payloads and why (paths()) */
+    uint64_t t_event_ns; /* the worker's last event: progress for the path's samples */
+    int watched;        /* the worker's fd is in the event loop (watch_fd) */
     kvl_ucx_worker *w;
     kvl_ucx_ep *uep;
     kvl_ucx_mem **maps; /* our regions mapped in w's context */
@@ -38,8 +52,12 @@ struct kvl_ucx_path {
                            listener (push destinations), 0 at the initiator (pulls) */
     upkey *keys;        /* the peer's regions, by id ascending */
     uint32_t n_keys;
-    kvl_ep *wk;         /* the worker fd's pseudo endpoint in the engine's epoll */
-};
+} kvl_ucx_path;
+
+extern const kvl_mover_ops kvl_ucx_mover;
+
+static kvl_ucx_path *U(kvl_mover *m) { return (kvl_ucx_path *)m; }
+static const kvl_ucx_path *CU(const kvl_mover *m) { return (const kvl_ucx_path *)m; }
 
 /* UCX's TCP moves a put in segments of TCP_TX_SEG_SIZE (8 KiB by default):
  * 1 MiB made put 3.6x faster here (docs/BENCHMARKS.md). */
@@ -49,6 +67,8 @@ static void path_destroy(kvl_ucx_path *u, uint32_t timeout_ms)
 {
     if (!u)
         return;
+    if (u->watched) /* its event may be pending: the stream keeps the watch's memory */
+        u->a->stream->unwatch_fd(u->ep, kvl_ucx_worker_fd(u->w));
     for (uint32_t i = 0; i < u->n_keys; i++)
         kvl_ucx_rkey_destroy(u->keys[i].k);
     free(u->keys);
@@ -63,7 +83,7 @@ static void path_destroy(kvl_ucx_path *u, uint32_t timeout_ms)
 }
 
 /* A worker on the device that holds local (an IPv4 address). */
-static kvl_err path_new(const char *local, kvl_ucx_path **out)
+static kvl_err path_new(kvl_agent *a, kvl_ep *ep, const char *local, kvl_ucx_path **out)
 {
     *out = NULL;
     char dev[64];
@@ -73,6 +93,8 @@ static kvl_err path_new(const char *local, kvl_ucx_path **out)
     kvl_ucx_path *u = calloc(1, sizeof *u);
     if (!u)
         return kvl_fail(KVL_ERR_NOMEM, "UCX: out of memory");
+    u->a = a;
+    u->ep = ep;
     if ((e = kvl_ucx_worker_create(dev, worker_opts, &u->w))) {
         free(u);
         return e;
@@ -123,32 +145,44 @@ static kvl_err map_regions(kvl_agent *a, kvl_ucx_path *u, uint32_t need, kvl_ucx
 
 /* ---- initiator ---- */
 
-static void note(kvl_ep *ep, const char *fmt, const char *detail)
+/* Starts a MOVER_* frame of this mover: its kind byte first. */
+static void frame_begin(kvl_buf *b)
 {
-    snprintf(ep->ucx_note, sizeof ep->ucx_note, fmt, detail);
+    uint8_t k = KVL_MOVER_UCX;
+    kvl_frame_start(b);
+    kvl_buf_put(b, &k, 1);
 }
 
-kvl_err kvl_ucx_path_offer(kvl_ep *ep, const char *local, uint64_t deadline_ns)
+static void note_set(kvl_ucx_path *u)
 {
+    snprintf(u->note, sizeof u->note, "UCX %s, %u remote keys, %u regions mapped",
+             kvl_ucx_version(), u->n_keys, u->n_maps);
+}
+
+static kvl_err ucx_start(kvl_agent *a, kvl_ep *ep, const char *local, uint64_t deadline_ns,
+                         kvl_mover **out, char *note, size_t note_len)
+{
+    const kvl_stream_ops *st = a->stream;
+    *out = NULL;
     kvl_ucx_path *u = NULL;
     uint8_t addr[KVL_UCX_ADDR_MAX];
     size_t addr_len = 0;
     kvl_ucx_key_view *keys = NULL;
     uint8_t *blobs = NULL;
     uint32_t n_keys = 0;
-    kvl_err e = path_new(local, &u);
+    kvl_err e = path_new(a, ep, local, &u);
     if (!e)
         e = kvl_ucx_worker_address(u->w, addr, sizeof addr, &addr_len);
     /* our host regions, where the peer puts what we pull: any region may be a
      * pull's destination (registered later: in-stream until the path's next
      * set-up) */
     if (!e)
-        e = map_regions(ep->a, u, 0, &keys, &n_keys, &blobs);
+        e = map_regions(a, u, 0, &keys, &n_keys, &blobs);
     kvl_buf b = {0};
-    kvl_frame_start(&b);
+    frame_begin(&b);
     if (e) {
-        /* no UCX here: say so to the listener, which keeps the path TCP too */
-        note(ep, "UCX not set up here: %s", kvl_last_error());
+        /* no UCX here: say so to the listener, which keeps the path in-stream too */
+        snprintf(note, note_len, "UCX not set up here: %s", kvl_last_error());
         path_destroy(u, 0);
         u = NULL;
         kvl_ucx_enc_setup(&b, NULL, 0, NULL, 0); /* addr_len 0: refused by the decoder */
@@ -158,80 +192,78 @@ kvl_err kvl_ucx_path_offer(kvl_ep *ep, const char *local, uint64_t deadline_ns)
     }
     free(keys);
     free(blobs);
-    kvl_frame_finish(&b, KVL_F_UCX_OFFER, 0);
-    e = b.oom ? kvl_fail(KVL_ERR_NOMEM, "UCX_OFFER: out of memory")
-              : kvl_tcp_send_all(ep, b.p, b.len, deadline_ns);
+    kvl_frame_finish(&b, KVL_F_MOVER_OFFER, 0);
+    e = b.oom ? kvl_fail(KVL_ERR_NOMEM, "MOVER_OFFER: out of memory")
+              : st->send_all(ep, b.p, b.len, deadline_ns);
     kvl_buf_free(&b);
-    if (e || !u) {
+    if (e) {
         path_destroy(u, 0);
-        if (!e) /* the listener answers UCX_REFUSE to an empty offer: read it */
-            goto read_answer;
         return e;
     }
-read_answer:;
+    /* the listener answers MOVER_REFUSE to an empty offer: read it too */
     uint8_t hdr[KVL_HDR_BYTES];
     kvl_frame_hdr h;
-    if ((e = kvl_tcp_recv_all(ep, hdr, sizeof hdr, deadline_ns)) ||
-        (e = kvl_hdr_decode(hdr, &h))) {
+    if ((e = st->recv_all(ep, hdr, sizeof hdr, deadline_ns)) || (e = kvl_hdr_decode(hdr, &h))) {
         path_destroy(u, 0);
         return e;
     }
-    if ((h.type != KVL_F_UCX_ACCEPT && h.type != KVL_F_UCX_REFUSE) || h.payload_len ||
-        h.flags) {
+    if ((h.type != KVL_F_MOVER_ACCEPT && h.type != KVL_F_MOVER_REFUSE) || h.payload_len ||
+        h.flags || h.body_len < 1) {
         path_destroy(u, 0);
-        return kvl_fail(KVL_ERR_PROTOCOL, "the answer to UCX_OFFER is frame type %u", h.type);
+        return kvl_fail(KVL_ERR_PROTOCOL, "the answer to MOVER_OFFER is frame type %u", h.type);
     }
-    uint8_t *body = malloc(h.body_len ? h.body_len : 1);
+    uint8_t *body = malloc(h.body_len);
     if (!body) {
         path_destroy(u, 0);
         return kvl_fail(KVL_ERR_NOMEM, "UCX: out of memory for an answer of %u bytes",
                         h.body_len);
     }
-    if ((e = kvl_tcp_recv_all(ep, body, h.body_len, deadline_ns))) {
+    if ((e = st->recv_all(ep, body, h.body_len, deadline_ns))) {
         free(body);
         path_destroy(u, 0);
         return e;
     }
-    if (kvl_crc32c(0, body, h.body_len) != h.body_crc) {
+    if (kvl_crc32c(0, body, h.body_len) != h.body_crc || body[0] != KVL_MOVER_UCX) {
+        const char *why = body[0] != KVL_MOVER_UCX ? "not for the UCX mover"
+                                                   : "body failed its crc32c check";
         free(body);
         path_destroy(u, 0);
-        return kvl_fail(KVL_ERR_PROTOCOL, "UCX answer: body failed its crc32c check");
+        return kvl_fail(KVL_ERR_PROTOCOL, "UCX answer: %s", why);
     }
-    if (h.type == KVL_F_UCX_REFUSE) {
-        uint32_t st = 0;
+    if (h.type == KVL_F_MOVER_REFUSE) {
+        uint32_t st_code = 0;
         char msg[256];
-        e = kvl_ucx_dec_refuse(body, h.body_len, &st, msg);
+        e = kvl_ucx_dec_refuse(body + 1, h.body_len - 1, &st_code, msg);
         free(body);
         if (!e && u)
-            note(ep, "the peer refused UCX: %s", msg);
+            snprintf(note, note_len, "the peer refused UCX: %s", msg);
         path_destroy(u, 0);
-        return e; /* the path stays TCP */
+        return e; /* the path stays in-stream */
     }
     if (!u) { /* we offered nothing: an ACCEPT is a broken peer */
         free(body);
-        return kvl_fail(KVL_ERR_PROTOCOL, "UCX_ACCEPT to an empty offer");
+        return kvl_fail(KVL_ERR_PROTOCOL, "MOVER_ACCEPT to an empty offer");
     }
     kvl_ucx_setup s;
-    if ((e = kvl_ucx_dec_setup(body, h.body_len, 1, &s))) {
+    if ((e = kvl_ucx_dec_setup(body + 1, h.body_len - 1, 1, &s))) {
         free(body);
         path_destroy(u, 0);
         return e;
     }
-    /* from here on a failure leaves the path TCP: the listener set up its end
-     * and keeps it unused until the connection ends */
+    /* from here on a failure leaves the path in-stream: the listener set up
+     * its end and keeps it unused until the connection ends */
     kvl_err ue = kvl_ucx_ep_create(u->w, s.addr, s.addr_len, &u->uep);
     if (!ue)
         ue = take_keys(u, &s);
     kvl_ucx_setup_free(&s);
     free(body);
     if (ue) {
-        note(ep, "UCX set-up failed, running TCP: %s", kvl_last_error());
+        snprintf(note, note_len, "UCX set-up failed, running TCP: %s", kvl_last_error());
         path_destroy(u, 0);
         return KVL_OK;
     }
-    ep->ucx = u;
-    snprintf(ep->ucx_note, sizeof ep->ucx_note, "UCX %s, %u remote keys, %u regions mapped",
-             kvl_ucx_version(), u->n_keys, u->n_maps);
+    note_set(u);
+    *out = (kvl_mover *)u;
     return KVL_OK;
 }
 
@@ -252,11 +284,10 @@ static const kvl_region_info *table_entry(const kvl_region_info *tab, size_t n, 
     return NULL;
 }
 
-int kvl_ucx_path_check(kvl_ep *ep, const kvl_region_info *regions, size_t n)
+static int ucx_check(kvl_mover *m, const kvl_region_info *regions, size_t n, char *note,
+                     size_t note_len)
 {
-    kvl_ucx_path *u = ep->ucx;
-    if (!u)
-        return 0;
+    kvl_ucx_path *u = U(m);
     /* A key for a region the table does not list (registered after the
      * table was read) stays: no chunk can name that region before the table
      * does, and then this check has not seen it -- but the put bounds are
@@ -268,7 +299,7 @@ int kvl_ucx_path_check(kvl_ep *ep, const kvl_region_info *regions, size_t n)
         if (!r)
             continue;
         uint64_t ksize = u->keys[i].size;
-        char why[sizeof ep->ucx_note];
+        char why[sizeof u->note];
         if (!(r->rights & KVL_REMOTE_WRITE))
             snprintf(why, sizeof why,
                      "UCX key for region %llu, which the peer's region table does not open for "
@@ -282,40 +313,38 @@ int kvl_ucx_path_check(kvl_ep *ep, const kvl_region_info *regions, size_t n)
                      (unsigned long long)r->size);
         else
             continue;
-        kvl_log(ep->a, KVL_LOG_WARNING, NULL, -1, "%s", why);
-        kvl_ucx_path_free(ep, ep->a->cfg.connect_timeout_ms);
-        snprintf(ep->ucx_note, sizeof ep->ucx_note, "%s", why);
-        return 0;
+        kvl_log(u->a, KVL_LOG_WARNING, NULL, -1, "%s", why);
+        snprintf(note, note_len, "%s", why);
+        return -1;
     }
-    return 1;
+    return 0;
 }
 
-int kvl_ucx_path_note(const kvl_ep *ep, char *out, size_t len)
+static void ucx_note(const kvl_mover *m, char *out, size_t len)
 {
-    snprintf(out, len, "%s", ep->ucx_note);
-    return ep->ucx != NULL;
+    snprintf(out, len, "%s", CU(m)->note);
 }
 
 /* ---- listener ---- */
 
-static int refuse(kvl_ep *ep, uint32_t status, const char *why)
+static int refuse(kvl_agent *a, kvl_ep *ep, uint32_t status, const char *why)
 {
     kvl_buf b = {0};
-    kvl_frame_start(&b);
+    frame_begin(&b);
     kvl_ucx_enc_refuse(&b, status, why);
-    kvl_frame_finish(&b, KVL_F_UCX_REFUSE, 0);
+    kvl_frame_finish(&b, KVL_F_MOVER_REFUSE, 0);
     kvl_tp_frame f = {.head = b};
-    return kvl_tcp_ops.send(ep, &f) == 0 ? 0 : -1;
+    return a->stream->send(ep, &f) == 0 ? 0 : -1;
 }
 
 /* The address of ep's local end (dotted quad). */
-static int local_ip(const kvl_ep *ep, char *out, size_t len)
+static int local_ip(kvl_agent *a, const kvl_ep *ep, char *out, size_t len)
 {
-    struct sockaddr_in sa;
-    socklen_t sl = sizeof sa;
-    if (getsockname(ep->fd, (struct sockaddr *)&sa, &sl) != 0 || sa.sin_family != AF_INET)
+    struct sockaddr_storage l, p;
+    if (a->stream->addrs(ep, &l, &p) != 0 || l.ss_family != AF_INET)
         return -1;
-    return inet_ntop(AF_INET, &sa.sin_addr, out, (socklen_t)len) ? 0 : -1;
+    const struct sockaddr_in *sa = (const struct sockaddr_in *)&l;
+    return inet_ntop(AF_INET, &sa->sin_addr, out, (socklen_t)len) ? 0 : -1;
 }
 
 /* Maps every host region with the rights need (all host regions when 0)
@@ -360,23 +389,24 @@ static kvl_err map_regions(kvl_agent *a, kvl_ucx_path *u, uint32_t need, kvl_ucx
     return e;
 }
 
-int kvl_ucx_path_answer(kvl_ep *ep, const uint8_t *body, size_t len, int proven)
+static int ucx_attach(kvl_mover *m, kvl_ep *ep);
+
+static int ucx_answer(kvl_agent *a, kvl_ep *ep, const uint8_t *body, size_t len, int proven)
 {
-    kvl_agent *a = ep->a;
     if (!proven)
-        return refuse(ep, KVL_ERR_AUTH,
+        return refuse(a, ep, KVL_ERR_AUTH,
                       "UCX is set up only between agents holding a cluster secret");
     if (a->cfg.transport != KVL_TRANSPORT_UCX) {
         char why[96];
         snprintf(why, sizeof why, "agent '%s' runs transport='%s'", a->name,
                  a->cfg.transport == KVL_TRANSPORT_TCP ? "tcp" : "auto");
-        return refuse(ep, KVL_ERR_INVALID_ARG, why);
+        return refuse(a, ep, KVL_ERR_INVALID_ARG, why);
     }
     kvl_ucx_setup s;
     if (kvl_ucx_dec_setup(body, len, 1, &s)) {
         char why[200];
-        snprintf(why, sizeof why, "UCX_OFFER: %s", kvl_last_error());
-        return refuse(ep, KVL_ERR_PROTOCOL, why);
+        snprintf(why, sizeof why, "MOVER_OFFER: %s", kvl_last_error());
+        return refuse(a, ep, KVL_ERR_PROTOCOL, why);
     }
     char ip[64];
     kvl_ucx_path *u = NULL;
@@ -385,8 +415,8 @@ int kvl_ucx_path_answer(kvl_ep *ep, const uint8_t *body, size_t len, int proven)
     uint32_t n_keys = 0;
     uint8_t addr[KVL_UCX_ADDR_MAX];
     size_t addr_len = 0;
-    kvl_err e = local_ip(ep, ip, sizeof ip) ? kvl_fail(KVL_ERR_SYSTEM, "getsockname failed")
-                                            : path_new(ip, &u);
+    kvl_err e = local_ip(a, ep, ip, sizeof ip) ? kvl_fail(KVL_ERR_SYSTEM, "getsockname failed")
+                                               : path_new(a, ep, ip, &u);
     if (!e)
         e = kvl_ucx_worker_address(u->w, addr, sizeof addr, &addr_len);
     if (!e)
@@ -398,11 +428,11 @@ int kvl_ucx_path_answer(kvl_ep *ep, const uint8_t *body, size_t len, int proven)
     kvl_ucx_setup_free(&s);
     kvl_buf b = {0};
     if (!e) {
-        kvl_frame_start(&b);
+        frame_begin(&b);
         e = kvl_ucx_enc_setup(&b, addr, (uint16_t)addr_len, keys, n_keys);
-        kvl_frame_finish(&b, KVL_F_UCX_ACCEPT, 0);
+        kvl_frame_finish(&b, KVL_F_MOVER_ACCEPT, 0);
         if (!e && b.oom)
-            e = kvl_fail(KVL_ERR_NOMEM, "UCX_ACCEPT: out of memory");
+            e = kvl_fail(KVL_ERR_NOMEM, "MOVER_ACCEPT: out of memory");
     }
     free(keys);
     free(blobs);
@@ -411,85 +441,76 @@ int kvl_ucx_path_answer(kvl_ep *ep, const uint8_t *body, size_t len, int proven)
         snprintf(why, sizeof why, "UCX set-up failed at '%s': %s", a->name, kvl_last_error());
         kvl_buf_free(&b);
         path_destroy(u, a->cfg.connect_timeout_ms);
-        return refuse(ep, e, why);
+        return refuse(a, ep, e, why);
     }
-    ep->ucx = u;
-    snprintf(ep->ucx_note, sizeof ep->ucx_note, "UCX %s, %u regions mapped, %u remote keys",
+    snprintf(u->note, sizeof u->note, "UCX %s, %u regions mapped, %u remote keys",
              kvl_ucx_version(), u->n_maps, u->n_keys);
-    if (kvl_ucx_path_watch(ep)) {
-        /* the answer is not sent yet: refuse instead, and stay TCP */
-        ep->ucx = NULL;
+    if (ucx_attach((kvl_mover *)u, ep)) {
+        /* the answer is not sent yet: refuse instead, and stay in-stream */
         kvl_buf_free(&b);
         path_destroy(u, a->cfg.connect_timeout_ms);
-        return refuse(ep, KVL_ERR_SYSTEM, "UCX: cannot watch the worker");
+        return refuse(a, ep, KVL_ERR_SYSTEM, "UCX: cannot watch the worker");
     }
+    a->stream->set_mover(ep, &kvl_ucx_mover, (kvl_mover *)u, NULL);
     kvl_tp_frame f = {.head = b};
-    return kvl_tcp_ops.send(ep, &f) == 0 ? 1 : -1;
+    return a->stream->send(ep, &f) == 0 ? 1 : -1;
 }
 
 /* ---- engine ---- */
 
-int kvl_ucx_path_watch(kvl_ep *ep)
+/* The worker's fd fired: progress it (the stream then lets a frame waiting
+ * for its flush go on). */
+static void on_worker(void *arg)
 {
-    kvl_ucx_path *u = ep->ucx;
-    if (!u || u->wk)
+    kvl_ucx_path *u = arg;
+    while (kvl_ucx_worker_progress(u->w) == 0)
+        ;
+    u->t_event_ns = kvl_now_ns();
+}
+
+static int ucx_attach(kvl_mover *m, kvl_ep *ep)
+{
+    kvl_ucx_path *u = U(m);
+    if (u->watched)
         return 0;
-    kvl_ep *wk = calloc(1, sizeof *wk);
-    if (!wk)
-        return -1;
-    wk->a = ep->a;
-    wk->fd = kvl_ucx_worker_fd(u->w);
-    wk->spare = -1;
-    wk->ucx_owner = ep;
-    pthread_mutex_init(&wk->jmu, NULL);
-    if (kvl_engine_watch(ep->a, wk->fd, wk, EPOLLIN) != 0) {
-        pthread_mutex_destroy(&wk->jmu);
-        free(wk);
+    u->ep = ep;
+    if (u->a->stream->watch_fd(ep, kvl_ucx_worker_fd(u->w), on_worker, u) != 0)
+    {
+        kvl_fail(KVL_ERR_SYSTEM, "UCX: cannot watch the worker");
         return -1;
     }
-    u->wk = wk;
+    u->watched = 1;
     /* events may have arrived before the watch: progress and arm now */
     while (kvl_ucx_worker_progress(u->w) == 0)
         ;
     return 0;
 }
 
-void kvl_ucx_path_on_event(kvl_ep *wk)
+static void ucx_sample(const kvl_mover *m, kvl_tp_sample *out)
 {
-    kvl_ep *ep = wk->ucx_owner;
-    kvl_ucx_path *u = ep ? ep->ucx : NULL;
-    if (!u)
-        return;
-    while (kvl_ucx_worker_progress(u->w) == 0)
-        ;
-    ep->t_ucx_ns = kvl_now_ns();
-    kvl_tcp_ucx_progressed(ep);
+    /* payloads move on the worker: its events are the path's progress */
+    const kvl_ucx_path *u = CU(m);
+    uint64_t now = kvl_now_ns();
+    uint64_t ms = u->t_event_ns && now > u->t_event_ns ? (now - u->t_event_ns) / 1000000ull
+                                                       : UINT32_MAX;
+    if (ms < out->last_ack_recv_ms)
+        out->last_ack_recv_ms = (uint32_t)ms;
+    if (ms < out->last_data_recv_ms)
+        out->last_data_recv_ms = (uint32_t)ms;
 }
 
-void kvl_ucx_path_free(kvl_ep *ep, uint32_t timeout_ms)
-{
-    kvl_ucx_path *u = ep->ucx;
-    if (!u)
-        return;
-    ep->ucx = NULL;
-    if (u->wk) {
-        /* its event may be pending in the engine's current batch: the pseudo
-         * endpoint stays allocated, dead and ownerless, until ep is freed */
-        kvl_engine_unwatch(ep->a, u->wk->fd);
-        u->wk->ucx_owner = NULL;
-        u->wk->dead = 1;
-        u->wk->fd = -1;
-        ep->ucx_wk_gone = u->wk;
-    }
-    path_destroy(u, timeout_ms);
-}
+/* Closes the UCP endpoint at once (force: nothing more lands or is read
+ * through it; bounded by timeout_ms), unmaps, frees the worker. */
+static void ucx_free(kvl_mover *m, uint32_t timeout_ms) { path_destroy(U(m), timeout_ms); }
 
-int kvl_ucx_path_covers(const kvl_ucx_path *u, const kvl_wire_piece *dst, uint32_t n)
+static int ucx_covers(const kvl_mover *m, const kvl_tp_frame *f)
 {
-    if (!u->uep || !dst)
+    const kvl_ucx_path *u = CU(m);
+    const kvl_wire_piece *dst = f->dst;
+    if (!u->uep || !dst || f->stage)
         return 0;
     const upkey *k = NULL;
-    for (uint32_t i = 0; i < n; i++) {
+    for (uint32_t i = 0; i < f->n_dst; i++) {
         if (!k || dst[i].region != k->region)
             k = key_of(u, dst[i].region);
         /* the key's own bounds (a pull's pieces come from the peer, a push's
@@ -500,20 +521,25 @@ int kvl_ucx_path_covers(const kvl_ucx_path *u, const kvl_wire_piece *dst, uint32
     return 1;
 }
 
-kvl_err kvl_ucx_path_post(kvl_ucx_path *u, const struct iovec *src, int n_src,
-                          const kvl_wire_piece *dst, uint32_t n_dst, uint64_t len, uint32_t *crc,
-                          uint64_t *seq)
+/* Posts the puts of one frame (its payload to its pieces, same total),
+ * folds the source into the crc and starts a flush: the ticket. */
+static kvl_err ucx_post(kvl_mover *m, kvl_mv_send *ms)
 {
+    kvl_ucx_path *u = U(m);
+    const kvl_tp_frame *f = ms->f;
+    const struct iovec *src = ms->src;
+    int n_src = ms->n_src;
     int si = 0;
     size_t soff = 0;
     uint64_t total = 0;
-    for (uint32_t i = 0; i < n_dst; i++) {
-        const upkey *uk = key_of(u, dst[i].region);
+    ms->crc = 0;
+    for (uint32_t i = 0; i < f->n_dst; i++) {
+        const upkey *uk = key_of(u, f->dst[i].region);
         kvl_ucx_rkey *k = uk ? uk->k : NULL;
         if (!k)
             return kvl_fail(KVL_ERR_UNKNOWN_REGION, "no UCX remote key for region %llu",
-                            (unsigned long long)dst[i].region);
-        uint64_t off = dst[i].offset, left = dst[i].len;
+                            (unsigned long long)f->dst[i].region);
+        uint64_t off = f->dst[i].offset, left = f->dst[i].len;
         while (left) {
             if (si >= n_src)
                 return kvl_fail(KVL_ERR_INVALID_ARG, "UCX: payload shorter than its pieces");
@@ -523,8 +549,8 @@ kvl_err kvl_ucx_path_post(kvl_ucx_path *u, const struct iovec *src, int n_src,
             const uint8_t *p = (const uint8_t *)src[si].iov_base + soff;
             kvl_err e = kvl_ucx_put(u->uep, p, take, k, off);
             if (e)
-                return e;
-            *crc = kvl_crc32c(*crc, p, take);
+                return kvl_fail(e, "UCX put: %s", kvl_last_error());
+            ms->crc = kvl_crc32c(ms->crc, p, take);
             off += take;
             left -= take;
             total += take;
@@ -535,29 +561,55 @@ kvl_err kvl_ucx_path_post(kvl_ucx_path *u, const struct iovec *src, int n_src,
             }
         }
     }
-    if (total != len)
+    if (total != f->payload_len)
         return kvl_fail(KVL_ERR_INVALID_ARG, "UCX: pieces hold %llu bytes, the payload %llu",
-                        (unsigned long long)total, (unsigned long long)len);
-    return kvl_ucx_flush_start(u->uep, seq);
+                        (unsigned long long)total, (unsigned long long)f->payload_len);
+    kvl_err e = kvl_ucx_flush_start(u->uep, &ms->ticket);
+    return e ? kvl_fail(e, "UCX flush: %s", kvl_last_error()) : KVL_OK;
 }
 
-int kvl_ucx_path_flushed(kvl_ucx_path *u, uint64_t seq, char *why, size_t why_len)
+static int ucx_ready(kvl_mover *m, uint64_t seq, char *why, size_t why_len)
 {
+    kvl_ucx_path *u = U(m);
     if (kvl_ucx_flushed(u->uep) >= seq)
         return 1;
     return kvl_ucx_ep_status(u->uep, why, why_len) != 0 ? -1 : 0;
 }
 
-int kvl_ucx_path_wait_flush(kvl_ucx_path *u, uint64_t seq, uint64_t deadline_ns)
+static int ucx_wait(kvl_mover *m, uint64_t seq, uint64_t deadline_ns)
 {
+    kvl_ucx_path *u = U(m);
     for (;;) {
-        int r = kvl_ucx_path_flushed(u, seq, NULL, 0);
+        int r = ucx_ready(m, seq, NULL, 0);
         if (r)
             return r;
         if (kvl_now_ns() >= deadline_ns)
             return 0;
         kvl_ucx_worker_progress(u->w);
     }
+}
+
+/* Over UCX's TCP nothing is placed but by our worker's progress; on RDMA the
+ * unmapped memory invalidates the keys: the stream frees the mover right
+ * after this, which closes the endpoint by force before anything more lands. */
+static void ucx_fence(kvl_mover *m, const char *why)
+{
+    kvl_ucx_path *u = U(m);
+    snprintf(u->note, sizeof u->note, "UCX fenced: %s", why);
+}
+
+static kvl_err ucx_usable(const kvl_config *cfg, uint32_t secret_len)
+{
+    (void)cfg;
+    if (!secret_len)
+        return kvl_fail(KVL_ERR_INVALID_ARG,
+                        "config.transport UCX needs a cluster secret: libucp parses a peer's "
+                        "worker address unchecked, so UCX is set up only between agents that "
+                        "proved the secret (docs/ucx.md)");
+    if (!kvl_ucx_loaded_version()[0])
+        return kvl_fail(KVL_ERR_INVALID_ARG,
+                        "config.transport UCX: UCX is not loaded (kvl_ucx_load_lib first)");
+    return KVL_OK;
 }
 
 /* ---- regions registered or deregistered after the set-up (step 3) ---- */
@@ -604,9 +656,9 @@ static kvl_err add_keys(kvl_ucx_path *u, const kvl_ucx_setup *s)
     return KVL_OK;
 }
 
-int kvl_ucx_path_keys(kvl_ep *ep, const uint8_t *body, size_t len)
+static int ucx_keys(kvl_mover *m, const uint8_t *body, size_t len)
 {
-    kvl_ucx_path *u = ep->ucx;
+    kvl_ucx_path *u = U(m);
     kvl_ucx_setup s;
     if (kvl_ucx_dec_setup(body, len, 0, &s))
         return -1;
@@ -616,19 +668,18 @@ int kvl_ucx_path_keys(kvl_ep *ep, const uint8_t *body, size_t len)
     if (e == KVL_ERR_PROTOCOL)
         return -1;
     if (e) /* a key libucp refuses, or no memory: that region goes in-stream */
-        kvl_log(ep->a, KVL_LOG_WARNING, NULL, -1, "%s", kvl_last_error());
-    else if (u)
-        snprintf(ep->ucx_note, sizeof ep->ucx_note, "UCX %s, %u remote keys, %u regions mapped",
-                 kvl_ucx_version(), u->n_keys, u->n_maps);
+        kvl_log(u->a, KVL_LOG_WARNING, NULL, -1, "%s", kvl_last_error());
+    else
+        note_set(u);
     return 0;
 }
 
-void kvl_ucx_path_sync(kvl_ep *ep)
+static void ucx_sync(kvl_mover *m)
 {
-    kvl_ucx_path *u = ep->ucx;
-    if (!u || !u->map_ids)
+    kvl_ucx_path *u = U(m);
+    if (!u->map_ids)
         return;
-    kvl_agent *a = ep->a;
+    kvl_agent *a = u->a;
     kvl_regions *t = &a->regions;
     pthread_mutex_lock(&t->mu);
     /* gone: unmapped now (the table and u->map_ids are both ascending) */
@@ -693,18 +744,41 @@ void kvl_ucx_path_sync(kvl_ep *ep)
     pthread_mutex_unlock(&t->mu);
     if (n) {
         kvl_buf b = {0};
-        kvl_frame_start(&b);
+        frame_begin(&b);
         kvl_err e = kvl_ucx_enc_setup(&b, NULL, 0, v, n);
-        kvl_frame_finish(&b, KVL_F_UCX_KEYS, 0);
+        kvl_frame_finish(&b, KVL_F_MOVER_KEYS, 0);
         if (e || b.oom) {
             kvl_buf_free(&b);
         } else {
             kvl_tp_frame f = {.head = b};
-            kvl_tcp_ops.send(ep, &f);
+            a->stream->send(u->ep, &f);
         }
-        snprintf(ep->ucx_note, sizeof ep->ucx_note, "UCX %s, %u remote keys, %u regions mapped",
-                 kvl_ucx_version(), u->n_keys, u->n_maps);
+        note_set(u);
     }
     free(v);
     free(bl);
 }
+
+const kvl_mover_ops kvl_ucx_mover = {
+    .name = "ucx",
+    .label = "UCX",
+    .what = "UCX puts",
+    .kind = KVL_MOVER_UCX,
+    .caps = KVL_MV_ONE_SIDED | KVL_MV_NO_HEDGE | KVL_MV_OFFER | KVL_MV_MAPS_REGIONS |
+            KVL_MV_FALLS_BACK,
+    .usable = ucx_usable,
+    .start = ucx_start,
+    .answer = ucx_answer,
+    .check = ucx_check,
+    .sync = ucx_sync,
+    .keys = ucx_keys,
+    .note = ucx_note,
+    .attach = ucx_attach,
+    .sample = ucx_sample,
+    .covers = ucx_covers,
+    .post = ucx_post,
+    .ready = ucx_ready,
+    .wait = ucx_wait,
+    .fence = ucx_fence,
+    .free = ucx_free,
+};

@@ -114,16 +114,14 @@ static unsigned long peer_inode(const struct sockaddr_in *local, const struct so
     return inode;
 }
 
-/* The inode of fd's peer socket in this network namespace (0: not here). */
-static kvl_err peer_inode_of(int fd, unsigned long *inode)
+/* The inode of the connection's peer socket in this network namespace
+ * (0: not here). */
+static kvl_err peer_inode_of(const struct sockaddr_storage *local,
+                             const struct sockaddr_storage *peer, unsigned long *inode)
 {
-    struct sockaddr_in local, peer;
-    socklen_t ll = sizeof local, pl = sizeof peer;
-    if (getsockname(fd, (struct sockaddr *)&local, &ll) < 0 ||
-        getpeername(fd, (struct sockaddr *)&peer, &pl) < 0 || local.sin_family != AF_INET ||
-        peer.sin_family != AF_INET)
+    if (local->ss_family != AF_INET || peer->ss_family != AF_INET)
         return kvl_fail(KVL_ERR_PROTOCOL, "CMA: the connection is not IPv4 TCP");
-    *inode = peer_inode(&local, &peer);
+    *inode = peer_inode((const struct sockaddr_in *)local, (const struct sockaddr_in *)peer);
     if (!*inode)
         return kvl_fail(KVL_ERR_PROTOCOL,
                         "CMA: the peer's socket is not in this network namespace: not the same "
@@ -131,16 +129,18 @@ static kvl_err peer_inode_of(int fd, unsigned long *inode)
     return KVL_OK;
 }
 
-kvl_err kvl_cma_peer_here(int fd)
+kvl_err kvl_cma_peer_here(const struct sockaddr_storage *local,
+                          const struct sockaddr_storage *peer)
 {
     unsigned long inode;
-    return peer_inode_of(fd, &inode);
+    return peer_inode_of(local, peer, &inode);
 }
 
-kvl_err kvl_cma_peer_check(int fd, uint32_t pid)
+kvl_err kvl_cma_peer_check(const struct sockaddr_storage *local,
+                           const struct sockaddr_storage *peer, uint32_t pid)
 {
     unsigned long inode;
-    kvl_err e = peer_inode_of(fd, &inode);
+    kvl_err e = peer_inode_of(local, peer, &inode);
     if (e)
         return e;
     char dir[64], want[64];

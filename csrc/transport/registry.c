@@ -1,0 +1,100 @@
+/* registry.c: the transports kvlink knows, by name and kind, and the rule
+ * that picks a data path's mover from both ends' facts and Config.transport.
+ *
+ * A new mover is one folder under transport/ and one entry in movers[]; the
+ * core reads only its kvl_mover_ops (name, kind, capability bits).
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "../internal.h"
+#include "transport.h"
+
+extern const kvl_stream_ops kvl_tcp_stream;
+extern const kvl_mover_ops kvl_shm_mover;
+extern const kvl_mover_ops kvl_ucx_mover;
+
+const uint8_t kvl_zeros[256u << 10];
+
+/* In preference order. */
+static const kvl_mover_ops *const movers[] = {&kvl_ucx_mover, &kvl_shm_mover};
+
+static const kvl_mover_ops *forced; /* tests: the fault-injecting mover */
+
+const kvl_stream_ops *kvl_stream_default(void) { return &kvl_tcp_stream; }
+
+const kvl_mover_ops *kvl_mover_by_kind(uint32_t kind)
+{
+    if (forced && forced->kind == kind)
+        return forced;
+    for (size_t i = 0; i < sizeof movers / sizeof *movers; i++)
+        if (movers[i]->kind == kind)
+            return movers[i];
+    return NULL;
+}
+
+void kvl_mover_force(const kvl_mover_ops *ops) { forced = ops; }
+
+/* Which movers Config.transport lets a path use at all. */
+static int mode_allows(uint32_t mode, const kvl_mover_ops *m)
+{
+    switch (mode) {
+    case KVL_TRANSPORT_TCP:
+        return 0;
+    case KVL_TRANSPORT_UCX: /* UCX where set up; same-host copies elsewhere on one host */
+        return 1;
+    default: /* AUTO: what needs no set-up beyond the HELLO (UCX only when asked for) */
+        return !(m->caps & KVL_MV_OFFER);
+    }
+}
+
+const kvl_mover_ops *kvl_mover_choose(const kvl_config *cfg, uint32_t secret_len, int same_host,
+                                      int fallen_back)
+{
+    if (forced)
+        return cfg->transport == KVL_TRANSPORT_TCP ? NULL : forced;
+    for (size_t i = 0; i < sizeof movers / sizeof *movers; i++) {
+        const kvl_mover_ops *m = movers[i];
+        if (!mode_allows(cfg->transport, m))
+            continue;
+        if ((m->caps & KVL_MV_SAME_HOST) && !same_host)
+            continue;
+        if ((m->caps & KVL_MV_OFFER) && (!secret_len || fallen_back))
+            continue;
+        return m;
+    }
+    return NULL;
+}
+
+kvl_err kvl_mover_allowed(const kvl_config *cfg, const kvl_mover_ops *ops, const char *agent,
+                          const char *peer)
+{
+    if (!mode_allows(cfg->transport, ops) && !(ops->caps & KVL_MV_OFFER))
+        return kvl_fail(KVL_ERR_INVALID_ARG,
+                        "agent '%s' runs transport='tcp' and takes no %s: '%s' read "
+                        "stale metadata of it (add the peer again)",
+                        agent, ops->what, peer);
+    return KVL_OK;
+}
+
+uint32_t kvl_movers_caps(const kvl_config *cfg)
+{
+    uint32_t caps = forced && cfg->transport != KVL_TRANSPORT_TCP ? forced->caps : 0;
+    for (size_t i = 0; i < sizeof movers / sizeof *movers; i++)
+        if (mode_allows(cfg->transport, movers[i]))
+            caps |= movers[i]->caps;
+    return caps;
+}
+
+kvl_err kvl_movers_usable(const kvl_config *cfg, uint32_t secret_len)
+{
+    for (size_t i = 0; i < sizeof movers / sizeof *movers; i++) {
+        const kvl_mover_ops *m = movers[i];
+        if (!(m->caps & KVL_MV_OFFER) || cfg->transport != KVL_TRANSPORT_UCX)
+            continue; /* movers set up by an offer run only when asked for */
+        kvl_err e = m->usable ? m->usable(cfg, secret_len) : KVL_OK;
+        if (e)
+            return e;
+    }
+    return KVL_OK;
+}

@@ -225,3 +225,10 @@ def test_a_missing_file_or_marker_is_named(tmp_path):
     out = bench("table", str(f), "--write", str(tmp_path / "none.md"))
     assert out.returncode == 2 and "none.md: cannot read: No such file" in out.stderr
 
+
+def test_docs_benchmarks_table_is_the_one_its_jsonl_makes():
+    """docs/BENCHMARKS.md's table is written by kvlink-bench table from
+    docs/data/benchmarks-current.jsonl: an edit of one without the other fails here."""
+    text = (ROOT / "docs" / "BENCHMARKS.md").read_text()
+    rows = table.load([ROOT / "docs" / "data" / "benchmarks-current.jsonl"])
+    assert table.replace(text, table.render(rows), "BENCHMARKS.md") == text

@@ -26,6 +26,8 @@ TOOLS: dict[str, str] = {
     "clang": "clang libclang-rt-dev",
     # discovery tests start and stop their own etcd servers (tests/integration/test_cluster*.py)
     "etcd": "etcd-server",
+    # kvlink-bench's rows name the commit they ran (tests/unit/test_bench_table.py)
+    "git": "git",
 }
 # the smallest libFuzzer program: clang links it only with the runtime installed
 _FUZZ_PROBE = b"int LLVMFuzzerTestOneInput(const char *d, unsigned long n) { return 0; }\n"

@@ -4,10 +4,15 @@ machines, CSV and a plot on request. Every ``gbps`` is GB/s (1e9 bytes per secon
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import os
+import shlex
 import shutil
+import subprocess
 import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from .measure import chunk_label, fmt_size
@@ -27,6 +32,13 @@ JSON_FIELDS = (
     "limit_gbps",
     "ratio_to_limit",
 )
+# What each row of one run also says, for `kvlink-bench table`: the scenario a row measures
+# and the baseline it is a ratio against (both null on rows without a baseline, and on the
+# baseline's own row), the command line that ran (with the KVLINK_*/UCX_* settings that
+# shape it; never a secret), the UTC start of the run and the git commit of the kvlink
+# measured ("+dirty" with uncommitted changes; null outside a git checkout).
+RUN_FIELDS = ("scenario", "baseline", "command", "date", "commit")
+CSV_EXTRA = ("concurrency", "layers", "cpu_cores", "verified")
 PLOT_HINT = "pip install kvlink[plot]"
 
 
@@ -39,6 +51,48 @@ def plot_unavailable() -> str | None:
     return None
 
 
+def git_commit(root: str | os.PathLike[str] | None = None) -> str | None:
+    """The short commit of the kvlink checkout at ``root`` (default: the one this package is
+    in), "+dirty" with uncommitted changes to tracked files; None when it is not a git
+    checkout of its own (an installed wheel, inside someone else's repository)."""
+    top = Path(root) if root is not None else Path(__file__).resolve().parents[2]
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", "-C", str(top), *args], capture_output=True, text=True,
+                                 timeout=10, check=False)  # fmt: skip
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    where = git("rev-parse", "--show-toplevel")
+    if where is None or Path(where).resolve() != top.resolve():
+        return None
+    commit = git("rev-parse", "--short=12", "HEAD")
+    if commit is None:
+        return None
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return commit + ("+dirty" if dirty else "")
+
+
+def run_info(prog: str, argv: Sequence[str]) -> dict[str, Any]:
+    """``command``, ``date`` and ``commit`` of RUN_FIELDS for a run of ``prog argv``."""
+    from .._config import Config
+
+    # the settings that shape a run: Config's KVLINK_* variables and UCX's; never a secret or
+    # a credential (nor discovery's endpoints, which may carry one)
+    private = ("secret", "password", "user", "discovery")
+    tuning = {f"KVLINK_{f.name.upper()}" for f in dataclasses.fields(Config)
+              if not any(p in f.name for p in private)}  # fmt: skip
+    env = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
+           if k in tuning or k.startswith("UCX_")]  # fmt: skip
+    return {
+        "command": " ".join([*env, shlex.join([prog, *argv])]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "commit": git_commit(),
+    }
+
+
 class Reporter:
     """Results of one ``kvlink-bench`` command; ``json``/``csv``/``plot`` as the flags say."""
 
@@ -49,6 +103,11 @@ class Reporter:
         self.csv_path = csv_path
         self.plot_path = plot_path
         self.rows: list[dict[str, Any]] = []
+        # RUN_FIELDS: set by the CLI; a result row gets a scenario (scenario_of) and the
+        # baseline's name once limit() has reported the baseline
+        self.run: dict[str, Any] | None = None
+        self.scenario_of: Callable[[dict[str, Any]], str] | None = None
+        self.baseline: str | None = None
         self.console: Any = None
         self.bar: Any = None
         self.task: Any = None
@@ -78,7 +137,22 @@ class Reporter:
         else:
             print(json.dumps({"note": text}), flush=True)
 
+    def limit(self, row: dict[str, Any], baseline: str) -> None:
+        """The baseline's own row (e.g. iperf3's); later results are ratios against it."""
+        self._emit(row, None)
+        self.baseline = baseline
+
     def result(self, row: dict[str, Any]) -> None:
+        scenario = None
+        if self.scenario_of and self.baseline and row.get("ratio_to_limit") is not None:
+            scenario = self.scenario_of(row)
+        self._emit(row, scenario)
+
+    def _emit(self, row: dict[str, Any], scenario: str | None) -> None:
+        if self.run is not None:
+            row.update(self.run)
+            row["scenario"] = scenario
+            row["baseline"] = self.baseline if scenario else None
         self.rows.append(row)
         if self.json:
             print(json.dumps(row), flush=True)
@@ -96,7 +170,7 @@ class Reporter:
             with open(self.csv_path, "w", newline="") as f:
                 w = csv.DictWriter(
                     f,
-                    fieldnames=[*JSON_FIELDS, "concurrency", "layers", "cpu_cores", "verified"],
+                    fieldnames=[*JSON_FIELDS, *CSV_EXTRA, *RUN_FIELDS],
                     extrasaction="ignore",
                 )
                 w.writeheader()

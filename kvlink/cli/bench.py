@@ -9,6 +9,8 @@ Subcommands:
              --tag as it is if it is up, else builds it and removes it afterwards)
   serve      the target side on this host (prints its bootstrap endpoint)
   run        the initiator side: connects to a serve endpoint and measures
+  table      today's figures as one markdown table, from the JSON lines of runs
+             (docs/BENCHMARKS.md is written by it)
 
 Every throughput (gbps in JSON, "GB/s" in tables) is GB/s: 1e9 bytes per second.
 Every result is measured against a limit taken in the same run (iperf3 on the
@@ -20,6 +22,7 @@ Examples:
   kvlink-bench loopback --size 16MiB --concurrency 64 --op pull
   kvlink-bench serve --nics eth2,eth3 --size 4GiB --bootstrap 0.0.0.0:18515
   kvlink-bench run --connect host:18515 --nics eth2,eth3 --size 1GiB
+  kvlink-bench table docs/data/benchmarks-current.jsonl run.jsonl --write docs/BENCHMARKS.md
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from .._nics import MAX_PATHS
 from .._units import parse_size
 from ..bench import iperf3, measure, share_run_secret
 from ..bench.protocol import WorkerError
-from ..bench.report import Reporter, plot_unavailable
+from ..bench.report import Reporter, plot_unavailable, run_info
 from ..bench.runner import RunSpec
 
 PEERS = ("iperf3", "mooncake", "nixl", "ucxx")
@@ -192,6 +195,12 @@ def common(p: argparse.ArgumentParser) -> None:
         "(default: $KVLINK_PEERS_DIR, else found from the checkout or the current directory)",
     )  # fmt: skip
     p.add_argument(
+        "--scenario", metavar="NAME", default=None,
+        help="the name of this run's rows in --json (their `scenario`, for kvlink-bench "
+        "table); a sweep adds each row's size and chunk, a peer its name (default: made from "
+        "the command, transport, op, size and paths)",
+    )  # fmt: skip
+    p.add_argument(
         "--quick",
         action="store_true",
         help="a tiny run for smoke tests: changes the defaults of --size, --chunk, "
@@ -270,7 +279,60 @@ def build_parser(prog: str = "kvlink-bench") -> argparse.ArgumentParser:
                     help="NICs: auto, loopback:N or names/addresses, comma-separated "
                     "(default: auto)")  # fmt: skip
     common(rn)
+    tt = sub.add_parser(
+        "table", help="today's figures as one markdown table, from JSON lines",
+        description="One markdown table row per scenario, from JSON lines (kvlink-bench "
+        "--json output, docs/data/benchmarks-current.jsonl): scenario, the ratio against its "
+        "baseline, the baseline, target, date and commit, and the command. Rows without a "
+        "scenario are skipped; of rows naming the same scenario the last one read wins, in "
+        "the place of the first.",
+    )  # fmt: skip
+    tt.add_argument("files", nargs="+", metavar="RESULTS.jsonl",
+                    help="JSON-lines files, read in order")  # fmt: skip
+    tt.add_argument(
+        "--write", metavar="FILE.md", default=None,
+        help="replace the table between the lines <!-- kvlink-bench table: begin --> and "
+        "<!-- kvlink-bench table: end --> of FILE.md, keeping the rest of it as it is "
+        "(default: print the table)",
+    )  # fmt: skip
     return ap
+
+
+def cmd_table(args: argparse.Namespace) -> int:
+    from ..bench import table
+
+    try:
+        text = table.render(rows := table.load(args.files))
+        if args.write is None:
+            sys.stdout.write(text)
+            return 0
+        table.write(args.write, text)
+    except table.TableError as exc:
+        print(f"kvlink-bench table: {exc}", file=sys.stderr)
+        return 2
+    print(f"kvlink-bench table: {len(rows)} rows written to {args.write}")
+    return 0
+
+
+def scenario_name(args: argparse.Namespace, row: dict[str, Any]) -> str:
+    """A result row's `scenario`: --scenario, or one made from how it was measured."""
+    size = measure.fmt_size(row["size_bytes"])
+    chunk = f", chunk {measure.chunk_label(row['chunk_bytes'])}" if row.get("chunk_bytes") else ""
+    if args.scenario:
+        sweep = len(args.size) > 1 or len(args.chunk) > 1
+        name = args.scenario + (f" ({size}{chunk})" if sweep else "")
+    else:
+        over = "/".join(row.get("transports") or [])
+        paths = row.get("paths") or 0
+        name = (f"{args.command}{' ' + over if over else ''} {row.get('op', 'push')} {size}"
+                f"{chunk}, {paths} path{'s' if paths != 1 else ''}")  # fmt: skip
+        if row.get("concurrency", 1) > 1:
+            name += f", {row['concurrency']} at once"
+        if row.get("layers", 1) > 1:
+            name += f", {row['layers']} layers"
+        if args.mem != "host":
+            name += f", {args.mem} memory"
+    return name if row["tool"] == "kvlink" else f"{name} [{row['tool']}]"
 
 
 def resolve(args: argparse.Namespace) -> None:
@@ -422,11 +484,11 @@ def report_limit(rep: Reporter, limit: float | None, nbytes: int, paths: int) ->
     if limit is None:
         rep.note(f"iperf3 not found: no limit measured ({iperf3.INSTALL_HINT})")
         return None
-    rep.result({
+    rep.limit({
         "tool": "iperf3", "op": "push", "size_bytes": nbytes, "chunk_bytes": None,
         "paths": paths, "seconds": nbytes / limit / 1e9, "gbps": limit, "first_layer_s": None,
         "p50_s": None, "p99_s": None, "cpu_s": None, "limit_gbps": limit, "ratio_to_limit": 1.0,
-    })  # fmt: skip
+    }, f"iperf3, {paths} stream{'s' if paths != 1 else ''} on the same paths")  # fmt: skip
     return limit
 
 
@@ -662,6 +724,8 @@ def _main(argv: Sequence[str] | None, prog: str) -> int:
 
         return demo.main(argv[1:], prog=f"{prog} demo")
     args = build_parser(prog).parse_args(argv)
+    if args.command == "table":
+        return cmd_table(args)
     err = check_environment()
     if err:
         print(f"kvlink-bench: {err}", file=sys.stderr)
@@ -676,6 +740,8 @@ def _main(argv: Sequence[str] | None, prog: str) -> int:
     if args.command != "run":  # `run` meets a `serve` started apart: the user gives both theirs
         share_run_secret()
     rep = Reporter(args.command, args.json, args.csv, args.plot)
+    rep.run = run_info(prog, argv)
+    rep.scenario_of = lambda row: scenario_name(args, row)
     try:
         fn = {"loopback": cmd_loopback, "testbed": cmd_testbed, "run": cmd_run}[args.command]
         rc = fn(args, rep)

@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from kvlink.bench.report import JSON_FIELDS
+from kvlink.bench.report import JSON_FIELDS, RUN_FIELDS
 from tests.conftest import REQUIRE_ALL
 
-FIELDS = set(JSON_FIELDS)
+FIELDS = set(JSON_FIELDS) | set(RUN_FIELDS)
 
 
 def bench(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -38,10 +38,15 @@ def test_loopback_quick_json():
     assert r["gbps"] > 0 and r["seconds"] > 0 and r["verified"] is True
     assert 0 < r["first_layer_s"] <= r["seconds"]
     assert r["p50_s"] <= r["p99_s"]
+    assert r["command"].endswith("kvlink-bench loopback --quick --json --layers 4")
     iperf = [x for x in rows if x.get("tool") == "iperf3"]
     if iperf:
         assert r["limit_gbps"] == iperf[0]["gbps"]
         assert r["ratio_to_limit"] == pytest.approx(r["gbps"] / r["limit_gbps"])
+        over = "/".join(r["transports"])
+        assert r["scenario"] == f"loopback {over} push 16MiB, 2 paths, 4 layers"
+        assert r["baseline"] == "iperf3, 2 streams on the same paths"
+        assert iperf[0]["scenario"] is None  # the baseline's own row is no figure
     elif REQUIRE_ALL:
         pytest.fail("iperf3 is required in CI for the limit measurement")
 

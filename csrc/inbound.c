@@ -43,51 +43,56 @@
 #define QUEUE_MAX 1024                        /* handles waiting for kvl_inbound_next */
 #define QUEUE_KEEP_NS (60ull * 1000000000ull) /* a finished handle nobody took is dropped */
 
-enum { LAYER_PENDING = 0, LAYER_DONE = 1 };
-
-/* What kvl_inxfer_info reports, held without kvl_inbound_info's inline
- * tag and message arrays: a handle costs what its push announced (16384 of
- * the public struct would be 75 MiB a sender could make us hold). */
-typedef struct inx_info {
-    uint64_t xfer_id;
-    char peer[64];
-    uint32_t state, err;
-    uint64_t bytes_total, bytes_done;
-    uint32_t chunks_total, chunks_done, layers, layers_ready;
-    uint64_t t_announce_ns, t_first_byte_ns, t_done_ns;
-    uint32_t tag_len;
-    uint8_t *tag;              /* tag_len bytes; never changes */
-    char *message;             /* the error text once FAILED, else NULL */
-} inx_info;
-
+/* The receiver's handle: a push's progress here (progress.c) and what it
+ * announced.  A handle costs what its push announced: its tag inline
+ * (kvl_inbound_info's 4096-byte array for 16384 handles would be 75 MiB a
+ * sender could make us hold), the error text only once it failed. */
 struct kvl_inxfer {
     atomic_int refs;           /* the engine's entry, and the queue's or the caller's */
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    inx_info info;             /* under mu */
-    uint32_t *layer_left;      /* chunks not yet verified per layer; under mu */
-    uint8_t *layer_done;       /* under mu */
-    uint32_t *chunk_lf, *chunk_ll; /* the announced map (freed with the arrays above when a
-                                      push fails before its handle is taken) */
-    kvl_chunk_event *events;   /* under mu */
-    uint32_t n_events, ev_read;
+    kvl_progress prog;         /* chunks, layers, events, outcome (not deferred) */
+    uint64_t xfer_id;          /* the sender's; this and what follows never change */
+    char peer[64];
+    uint64_t t_announce_ns;
+    uint32_t tag_len;
+    uint8_t *tag;              /* tag_len bytes */
     uint64_t t_queued_ns;      /* inq_mu */
     struct kvl_inxfer *qnext;  /* inq_mu */
 };
 
 /* ---- handles ---- */
 
+static kvl_err inx_timeout(const kvl_progress *p, int what, uint32_t layer, uint32_t timeout_ms)
+{
+    const kvl_inxfer *t = p->owner;
+    (void)layer;
+    const char *waited = what == KVL_WAIT_LAYER  ? "layer not complete"
+                         : what == KVL_WAIT_EVENT ? "no chunk"
+                                                  : "still arriving";
+    return kvl_fail(KVL_ERR_TIMEOUT,
+                    "inbound push %llu from '%s': %s after %u ms (%llu of %llu bytes verified)",
+                    (unsigned long long)t->xfer_id, t->peer, waited, timeout_ms,
+                    (unsigned long long)p->bytes_done, (unsigned long long)p->bytes_total);
+}
+
+static kvl_err inx_failed(const kvl_progress *p)
+{
+    const kvl_inxfer *t = p->owner;
+    return kvl_fail((kvl_err)p->err, "inbound push %llu from '%s': %s",
+                    (unsigned long long)t->xfer_id, t->peer, kvl_progress_why(p));
+}
+
+static kvl_err inx_no_layer(const kvl_progress *p, uint32_t layer)
+{
+    return kvl_fail(KVL_ERR_INVALID_ARG, "layer %u: the push has layers 0..%u", layer,
+                    p->n_layers - 1);
+}
+
+static const kvl_progress_msgs inx_msgs = {inx_timeout, inx_failed, inx_no_layer};
+
 static void inx_free(kvl_inxfer *t)
 {
-    pthread_mutex_destroy(&t->mu);
-    pthread_cond_destroy(&t->cv);
-    free(t->layer_left);
-    free(t->layer_done);
-    free(t->chunk_lf);
-    free(t->chunk_ll);
-    free(t->events);
-    free(t->info.tag);
-    free(t->info.message);
+    kvl_progress_destroy(&t->prog);
+    free(t->tag);
     free(t);
 }
 
@@ -102,94 +107,32 @@ static kvl_inxfer *inx_new(const char *peer, const kvl_msg_announce *m, uint64_t
     kvl_inxfer *t = calloc(1, sizeof *t);
     if (!t)
         return NULL;
-    pthread_mutex_init(&t->mu, NULL);
-    kvl_cond_init(&t->cv);
+    kvl_progress_init(&t->prog, &inx_msgs, t, 0);
     atomic_init(&t->refs, 2);
-    t->layer_left = calloc(m->n_layers, sizeof *t->layer_left);
-    t->layer_done = calloc(m->n_layers, 1);
-    t->chunk_lf = malloc(m->n_chunks * sizeof *t->chunk_lf);
-    t->chunk_ll = malloc(m->n_chunks * sizeof *t->chunk_ll);
-    t->events = calloc(m->n_chunks, sizeof *t->events);
-    t->info.tag = malloc(m->tag_len ? m->tag_len : 1);
-    if (!t->layer_left || !t->layer_done || !t->chunk_lf || !t->chunk_ll || !t->events ||
-        !t->info.tag) {
+    t->tag = malloc(m->tag_len ? m->tag_len : 1);
+    if (!t->tag || kvl_progress_alloc(&t->prog, m->n_chunks, m->n_layers, m->bytes)) {
         inx_free(t);
         return NULL;
     }
-    for (uint32_t i = 0; i < m->n_chunks; i++) {
-        kvl_dec_announce_chunk(m, i, &t->chunk_lf[i], &t->chunk_ll[i]);
-        for (uint32_t l = t->chunk_lf[i]; l <= t->chunk_ll[i]; l++)
-            t->layer_left[l]++;
-    }
-    for (uint32_t l = 0; l < m->n_layers; l++)
-        t->layer_done[l] = t->layer_left[l] ? LAYER_PENDING : LAYER_DONE;
-    inx_info *in = &t->info;
-    in->xfer_id = m->xfer;
-    snprintf(in->peer, sizeof in->peer, "%s", peer);
-    in->state = KVL_XFER_RUNNING;
-    in->bytes_total = m->bytes;
-    in->chunks_total = m->n_chunks;
-    in->layers = m->n_layers;
-    in->tag_len = m->tag_len;
-    memcpy(in->tag, m->tag, m->tag_len);
-    in->t_announce_ns = now;
-    for (uint32_t l = 0; l < m->n_layers && t->layer_done[l] == LAYER_DONE; l++)
-        in->layers_ready = l + 1;
+    for (uint32_t i = 0; i < m->n_chunks; i++)
+        kvl_dec_announce_chunk(m, i, &t->prog.chunk_lf[i], &t->prog.chunk_ll[i]);
+    kvl_progress_start(&t->prog);
+    t->xfer_id = m->xfer;
+    snprintf(t->peer, sizeof t->peer, "%s", peer);
+    t->tag_len = m->tag_len;
+    memcpy(t->tag, m->tag, m->tag_len);
+    t->t_announce_ns = now;
     return t;
-}
-
-/* A copy of chunk ci was verified in place (engine). */
-static void inx_chunk_done(kvl_inxfer *t, uint32_t ci, uint32_t path, uint64_t bytes, uint64_t now)
-{
-    pthread_mutex_lock(&t->mu);
-    kvl_chunk_event *ev = &t->events[t->n_events++];
-    ev->chunk = ci;
-    ev->path = path;
-    ev->bytes = bytes;
-    ev->t_ns = now;
-    for (uint32_t l = t->chunk_lf[ci]; l <= t->chunk_ll[ci]; l++) {
-        if (--t->layer_left[l] == 0) {
-            t->layer_done[l] = LAYER_DONE;
-            if (!ev->layer_count)
-                ev->layer_first = l;
-            ev->layer_count = l - ev->layer_first + 1;
-        }
-    }
-    inx_info *in = &t->info;
-    while (in->layers_ready < in->layers && t->layer_done[in->layers_ready] == LAYER_DONE)
-        in->layers_ready++;
-    in->bytes_done += bytes;
-    in->chunks_done++;
-    if (!in->t_first_byte_ns)
-        in->t_first_byte_ns = now;
-    if (in->chunks_done == in->chunks_total) {
-        in->state = KVL_XFER_DONE;
-        in->t_done_ns = now;
-    }
-    pthread_cond_broadcast(&t->cv);
-    pthread_mutex_unlock(&t->mu);
 }
 
 static void inx_fail(kvl_inxfer *t, kvl_err err, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 static void inx_fail(kvl_inxfer *t, kvl_err err, const char *fmt, ...)
 {
-    pthread_mutex_lock(&t->mu);
-    if (t->info.state == KVL_XFER_RUNNING) {
-        size_t cap = sizeof ((kvl_inbound_info *)0)->message;
-        t->info.message = malloc(cap);
-        if (t->info.message) {
-            va_list ap;
-            va_start(ap, fmt);
-            vsnprintf(t->info.message, cap, fmt, ap);
-            va_end(ap);
-        }
-        t->info.state = KVL_XFER_FAILED;
-        t->info.err = (uint32_t)err;
-        t->info.t_done_ns = kvl_now_ns();
-        pthread_cond_broadcast(&t->cv);
-    }
-    pthread_mutex_unlock(&t->mu);
+    va_list ap;
+    va_start(ap, fmt);
+    kvl_progress_vfail(&t->prog, err, fmt, ap);
+    va_end(ap);
 }
 
 /* ---- the queue of handles not yet taken ---- */
@@ -222,10 +165,7 @@ static void queue_expire(kvl_agent *a, uint64_t now)
     pthread_mutex_lock(&a->inq_mu);
     for (kvl_inxfer **pp = &a->inq_head; *pp;) {
         kvl_inxfer *t = *pp;
-        pthread_mutex_lock(&t->mu);
-        int finished = t->info.state != KVL_XFER_RUNNING;
-        pthread_mutex_unlock(&t->mu);
-        if (finished && now - t->t_queued_ns > QUEUE_KEEP_NS) {
+        if (kvl_progress_finished(&t->prog) && now - t->t_queued_ns > QUEUE_KEEP_NS) {
             *pp = t->qnext;
             t->qnext = drop;
             drop = t;
@@ -297,22 +237,8 @@ static void inx_shrink_if_queued(kvl_agent *a, kvl_inxfer *t)
     int queued = 0;
     for (kvl_inxfer *q = a->inq_head; q && !queued; q = q->qnext)
         queued = q == t;
-    if (queued) {
-        pthread_mutex_lock(&t->mu);
-        if (t->info.state == KVL_XFER_FAILED) {
-            free(t->layer_left);
-            free(t->layer_done);
-            free(t->chunk_lf);
-            free(t->chunk_ll);
-            free(t->events);
-            t->layer_left = NULL;
-            t->layer_done = NULL;
-            t->chunk_lf = t->chunk_ll = NULL;
-            t->events = NULL;
-            t->n_events = t->ev_read = 0;
-        }
-        pthread_mutex_unlock(&t->mu);
-    }
+    if (queued)
+        kvl_progress_shrink(&t->prog);
     pthread_mutex_unlock(&a->inq_mu);
 }
 
@@ -448,7 +374,7 @@ void kvl_rx_done(kvl_rx_xfer *r, uint32_t chunk, uint32_t attempt, int verified,
     if (verified && kvl_rx_owns(r, chunk, attempt)) {
         r->chunks[chunk].settled = 1;
         if (r->h)
-            inx_chunk_done(r->h, chunk, path, bytes, kvl_now_ns());
+            kvl_progress_chunk_done(&r->h->prog, chunk, path, bytes, kvl_now_ns());
     }
     r->refs--;
 }
@@ -567,7 +493,7 @@ kvl_err kvl_inbound_next(kvl_agent *a, const void *tag, size_t tag_len, int any_
     for (;;) {
         for (kvl_inxfer **pp = &a->inq_head; *pp; pp = &(*pp)->qnext) {
             kvl_inxfer *t = *pp; /* tag and tag_len never change after creation */
-            if (any_tag || (t->info.tag_len == tag_len && !memcmp(t->info.tag, tag, tag_len))) {
+            if (any_tag || (t->tag_len == tag_len && !memcmp(t->tag, tag, tag_len))) {
                 *pp = t->qnext;
                 found = t;
                 break;
@@ -598,136 +524,61 @@ kvl_err kvl_inbound_next(kvl_agent *a, const void *tag, size_t tag_len, int any_
                     shown, k + 5 >= sizeof shown ? "..." : "", timeout_ms);
 }
 
-static int inx_wait(kvl_inxfer *t, int (*pred)(void *, uint32_t), uint32_t arg,
-                    uint32_t timeout_ms)
-{
-    return kvl_cond_wait_until(&t->cv, &t->mu, pred, t, arg, timeout_ms);
-}
-
-static int inx_finished(void *obj, uint32_t unused)
-{
-    (void)unused;
-    return ((kvl_inxfer *)obj)->info.state != KVL_XFER_RUNNING;
-}
-
-static int inx_layer_ready(void *obj, uint32_t layer)
-{
-    kvl_inxfer *t = obj;
-    return t->info.state != KVL_XFER_RUNNING || t->layer_done[layer] == LAYER_DONE;
-}
-
-static int inx_event_ready(void *obj, uint32_t unused)
-{
-    kvl_inxfer *t = obj;
-    (void)unused;
-    return t->ev_read < t->n_events || t->info.state != KVL_XFER_RUNNING;
-}
-
-static kvl_err inx_outcome(kvl_inxfer *t)
-{
-    if (t->info.state == KVL_XFER_DONE)
-        return KVL_OK;
-    return kvl_fail((kvl_err)t->info.err, "inbound push %llu from '%s': %s",
-                    (unsigned long long)t->info.xfer_id, t->info.peer,
-                    t->info.message ? t->info.message : "failed (out of memory for why)");
-}
-
-static kvl_err inx_timeout(kvl_inxfer *t, uint32_t timeout_ms, const char *what)
-{
-    return kvl_fail(KVL_ERR_TIMEOUT,
-                    "inbound push %llu from '%s': %s after %u ms (%llu of %llu bytes verified)",
-                    (unsigned long long)t->info.xfer_id, t->info.peer, what, timeout_ms,
-                    (unsigned long long)t->info.bytes_done,
-                    (unsigned long long)t->info.bytes_total);
-}
-
 kvl_err kvl_inxfer_wait(kvl_inxfer *t, uint32_t timeout_ms)
 {
-    kvl_clear_error();
-    pthread_mutex_lock(&t->mu);
-    kvl_err e = inx_wait(t, inx_finished, 0, timeout_ms) ? inx_timeout(t, timeout_ms, "still arriving")
-                                                       : inx_outcome(t);
-    pthread_mutex_unlock(&t->mu);
-    return e;
+    return kvl_progress_wait(&t->prog, timeout_ms);
 }
 
 kvl_err kvl_inxfer_wait_layer(kvl_inxfer *t, uint32_t layer, uint32_t timeout_ms)
 {
-    kvl_clear_error();
-    if (layer >= t->info.layers)
-        return kvl_fail(KVL_ERR_INVALID_ARG, "layer %u: the push has layers 0..%u", layer,
-                        t->info.layers - 1);
-    pthread_mutex_lock(&t->mu);
-    kvl_err e;
-    if (inx_wait(t, inx_layer_ready, layer, timeout_ms))
-        e = inx_timeout(t, timeout_ms, "layer not complete");
-    else
-        e = t->layer_done && t->layer_done[layer] == LAYER_DONE ? KVL_OK : inx_outcome(t);
-    pthread_mutex_unlock(&t->mu);
-    return e;
+    return kvl_progress_wait_layer(&t->prog, layer, timeout_ms);
 }
 
 kvl_err kvl_inxfer_next_event(kvl_inxfer *t, uint32_t timeout_ms, kvl_chunk_event *ev)
 {
-    kvl_clear_error();
-    pthread_mutex_lock(&t->mu);
-    kvl_err e = KVL_OK;
-    if (inx_wait(t, inx_event_ready, 0, timeout_ms))
-        e = inx_timeout(t, timeout_ms, "no chunk");
-    else if (t->ev_read < t->n_events)
-        *ev = t->events[t->ev_read++];
-    else if (t->info.state == KVL_XFER_DONE)
-        e = kvl_fail(KVL_ERR_END, "no more chunks");
-    else
-        e = inx_outcome(t);
-    pthread_mutex_unlock(&t->mu);
-    return e;
+    return kvl_progress_next_event(&t->prog, timeout_ms, ev);
 }
 
 kvl_err kvl_inxfer_info(kvl_inxfer *t, kvl_inbound_info *out)
 {
     kvl_clear_error();
-    pthread_mutex_lock(&t->mu);
-    const inx_info *in = &t->info;
-    out->xfer_id = in->xfer_id;
-    memcpy(out->peer, in->peer, sizeof out->peer);
-    out->state = in->state;
-    out->err = in->err;
-    out->bytes_total = in->bytes_total;
-    out->bytes_done = in->bytes_done;
-    out->chunks_total = in->chunks_total;
-    out->chunks_done = in->chunks_done;
-    out->layers = in->layers;
-    out->layers_ready = in->layers_ready;
-    out->t_announce_ns = in->t_announce_ns;
-    out->t_first_byte_ns = in->t_first_byte_ns;
-    out->t_done_ns = in->t_done_ns;
-    out->tag_len = in->tag_len;
-    memcpy(out->tag, in->tag, in->tag_len);
-    snprintf(out->message, sizeof out->message, "%s", in->message ? in->message : "");
-    pthread_mutex_unlock(&t->mu);
+    kvl_progress_snap s;
+    kvl_progress_get(&t->prog, &s, out->message, sizeof out->message);
+    out->xfer_id = t->xfer_id;
+    memcpy(out->peer, t->peer, sizeof out->peer);
+    out->state = s.state;
+    out->err = s.err;
+    out->bytes_total = s.bytes_total;
+    out->bytes_done = s.bytes_done;
+    out->chunks_total = s.chunks_total;
+    out->chunks_done = s.chunks_done;
+    out->layers = s.layers;
+    out->layers_ready = s.layers_ready;
+    out->t_announce_ns = t->t_announce_ns;
+    out->t_first_byte_ns = s.t_first_byte_ns;
+    out->t_done_ns = s.t_done_ns;
+    out->tag_len = t->tag_len;
+    memcpy(out->tag, t->tag, t->tag_len);
     return KVL_OK;
 }
 
 kvl_err kvl_inxfer_progress(kvl_inxfer *t, kvl_inbound_progress *out)
 {
-    pthread_mutex_lock(&t->mu);
-    out->state = t->info.state;
-    out->chunks_done = t->info.chunks_done;
-    out->layers_ready = t->info.layers_ready;
-    out->bytes_done = t->info.bytes_done;
-    pthread_mutex_unlock(&t->mu);
+    kvl_progress_snap s;
+    kvl_progress_get(&t->prog, &s, NULL, 0);
+    out->state = s.state;
+    out->chunks_done = s.chunks_done;
+    out->layers_ready = s.layers_ready;
+    out->bytes_done = s.bytes_done;
     return KVL_OK;
 }
 
 kvl_err kvl_inxfer_layer_done(kvl_inxfer *t, uint32_t layer, int *done)
 {
     kvl_clear_error();
-    if (layer >= t->info.layers)
+    if (layer >= t->prog.n_layers) /* fixed at announce */
         return kvl_fail(KVL_ERR_INVALID_ARG, "layer %u: the push has layers 0..%u", layer,
-                        t->info.layers - 1);
-    pthread_mutex_lock(&t->mu);
-    *done = t->layer_done && t->layer_done[layer] == LAYER_DONE; /* NULL: failed, shrunk */
-    pthread_mutex_unlock(&t->mu);
+                        t->prog.n_layers - 1);
+    *done = kvl_progress_layer_done(&t->prog, layer); /* 0 once failed and shrunk */
     return KVL_OK;
 }

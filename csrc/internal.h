@@ -13,6 +13,7 @@
 #include <sys/uio.h>
 
 #include "kvlink.h"
+#include "progress.h"
 
 #define KVL_MAX_PATHS 64
 #define KVL_MAX_IO_THREADS 64
@@ -276,22 +277,17 @@ struct kvl_xfer {
     uint64_t bytes_pending;    /* bytes of chunks not in flight and not done */
     uint32_t *retry;           /* chunks to resend first */
     uint32_t n_retry;
-    uint32_t *layer_left;      /* chunks not yet verified, per layer */
     uint64_t ann_serial[KVL_MAX_PATHS]; /* push: connection (serial) of each path that
                                            carried its ANNOUNCE */
     int io_refs;               /* frames / receives touching this transfer's memory */
-    int fin;                   /* engine's view of the outcome (kvl_xfer_state); callers see
-                                  it in info.state only once the transfer has let go of its
-                                  regions, so "done" means deregister() will succeed */
     struct kvl_xfer *next_active;
     struct kvl_xfer *next_all;
-    /* shared with callers: under mu */
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    kvl_xfer_info info;
-    uint8_t *layer_done;
-    kvl_chunk_event *events;
-    uint32_t n_events, ev_read;
+    uint64_t t_submit_ns;
+    atomic_uint retries;       /* chunk sends beyond the first */
+    /* shared with callers.  prog.fin is the engine's view of the outcome; callers
+     * see it only once the transfer has let go of its regions (deferred), so
+     * "done" means deregister() will succeed */
+    kvl_progress prog;
 };
 
 enum { KVL_CHUNK_PENDING = 0, KVL_CHUNK_INFLIGHT = 1, KVL_CHUNK_DONE = 2 };

@@ -97,11 +97,8 @@ static void account_send(kvl_xfer *x, uint32_t ci, kvl_path *pa, int hedge)
     x->cstate[ci] = KVL_CHUNK_INFLIGHT;
     pa->inflight_bytes += x->plan.chunks[ci].bytes;
     pa->inflight_chunks++;
-    if (x->attempt[ci] > 1) {
-        pthread_mutex_lock(&x->mu);
-        x->info.retries++;
-        pthread_mutex_unlock(&x->mu);
-    }
+    if (x->attempt[ci] > 1)
+        atomic_fetch_add_explicit(&x->retries, 1, memory_order_relaxed);
 }
 
 /* The policy's view of p's paths at this instant (policy.c). */
@@ -468,8 +465,8 @@ void kvl_sched_expire(kvl_agent *a, uint64_t now)
                 kvl_sched_fail(x, KVL_ERR_DEADLINE,
                                "transfer %llu to peer '%s' missed its deadline "
                                "(%u of %u chunks verified)",
-                               (unsigned long long)x->id, p->name, x->info.chunks_done,
-                               x->info.chunks_total);
+                               (unsigned long long)x->id, p->name, x->prog.chunks_done,
+                               x->prog.chunks_total);
         }
     }
 }
@@ -483,9 +480,9 @@ void kvl_sched_expire(kvl_agent *a, uint64_t now)
 static void send_end(kvl_peer *p, kvl_xfer *x)
 {
     kvl_msg_status st = {.xfer = x->id};
-    if (x->fin != KVL_XFER_DONE) {
-        st.status = x->info.err ? x->info.err : KVL_ERR_PROTOCOL;
-        snprintf(st.msg, sizeof st.msg, "%s", x->info.message);
+    if (x->prog.fin != KVL_XFER_DONE) { /* the engine's own fields: no lock */
+        st.status = x->prog.err ? x->prog.err : KVL_ERR_PROTOCOL;
+        snprintf(st.msg, sizeof st.msg, "%s", x->prog.message ? x->prog.message : "");
     }
     for (uint32_t i = 0; i <= p->n_paths; i++) {
         kvl_conn *c = i < p->n_paths ? p->paths[i].conn : p->ctrl;

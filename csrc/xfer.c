@@ -18,14 +18,12 @@
 
 #define MAX_LAYERS KVL_MAX_LAYERS
 
-enum { LAYER_PENDING = 0, LAYER_DONE = 1, LAYER_ABSENT = 2 };
-
 void kvl_xfer_ref(kvl_xfer *x) { atomic_fetch_add(&x->refs, 1); }
 
 int kvl_xfer_running(kvl_xfer *x)
 {
     /* written only by the engine thread, which is the only caller */
-    return x->fin == KVL_XFER_RUNNING;
+    return x->prog.fin == KVL_XFER_RUNNING;
 }
 
 static void xfer_free(kvl_xfer *x)
@@ -46,11 +44,7 @@ static void xfer_free(kvl_xfer *x)
     free(x->fails);
     free(x->powner);
     free(x->retry);
-    free(x->layer_left);
-    free(x->layer_done);
-    free(x->events);
-    pthread_mutex_destroy(&x->mu);
-    pthread_cond_destroy(&x->cv);
+    kvl_progress_destroy(&x->prog);
     free(x);
 }
 
@@ -232,9 +226,41 @@ static kvl_err check_remote(kvl_agent *a, kvl_peer *p, int op, kvl_xfer *x,
     return KVL_OK;
 }
 
-static kvl_err alloc_state(kvl_xfer *x)
+/* ---- the caller's waits (progress.c), in the transfer's own words ---- */
+
+static kvl_err xfer_timeout(const kvl_progress *p, int what, uint32_t layer, uint32_t timeout_ms)
+{
+    const kvl_xfer *x = p->owner;
+    if (what == KVL_WAIT_LAYER)
+        return kvl_fail(KVL_ERR_TIMEOUT, "layer %u of transfer %llu not ready after %u ms", layer,
+                        (unsigned long long)x->id, timeout_ms);
+    if (what == KVL_WAIT_EVENT)
+        return kvl_fail(KVL_ERR_TIMEOUT, "no chunk of transfer %llu finished within %u ms",
+                        (unsigned long long)x->id, timeout_ms);
+    return kvl_fail(KVL_ERR_TIMEOUT, "transfer %llu still running after %u ms (%llu of %llu bytes)",
+                    (unsigned long long)x->id, timeout_ms, (unsigned long long)p->bytes_done,
+                    (unsigned long long)p->bytes_total);
+}
+
+static kvl_err xfer_failed(const kvl_progress *p)
+{
+    return kvl_fail((kvl_err)p->err, "%s", kvl_progress_why(p));
+}
+
+static kvl_err xfer_no_layer(const kvl_progress *p, uint32_t layer)
+{
+    return kvl_fail(KVL_ERR_INVALID_ARG, "layer %u: transfer %llu carries no bytes of it", layer,
+                    (unsigned long long)((const kvl_xfer *)p->owner)->id);
+}
+
+static const kvl_progress_msgs xfer_msgs = {xfer_timeout, xfer_failed, xfer_no_layer};
+
+static kvl_err alloc_state(kvl_xfer *x, uint64_t bytes_total)
 {
     size_t nc = x->plan.n_chunks, nl = x->plan.n_layers;
+    kvl_progress *pr = &x->prog;
+    if (kvl_progress_alloc(pr, (uint32_t)nc, (uint32_t)nl, bytes_total))
+        return kvl_fail(KVL_ERR_NOMEM, "submit: out of memory for %zu chunks", nc);
     x->cstate = calloc(nc, 1);
     x->attempt = calloc(nc, sizeof *x->attempt);
     x->cpath = calloc(nc, 1);
@@ -244,23 +270,20 @@ static kvl_err alloc_state(kvl_xfer *x)
     x->fails = calloc(nc, 1);
     x->powner = calloc(nc, sizeof *x->powner);
     x->retry = calloc(nc, sizeof *x->retry);
-    x->events = calloc(nc, sizeof *x->events);
-    x->layer_left = calloc(nl, sizeof *x->layer_left);
-    x->layer_done = malloc(nl);
-    if (!x->cstate || !x->attempt || !x->cpath || !x->retry || !x->events ||
-        !x->layer_left || !x->layer_done || !x->hpath || !x->pattempt || !x->hattempt ||
-        !x->fails || !x->powner)
+    if (!x->cstate || !x->attempt || !x->cpath || !x->retry || !x->hpath || !x->pattempt ||
+        !x->hattempt || !x->fails || !x->powner)
         return kvl_fail(KVL_ERR_NOMEM, "submit: out of memory for %zu chunks", nc);
-    for (size_t ci = 0; ci < nc; ci++) {
-        const kvl_chunk *ch = &x->plan.chunks[ci];
-        const kvl_piece *pc = &x->plan.pieces[ch->first_piece];
-        for (uint32_t i = 0; i < ch->n_pieces; i++)
-            if (i == 0 || x->segs[pc[i].seg].layer != x->segs[pc[i - 1].seg].layer)
-                x->layer_left[x->segs[pc[i].seg].layer]++;
-    }
     memset(x->hpath, KVL_NO_PATH, nc);
-    for (size_t l = 0; l < nl; l++)
-        x->layer_done[l] = x->layer_left[l] ? LAYER_PENDING : LAYER_ABSENT;
+    /* A layer no segment names is absent; the plan is layer-major, so a
+     * chunk carries bytes of every present layer in its range. */
+    memset(pr->layer_done, KVL_LAYER_ABSENT, nl);
+    for (size_t i = 0; i < x->n_segs; i++)
+        pr->layer_done[x->segs[i].layer] = KVL_LAYER_PENDING;
+    for (size_t ci = 0; ci < nc; ci++) {
+        pr->chunk_lf[ci] = x->plan.chunks[ci].layer_first;
+        pr->chunk_ll[ci] = x->plan.chunks[ci].layer_last;
+    }
+    kvl_progress_start(pr);
     return KVL_OK;
 }
 
@@ -295,8 +318,7 @@ kvl_err kvl_xfer_submit(kvl_agent *a, kvl_peer *p, int op, const kvl_segment *se
     kvl_xfer *x = calloc(1, sizeof *x);
     if (!x)
         return kvl_fail(KVL_ERR_NOMEM, "submit: out of memory");
-    pthread_mutex_init(&x->mu, NULL);
-    kvl_cond_init(&x->cv);
+    kvl_progress_init(&x->prog, &xfer_msgs, x, 1);
     atomic_init(&x->refs, 2);
     x->op = op;
     x->peer = p;
@@ -355,7 +377,10 @@ kvl_err kvl_xfer_submit(kvl_agent *a, kvl_peer *p, int op, const kvl_segment *se
     }
     if ((e = check_remote(a, p, op, x, segs, n_segs)))
         goto fail;
-    if ((e = alloc_state(x)))
+    uint64_t bytes_total = 0;
+    for (size_t i = 0; i < n_segs; i++)
+        bytes_total += segs[i].len;
+    if ((e = alloc_state(x, bytes_total)))
         goto fail;
     if (notify_len) {
         x->notify = malloc(notify_len);
@@ -373,18 +398,12 @@ kvl_err kvl_xfer_submit(kvl_agent *a, kvl_peer *p, int op, const kvl_segment *se
     }
     uint64_t now = kvl_now_ns();
     x->deadline_ns = timeout_ms ? now + (uint64_t)timeout_ms * 1000000ull : 0;
-    x->info.state = KVL_XFER_RUNNING;
-    x->info.bytes_total = 0;
-    for (size_t i = 0; i < n_segs; i++)
-        x->info.bytes_total += segs[i].len;
-    x->info.chunks_total = (uint32_t)x->plan.n_chunks;
-    x->bytes_pending = x->info.bytes_total;
-    x->info.layers = x->plan.n_layers;
-    x->info.t_submit_ns = now;
+    x->bytes_pending = bytes_total;
+    x->t_submit_ns = now;
     cmd->type = KVL_CMD_SUBMIT;
     cmd->xfer = x;
     pthread_mutex_lock(&a->mu);
-    x->id = x->info.id = ++a->next_xfer_id;
+    x->id = ++a->next_xfer_id;
     pthread_mutex_unlock(&a->mu);
     kvl_engine_post(a, cmd);
     *out = x;
@@ -399,23 +418,12 @@ fail:
 void kvl_xfer_announce(kvl_xfer *x, kvl_buf *b, uint64_t now)
 {
     size_t nc = x->plan.n_chunks;
-    uint32_t *lf = malloc(nc * sizeof *lf), *ll = malloc(nc * sizeof *ll);
-    if (!lf || !ll) {
-        b->oom = 1;
-        free(lf);
-        free(ll);
-        return;
-    }
-    for (size_t i = 0; i < nc; i++) {
-        lf[i] = x->plan.chunks[i].layer_first;
-        ll[i] = x->plan.chunks[i].layer_last;
-    }
     uint64_t left_ms = 0;
     if (x->deadline_ns)
         left_ms = x->deadline_ns > now ? (x->deadline_ns - now) / 1000000ull + 1 : 1;
     kvl_msg_announce m = {
         .xfer = x->id,
-        .bytes = x->info.bytes_total,
+        .bytes = x->prog.bytes_total, /* fixed at submit */
         .n_chunks = (uint32_t)nc,
         .n_layers = x->plan.n_layers,
         .timeout_ms = left_ms > UINT32_MAX ? UINT32_MAX : (uint32_t)left_ms,
@@ -423,166 +431,57 @@ void kvl_xfer_announce(kvl_xfer *x, kvl_buf *b, uint64_t now)
         .tag = x->notify,
     };
     kvl_frame_start(b);
-    kvl_enc_announce(b, &m, lf, ll);
+    kvl_enc_announce(b, &m, x->prog.chunk_lf, x->prog.chunk_ll); /* fixed at submit */
     kvl_frame_finish(b, KVL_F_ANNOUNCE, 0);
-    free(lf);
-    free(ll);
 }
 
 void kvl_xfer_chunk_done(kvl_xfer *x, uint32_t ci, uint32_t path, uint64_t now)
 {
-    const kvl_chunk *ch = &x->plan.chunks[ci];
-    pthread_mutex_lock(&x->mu);
-    kvl_chunk_event *ev = &x->events[x->n_events++];
-    ev->chunk = ci;
-    ev->path = path;
-    ev->bytes = ch->bytes;
-    ev->t_ns = now;
-    ev->layer_first = 0;
-    ev->layer_count = 0;
-    /* Layers the chunk carries bytes of (pieces are layer-major).  Inner
-     * layers close with it, the end layers when their other chunks are done;
-     * the event reports [first, last] closed, layers without bytes between
-     * them counting as complete. */
-    const kvl_piece *pc = &x->plan.pieces[ch->first_piece];
-    for (uint32_t i = 0; i < ch->n_pieces; i++) {
-        uint32_t l = x->segs[pc[i].seg].layer;
-        if (i && l == x->segs[pc[i - 1].seg].layer)
-            continue;
-        if (--x->layer_left[l] == 0) {
-            x->layer_done[l] = LAYER_DONE;
-            if (l == 0)
-                x->info.t_first_layer_ns = now;
-            if (!ev->layer_count)
-                ev->layer_first = l;
-            ev->layer_count = l - ev->layer_first + 1;
-        }
-    }
-    x->info.bytes_done += ch->bytes;
-    x->info.chunks_done++;
-    if (!x->info.t_first_byte_ns)
-        x->info.t_first_byte_ns = now;
-    if (x->info.chunks_done == x->info.chunks_total) {
-        x->fin = KVL_XFER_DONE;
-        x->info.t_done_ns = now;
-    }
-    pthread_cond_broadcast(&x->cv);
-    pthread_mutex_unlock(&x->mu);
+    kvl_progress_chunk_done(&x->prog, ci, path, x->plan.chunks[ci].bytes, now);
 }
 
 void kvl_xfer_set_failed(kvl_xfer *x, kvl_err err, const char *fmt, ...)
 {
-    pthread_mutex_lock(&x->mu);
-    if (x->fin == KVL_XFER_RUNNING) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(x->info.message, sizeof x->info.message, fmt, ap);
-        va_end(ap);
-        x->fin = KVL_XFER_FAILED;
-        x->info.err = (uint32_t)err;
-        x->info.t_done_ns = kvl_now_ns();
-        pthread_cond_broadcast(&x->cv);
-    }
-    pthread_mutex_unlock(&x->mu);
+    va_list ap;
+    va_start(ap, fmt);
+    kvl_progress_vfail(&x->prog, err, fmt, ap);
+    va_end(ap);
 }
 
-void kvl_xfer_publish(kvl_xfer *x)
-{
-    pthread_mutex_lock(&x->mu);
-    x->info.state = (uint32_t)x->fin;
-    pthread_cond_broadcast(&x->cv);
-    pthread_mutex_unlock(&x->mu);
-}
-
-static int wait_until(kvl_xfer *x, int (*pred)(void *, uint32_t), uint32_t arg,
-                      uint32_t timeout_ms)
-{
-    return kvl_cond_wait_until(&x->cv, &x->mu, pred, x, arg, timeout_ms);
-}
-
-static int finished(void *obj, uint32_t unused)
-{
-    (void)unused;
-    return ((kvl_xfer *)obj)->info.state != KVL_XFER_RUNNING;
-}
-
-static int layer_ready(void *obj, uint32_t layer)
-{
-    kvl_xfer *x = obj;
-    return x->layer_done[layer] == LAYER_DONE || x->info.state != KVL_XFER_RUNNING;
-}
-
-static int event_ready(void *obj, uint32_t unused)
-{
-    kvl_xfer *x = obj;
-    (void)unused;
-    return x->ev_read < x->n_events || x->info.state != KVL_XFER_RUNNING;
-}
-
-/* Result of a finished transfer; called with x->mu held. */
-static kvl_err outcome(kvl_xfer *x)
-{
-    if (x->info.state == KVL_XFER_DONE)
-        return KVL_OK;
-    return kvl_fail((kvl_err)x->info.err, "%s", x->info.message);
-}
+void kvl_xfer_publish(kvl_xfer *x) { kvl_progress_publish(&x->prog); }
 
 kvl_err kvl_xfer_wait(kvl_xfer *x, uint32_t timeout_ms)
 {
-    kvl_clear_error();
-    pthread_mutex_lock(&x->mu);
-    kvl_err e = wait_until(x, finished, 0, timeout_ms)
-                    ? kvl_fail(KVL_ERR_TIMEOUT,
-                               "transfer %llu still running after %u ms (%llu of %llu bytes)",
-                               (unsigned long long)x->id, timeout_ms,
-                               (unsigned long long)x->info.bytes_done,
-                               (unsigned long long)x->info.bytes_total)
-                    : outcome(x);
-    pthread_mutex_unlock(&x->mu);
-    return e;
+    return kvl_progress_wait(&x->prog, timeout_ms);
 }
 
 kvl_err kvl_xfer_wait_layer(kvl_xfer *x, uint32_t layer, uint32_t timeout_ms)
 {
-    kvl_clear_error();
-    if (layer >= x->plan.n_layers || x->layer_done[layer] == LAYER_ABSENT)
-        return kvl_fail(KVL_ERR_INVALID_ARG, "layer %u: transfer %llu carries no bytes of it",
-                        layer, (unsigned long long)x->id);
-    pthread_mutex_lock(&x->mu);
-    kvl_err e;
-    if (wait_until(x, layer_ready, layer, timeout_ms))
-        e = kvl_fail(KVL_ERR_TIMEOUT, "layer %u of transfer %llu not ready after %u ms", layer,
-                     (unsigned long long)x->id, timeout_ms);
-    else
-        e = x->layer_done[layer] == LAYER_DONE ? KVL_OK : outcome(x);
-    pthread_mutex_unlock(&x->mu);
-    return e;
+    return kvl_progress_wait_layer(&x->prog, layer, timeout_ms);
 }
 
 kvl_err kvl_xfer_next_event(kvl_xfer *x, uint32_t timeout_ms, kvl_chunk_event *ev)
 {
-    kvl_clear_error();
-    pthread_mutex_lock(&x->mu);
-    kvl_err e;
-    if (wait_until(x, event_ready, 0, timeout_ms))
-        e = kvl_fail(KVL_ERR_TIMEOUT, "no chunk of transfer %llu finished within %u ms",
-                     (unsigned long long)x->id, timeout_ms);
-    else if (x->ev_read < x->n_events) {
-        *ev = x->events[x->ev_read++];
-        e = KVL_OK;
-    } else if (x->info.state == KVL_XFER_DONE)
-        e = kvl_fail(KVL_ERR_END, "all chunk events taken");
-    else
-        e = outcome(x);
-    pthread_mutex_unlock(&x->mu);
-    return e;
+    return kvl_progress_next_event(&x->prog, timeout_ms, ev);
 }
 
 kvl_err kvl_xfer_info_get(kvl_xfer *x, kvl_xfer_info *out)
 {
     kvl_clear_error();
-    pthread_mutex_lock(&x->mu);
-    *out = x->info;
-    pthread_mutex_unlock(&x->mu);
+    kvl_progress_snap s;
+    kvl_progress_get(&x->prog, &s, out->message, sizeof out->message);
+    out->id = x->id;
+    out->state = s.state;
+    out->err = s.err;
+    out->bytes_total = s.bytes_total;
+    out->bytes_done = s.bytes_done;
+    out->chunks_total = s.chunks_total;
+    out->chunks_done = s.chunks_done;
+    out->layers = s.layers;
+    out->retries = atomic_load_explicit(&x->retries, memory_order_relaxed);
+    out->t_submit_ns = x->t_submit_ns;
+    out->t_first_byte_ns = s.t_first_byte_ns;
+    out->t_first_layer_ns = s.t_first_layer_ns;
+    out->t_done_ns = s.t_done_ns;
     return KVL_OK;
 }

@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from . import _native
-from ._errors import KvlinkError, error_for
-from ._transfer import check_layer
-from ._types import ChunkEvent, InboundInfo, TransferState
+from ._errors import KvlinkError
+from ._handle import NativeOps, ProgressHandle, check_layer
+from ._types import ChunkEvent, InboundInfo
 
 
-class InboundTransfer:
+class InboundTransfer(ProgressHandle):
     """A push arriving at this agent, as the receiver sees it, from its first
     frame on (:meth:`Agent.inbound <kvlink.Agent.inbound>`).
 
@@ -20,14 +20,17 @@ class InboundTransfer:
     the GIL released, in slices, so Ctrl-C gets through.  Thread-safe.
     """
 
+    _ops = NativeOps(_native.inxfer_wait, _native.inxfer_wait_layer, _native.inxfer_next_event)
+    _transfer_id = None  # its exceptions name the peer; transfer_id is the sender's
+
     def __init__(self, handle: _native.Handle) -> None:
-        self._t = handle
+        self._h = handle
         info = self.info()
         self.transfer_id = info.transfer_id
         self.peer = info.peer
         self.tag = info.tag
         self.nbytes = info.bytes_total
-        self.layers = info.layers
+        self.layers = self._layers = info.layers
 
     def __repr__(self) -> str:
         i = self.info()
@@ -38,36 +41,25 @@ class InboundTransfer:
 
     def info(self) -> InboundInfo:
         """A full snapshot (copies the tag; use the properties to poll)."""
-        return _native.inxfer_info(self._t)
+        return _native.inxfer_info(self._h)
 
     def _poll(self) -> _native.Progress:
-        return _native.inxfer_progress(self._t)
-
-    @property
-    def state(self) -> TransferState:
-        return self._poll().state
+        return _native.inxfer_progress(self._h)
 
     @property
     def done(self) -> bool:
         """True once the push has finished here, successfully or not."""
-        return self._poll().state != TransferState.RUNNING
+        return self._done()
 
     @property
     def ok(self) -> bool:
         """True once every byte of the push is verified in this agent's memory."""
-        return self._poll().state == TransferState.DONE
-
-    @property
-    def bytes_done(self) -> int:
-        return self._poll().bytes_done
+        return self._ok()
 
     @property
     def error(self) -> KvlinkError | None:
         """The push's error once it failed here, else None."""
-        i = self.info()
-        if i.state != TransferState.FAILED:
-            return None
-        return error_for(i.error_code, i.message, transfer=True, peer=self.peer)
+        return self._error()
 
     def layers_done(self) -> int:
         """How many layers from layer 0 on are verified here: layers
@@ -81,7 +73,7 @@ class InboundTransfer:
         Raises:
             InvalidArgumentError: the push has no such layer.
         """
-        return _native.inxfer_layer_done(self._t, check_layer(layer, self.layers))
+        return _native.inxfer_layer_done(self._h, check_layer(layer, self.layers))
 
     def wait(self, timeout_s: float | None = None) -> InboundTransfer:
         """Blocks until every byte of the push is verified here.
@@ -92,8 +84,7 @@ class InboundTransfer:
             TransferError: the sender failed the push (the subclass and the
                 message say why), or the agent was closed.
         """
-        _native.inxfer_wait(self._t, timeout_s, peer=self.peer)
-        return self
+        return self._wait(timeout_s)
 
     def wait_layer(self, layer: int, timeout_s: float | None = None) -> None:
         """Blocks until every chunk carrying bytes of ``layer`` is verified here.
@@ -102,9 +93,7 @@ class InboundTransfer:
             InvalidArgumentError: the push has no such layer.
             TransferTimeoutError, TransferError: as :meth:`wait`.
         """
-        _native.inxfer_wait_layer(
-            self._t, check_layer(layer, self.layers), timeout_s, peer=self.peer
-        )
+        self._wait_layer(layer, timeout_s)
 
     def chunks(self, timeout_s: float | None = None) -> Iterator[ChunkEvent]:
         """Yields chunks as they are verified here, in arrival order, until
@@ -114,8 +103,4 @@ class InboundTransfer:
             TransferTimeoutError: no chunk arrived within ``timeout_s``.
             TransferError: the push failed.
         """
-        while True:
-            ev = _native.inxfer_next_event(self._t, timeout_s, peer=self.peer)
-            if ev is None:
-                return
-            yield ev
+        return self._chunks(timeout_s)

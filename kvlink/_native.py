@@ -497,32 +497,43 @@ def inbound_next(
     return ffi.gc(out[0], lib.kvl_inxfer_release)
 
 
-def inxfer_wait(t: Handle, timeout_s: float | None, *, peer: str) -> None:
+def inxfer_wait(
+    t: Handle, timeout_s: float | None, *, peer: str, transfer_id: int | None = None
+) -> None:
     """kvl_inxfer_wait, in slices.
 
     Raises:
         TransferTimeoutError, TransferError: still arriving, or failed.
     """
-    _wait(lib.kvl_inxfer_wait, t, timeout_s=timeout_s, peer=peer, tid=None)
+    _wait(lib.kvl_inxfer_wait, t, timeout_s=timeout_s, peer=peer, tid=transfer_id)
 
 
-def inxfer_wait_layer(t: Handle, layer: int, timeout_s: float | None, *, peer: str) -> None:
+def inxfer_wait_layer(
+    t: Handle,
+    layer: int,
+    timeout_s: float | None,
+    *,
+    peer: str,
+    transfer_id: int | None = None,
+) -> None:
     """kvl_inxfer_wait_layer, in slices.
 
     Raises:
         InvalidArgumentError: the push lacks ``layer``.
         TransferTimeoutError, TransferError: as :func:`inxfer_wait`.
     """
-    _wait(lib.kvl_inxfer_wait_layer, t, layer, timeout_s=timeout_s, peer=peer, tid=None)
+    _wait(lib.kvl_inxfer_wait_layer, t, layer, timeout_s=timeout_s, peer=peer, tid=transfer_id)
 
 
-def inxfer_next_event(t: Handle, timeout_s: float | None, *, peer: str) -> ChunkEvent | None:
+def inxfer_next_event(
+    t: Handle, timeout_s: float | None, *, peer: str, transfer_id: int | None = None
+) -> ChunkEvent | None:
     """kvl_inxfer_next_event, in slices: the next chunk verified here, None at the end.
 
     Raises:
         TransferTimeoutError, TransferError: as :func:`xfer_next_event`.
     """
-    return _next_event(lib.kvl_inxfer_next_event, t, timeout_s, peer, None)
+    return _next_event(lib.kvl_inxfer_next_event, t, timeout_s, peer, transfer_id)
 
 
 def inxfer_info(t: Handle) -> InboundInfo:

@@ -35,17 +35,20 @@ const kvl_mover_ops *kvl_mover_by_kind(uint32_t kind)
 
 void kvl_mover_force(const kvl_mover_ops *ops) { forced = ops; }
 
-/* Which movers Config.transport lets a path use at all. */
+/* The mover a Config.transport value names (0: none). */
+static uint32_t mode_kind(uint32_t mode)
+{
+    return mode == KVL_TRANSPORT_UCX ? KVL_MOVER_UCX : 0;
+}
+
+/* Which movers Config.transport lets a path use at all: none with "tcp";
+ * movers that run unasked (same-host copies) otherwise; a KVL_MV_ASKED one
+ * (UCX) only where the setting names it. */
 static int mode_allows(uint32_t mode, const kvl_mover_ops *m)
 {
-    switch (mode) {
-    case KVL_TRANSPORT_TCP:
+    if (mode == KVL_TRANSPORT_TCP)
         return 0;
-    case KVL_TRANSPORT_UCX: /* UCX where set up; same-host copies elsewhere on one host */
-        return 1;
-    default: /* AUTO: what needs no set-up beyond the HELLO (UCX only when asked for) */
-        return !(m->caps & KVL_MV_OFFER);
-    }
+    return (m->caps & KVL_MV_ASKED) ? m->kind == mode_kind(mode) : 1;
 }
 
 const kvl_mover_ops *kvl_mover_choose(const kvl_config *cfg, uint32_t secret_len, int same_host,
@@ -59,7 +62,9 @@ const kvl_mover_ops *kvl_mover_choose(const kvl_config *cfg, uint32_t secret_len
             continue;
         if ((m->caps & KVL_MV_SAME_HOST) && !same_host)
             continue;
-        if ((m->caps & KVL_MV_OFFER) && (!secret_len || fallen_back))
+        if ((m->caps & KVL_MV_SECRET) && !secret_len)
+            continue;
+        if ((m->caps & KVL_MV_FALLS_BACK) && fallen_back)
             continue;
         return m;
     }
@@ -69,7 +74,7 @@ const kvl_mover_ops *kvl_mover_choose(const kvl_config *cfg, uint32_t secret_len
 kvl_err kvl_mover_allowed(const kvl_config *cfg, const kvl_mover_ops *ops, const char *agent,
                           const char *peer)
 {
-    if (!mode_allows(cfg->transport, ops) && !(ops->caps & KVL_MV_OFFER))
+    if (!mode_allows(cfg->transport, ops) && !(ops->caps & KVL_MV_ASKED))
         return kvl_fail(KVL_ERR_INVALID_ARG,
                         "agent '%s' runs transport='tcp' and takes no %s: '%s' read "
                         "stale metadata of it (add the peer again)",
@@ -90,8 +95,8 @@ kvl_err kvl_movers_usable(const kvl_config *cfg, uint32_t secret_len)
 {
     for (size_t i = 0; i < sizeof movers / sizeof *movers; i++) {
         const kvl_mover_ops *m = movers[i];
-        if (!(m->caps & KVL_MV_OFFER) || cfg->transport != KVL_TRANSPORT_UCX)
-            continue; /* movers set up by an offer run only when asked for */
+        if (!(m->caps & KVL_MV_ASKED) || !mode_allows(cfg->transport, m))
+            continue; /* checked only where Config.transport asks for it */
         kvl_err e = m->usable ? m->usable(cfg, secret_len) : KVL_OK;
         if (e)
             return e;

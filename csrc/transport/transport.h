@@ -221,13 +221,18 @@ enum {
     /* Only between agents on one host (one boot, PID and network namespace). */
     KVL_MV_SAME_HOST = 16,
     /* A set-up exchange follows HELLO_ACK (MOVER_OFFER, answered ACCEPT or
-     * REFUSE), and is answered only to a peer that proved the secret. */
+     * REFUSE). */
     KVL_MV_OFFER = 32,
+    /* Set up only between agents that proved the cluster secret (UCX: libucp
+     * parses a peer's worker address unchecked). */
+    KVL_MV_SECRET = 256,
     /* Maps this agent's regions: told when they change (sync). */
     KVL_MV_MAPS_REGIONS = 64,
     /* A path whose connection died while this mover carried it runs
      * in-stream for KVL_MOVER_FALLBACK_MS before it offers the mover again. */
     KVL_MV_FALLS_BACK = 128,
+    /* Runs only where Config.transport names it (never by "auto"). */
+    KVL_MV_ASKED = 512,
 };
 
 /* How long a path whose mover's connection died runs in-stream. */

@@ -764,8 +764,8 @@ const kvl_mover_ops kvl_ucx_mover = {
     .label = "UCX",
     .what = "UCX puts",
     .kind = KVL_MOVER_UCX,
-    .caps = KVL_MV_ONE_SIDED | KVL_MV_NO_HEDGE | KVL_MV_OFFER | KVL_MV_MAPS_REGIONS |
-            KVL_MV_FALLS_BACK,
+    .caps = KVL_MV_ONE_SIDED | KVL_MV_NO_HEDGE | KVL_MV_OFFER | KVL_MV_SECRET |
+            KVL_MV_MAPS_REGIONS | KVL_MV_FALLS_BACK | KVL_MV_ASKED,
     .usable = ucx_usable,
     .start = ucx_start,
     .answer = ucx_answer,

@@ -121,11 +121,12 @@ class Config:
     # on hosts with fewer than 4 cores, where the engine thread of each side
     # already has a core of its own.  0: all I/O on the engine thread.
     io_threads: int | str = "auto"
-    # The transport of each data path (docs/ucx.md).  "tcp": kvlink's TCP
-    # transport only.  "auto": UCX where both ends have it and the path
-    # connects, TCP elsewhere; the engine's UCX data path is not built yet,
-    # so today every path runs TCP and paths() says why.  "ucx": every path
-    # must run UCX: refused at Agent() until that data path exists.
+    # What carries each data path's payloads (docs/architecture.md, "The
+    # transport interface").  "auto": TCP, and same-host copies ("shm") to a
+    # peer in another process on this host; the safe default everywhere.
+    # "tcp": payloads always in the TCP stream.  "ucx": UCX puts on every path
+    # whose peer accepts the set-up (needs a cluster secret and libucp:
+    # docs/ucx.md), TCP elsewhere, shm to a same-host peer.
     transport: str = "auto"
     # Chunk size cap of transfers whose payloads are staged through host
     # memory (GPU memory over TCP, stage_host_memory): 16 MiB keeps a chunk's

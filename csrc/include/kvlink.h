@@ -125,15 +125,16 @@ typedef struct kvl_config {
                                     slots given back beyond this are freed */
 } kvl_config;
 
-/* kvl_config.transport (docs/ucx.md).  AUTO: no UCX (the only UCX without
- * RDMA is its TCP emulation, which does not enforce key bounds); a data path
- * to a peer on this host (kvl_peer_connect's KVL_PEER_SAME_HOST) copies
- * process to process (HELLO flag CMA: the receiver reads the payload from
- * the sender's memory, transport/tcp/cma.h); every other path runs TCP.
- * TCP: TCP only, and a HELLO asking for same-host copies is refused.  UCX:
- * every data path offers UCX (needs a cluster secret and UCX loaded,
- * kvl_ucx_load_lib); a path whose offer is refused or fails runs TCP on the
- * same connection (same-host copies where UCX is not set up), and
+/* kvl_config.transport: what carries data paths' payloads besides the TCP
+ * stream (docs/architecture.md, "The transport interface").  AUTO: a data
+ * path to a peer on this host (kvl_peer_connect's KVL_PEER_SAME_HOST) runs
+ * the shm mover (the receiver copies the payload from the sender's memory:
+ * transport/shm/); every other path runs in-stream.  No UCX: the only UCX
+ * without RDMA is its TCP emulation, which does not enforce key bounds.
+ * TCP: in-stream only, and a HELLO naming a mover that runs unasked (shm) is
+ * refused.  UCX: every data path offers the UCX mover (needs a cluster
+ * secret and UCX loaded, kvl_ucx_load_lib); a path whose offer is refused or
+ * fails runs in-stream on the same connection (shm to a same-host peer), and
  * kvl_path_info.transport_note says why. */
 enum kvl_transport_mode { KVL_TRANSPORT_AUTO = 0, KVL_TRANSPORT_TCP = 1, KVL_TRANSPORT_UCX = 2 };
 

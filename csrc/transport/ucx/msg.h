@@ -1,17 +1,15 @@
-/* msg.h: bodies of the UCX transport's messages on a path's TCP connection
+/* msg.h: the UCX mover's bodies inside MOVER_* frames on a path's stream
  * (docs/ucx.md, "Connection set-up" and "A chunk over a UCX path").
  *
- * Not yet sent by anyone: the frame types that will carry these bodies
- * (UCX_OFFER, UCX_ACCEPT, UCX_KEYS, UCX_REFUSE) belong to the engine
- * integration, which is not built.  The codec is here, tested and fuzzed,
- * so that integration starts from checked decoders.  A chunk's completion
- * needs no message of its own: it is the frame's crc32c trailer, sent after
- * the flush (docs/ucx.md).
+ * Every MOVER_* body begins with the kind byte (KVL_MOVER_UCX, written and
+ * checked by mover.c and proto.c); what follows is one of the bodies below.
+ * A chunk's completion needs no message of its own: it is the frame's
+ * crc32c trailer, sent after the flush (docs/ucx.md).
  *
  * All integers little-endian, as in docs/wire-protocol.md.
  *
- *   SETUP (UCX_OFFER / UCX_ACCEPT / UCX_KEYS; KEYS has addr_len 0)
- *     u16 addr_len (0..KVL_UCX_ADDR_MAX; 0 only in UCX_KEYS) | addr bytes
+ *   SETUP (MOVER_OFFER / MOVER_ACCEPT / MOVER_KEYS; KEYS has addr_len 0)
+ *     u16 addr_len (0..KVL_UCX_ADDR_MAX; 0 only in MOVER_KEYS) | addr bytes
  *     u32 n_keys (0..KVL_UCX_MAX_KEYS)
  *     n_keys x { u64 region | u64 base | u64 size | u16 key_len (1..KVL_UCX_RKEY_MAX) | key }
  *     region ids strictly increasing; size > 0; base + size does not wrap

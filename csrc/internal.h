@@ -390,7 +390,6 @@ typedef struct kvl_path {
     uint64_t busy_bytes;       /* bytes verified since busy_start_ns */
     char rhost[48];            /* the peer address and port this path connects to */
     uint16_t rport;
-    int nic;                   /* index into agent->nics */
     /* monitor (monitor.c) */
     double delivery_Bps;
     double nic_other_Bps;
@@ -504,7 +503,6 @@ struct kvl_xfer {
                                   it in info.state only once the transfer has let go of its
                                   regions, so "done" means deregister() will succeed */
     struct kvl_xfer *next_active;
-    struct kvl_xfer *next_all;
     /* shared with callers: under mu */
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -581,7 +579,6 @@ struct kvl_agent {
     kvl_peer *eng_peers;       /* peers adopted by the engine */
     kvl_conn *conns;           /* every live connection */
     kvl_conn *dead;            /* closed this iteration; freed at its end */
-    kvl_xfer *all_xfers;
     kvl_inbound *inbound;      /* inbound peers by name (proto.c), at most KVL_MAX_PEER_NAMES */
     uint32_t n_inbound;
     uint32_t n_conns_in;       /* accepted connections alive (bounded: cfg.max_connections) */
@@ -702,7 +699,6 @@ int kvl_xfer_running(kvl_xfer *x);
 void kvl_xfer_announce(kvl_xfer *x, kvl_buf *b, uint64_t now);
 /* Makes the outcome visible to callers (info.state) and wakes them. */
 void kvl_xfer_publish(kvl_xfer *x);
-void kvl_xfer_ref(kvl_xfer *x);
 
 /* ---- policy.c: the scheduler's decisions, pure functions ---- */
 /* What the scheduler needs to know of a path, at one instant. */

@@ -20,8 +20,6 @@
 
 enum { LAYER_PENDING = 0, LAYER_DONE = 1, LAYER_ABSENT = 2 };
 
-void kvl_xfer_ref(kvl_xfer *x) { atomic_fetch_add(&x->refs, 1); }
-
 int kvl_xfer_running(kvl_xfer *x)
 {
     /* written only by the engine thread, which is the only caller */

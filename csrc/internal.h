@@ -642,6 +642,8 @@ struct kvl_agent {
     pthread_mutex_t stats_mu;
     kvl_path_info *snap;
     size_t n_snap, cap_snap;
+    uint64_t paths_gen;        /* bumped when a snapshot's path set or a state differs */
+    pthread_cond_t paths_cv;   /* ...and broadcast (kvl_paths_wait), under stats_mu */
 };
 
 /* ---- proto.c: the protocol over a transport's endpoints ---- */
@@ -921,5 +923,8 @@ void kvl_notify_queue_free(kvl_agent *a);
 /* Queues a command for the engine thread and wakes it.  Takes cmd over. */
 void kvl_engine_post(kvl_agent *a, kvl_cmd *cmd);
 void kvl_engine_snapshot_paths(kvl_agent *a);
+/* Wakes kvl_paths_wait for a change kvl_paths does not show (a control
+ * connection's state).  Any thread. */
+void kvl_engine_paths_changed(kvl_agent *a);
 
 #endif

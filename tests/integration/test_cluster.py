@@ -322,7 +322,10 @@ def test_malformed_records_are_refused(cluster, etcd):
         )
         with pytest.raises(kvlink.DiscoveryError, match=f"malformed record for '{name}'"):
             a.push(name, np.zeros(8, np.uint8), "kv")
-    time.sleep(0.3)
+    # a whole background round that began after the last record was written (the one
+    # under way may have read etcd before it)
+    done = a.discovery.rounds
+    until(lambda: a.discovery.rounds >= done + 2, why="two discovery rounds")
     assert [p.name for p in a.peers()] == []  # none of them is listed
 
 

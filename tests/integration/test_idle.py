@@ -39,6 +39,7 @@ def _wakeups() -> dict[str, tuple[str, int]]:
     return out
 
 
+@pytest.mark.timing
 def test_idle_engine_wakes_about_once_a_tick(make_agent: Callable[..., Any]) -> None:
     interval_ms = 100
     rx = make_agent("rx", nics="loopback:4", monitor_interval_ms=interval_ms)

@@ -78,6 +78,7 @@ def test_tags_pick_their_push_and_none_takes_the_next(pushed):
         rx.inbound(b"a", timeout_s=0.2)
 
 
+@pytest.mark.timing
 def test_inbound_times_out_and_checks_its_arguments(make_agent):
     rx = make_agent("rx")
     t0 = time.monotonic()

@@ -157,6 +157,7 @@ def test_sixteen_concurrent_transfers(make_agent, spawn_peer):
     assert digest(sink) == peer.call("digest", key="out")["digest"]
 
 
+@pytest.mark.timing
 def test_peer_killed_before_push_gives_clear_error(make_agent, spawn_peer):
     rx = spawn_peer("rx", nics="loopback:2")
     rx.call("alloc", key="kv", nbytes=MiB, remote_write=True, name="kv")
@@ -173,6 +174,7 @@ def test_peer_killed_before_push_gives_clear_error(make_agent, spawn_peer):
     assert "rx" in str(ei.value)
 
 
+@pytest.mark.timing
 def test_peer_killed_mid_transfer_fails_within_timeout(make_agent, scripted_receiver):
     # The receiver withholds every ACK, so the push is still running when it dies, however
     # fast the machine: the kill always lands mid-transfer.

@@ -559,13 +559,15 @@ kvl_err kvl_paths(kvl_agent *agent, kvl_path_info *out, size_t cap, size_t *n);
 /* Waits until what kvl_paths reports differs from generation seen: a path
  * changed state, or a peer's paths came or went (statistics alone do not
  * count); a peer's control connection changing state (kvl_paths does not
- * show it) also counts, so a caller waiting for kvl_peer_refresh to work
- * again wakes when it reconnects.  *gen gets the current generation, never 0: seen = 0 returns it at
- * once, so a caller takes *gen, reads kvl_paths, then waits with seen = *gen
- * and misses no change in between.  KVL_OK once it differs, KVL_ERR_TIMEOUT
- * if not within timeout_ms, KVL_ERR_CLOSED once kvl_agent_close began (it
- * wakes every waiter; the agent must outlive the call, as for any call on it).
- * Blocks (call with the GIL released).  Thread-safe. */
+ * show it) counts too, so a caller waiting for kvl_peer_refresh to work
+ * again wakes when it reconnects.  *gen (the caller's; written before the
+ * return, never kept) gets the current generation, never 0: seen = 0
+ * returns it at once, so a caller takes *gen, reads kvl_paths, then waits
+ * with seen = *gen and misses no change in between.  KVL_OK once it
+ * differs, KVL_ERR_TIMEOUT if not within timeout_ms, KVL_ERR_CLOSED once
+ * kvl_agent_close began (it wakes every waiter; the agent must outlive the
+ * call, as for any call on it).  Blocks (call with the GIL released).
+ * Thread-safe. */
 kvl_err kvl_paths_wait(kvl_agent *agent, uint64_t seen, uint32_t timeout_ms, uint64_t *gen);
 
 /* ---- transports ----------------------------------------------------------- */

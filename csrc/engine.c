@@ -54,12 +54,15 @@ void kvl_engine_snapshot_paths(kvl_agent *a)
         a->cap_snap = n;
     }
     size_t k = 0;
+    int changed = n != a->n_snap; /* then the old entries are not compared */
     for (kvl_peer *p = a->eng_peers; p; p = p->eng_next) {
         if (p->replaced)
             continue;
         for (uint32_t i = 0; i < p->n_paths; i++) {
             kvl_path *pa = &p->paths[i];
             kvl_path_info *o = &a->snap[k++];
+            changed = changed || o->state != pa->state || o->index != i ||
+                      strcmp(o->peer, p->name) != 0;
             memset(o, 0, sizeof *o);
             snprintf(o->peer, sizeof o->peer, "%s", p->name);
             o->index = i;
@@ -87,6 +90,18 @@ void kvl_engine_snapshot_paths(kvl_agent *a)
         }
     }
     a->n_snap = k;
+    if (changed) {
+        a->paths_gen++;
+        pthread_cond_broadcast(&a->paths_cv);
+    }
+    pthread_mutex_unlock(&a->stats_mu);
+}
+
+void kvl_engine_paths_changed(kvl_agent *a)
+{
+    pthread_mutex_lock(&a->stats_mu);
+    a->paths_gen++;
+    pthread_cond_broadcast(&a->paths_cv);
     pthread_mutex_unlock(&a->stats_mu);
 }
 
@@ -100,6 +115,25 @@ kvl_err kvl_paths(kvl_agent *a, kvl_path_info *out, size_t cap, size_t *n)
         out[i] = a->snap[i];
     *n = a->n_snap;
     pthread_mutex_unlock(&a->stats_mu);
+    return KVL_OK;
+}
+
+kvl_err kvl_paths_wait(kvl_agent *a, uint64_t seen, uint32_t timeout_ms, uint64_t *gen)
+{
+    kvl_clear_error();
+    if (!a || !gen)
+        return kvl_fail(KVL_ERR_INVALID_ARG, "paths_wait: agent and gen must not be NULL");
+    struct timespec ts = kvl_deadline_ts(timeout_ms);
+    pthread_mutex_lock(&a->stats_mu);
+    int rc = 0;
+    while (a->paths_gen == seen && rc == 0 && !atomic_load(&a->closed))
+        rc = pthread_cond_timedwait(&a->paths_cv, &a->stats_mu, &ts);
+    *gen = a->paths_gen;
+    pthread_mutex_unlock(&a->stats_mu);
+    if (atomic_load(&a->closed))
+        return kvl_fail(KVL_ERR_CLOSED, "the agent is closed");
+    if (*gen == seen)
+        return kvl_fail(KVL_ERR_TIMEOUT, "no path changed state within %u ms", timeout_ms);
     return KVL_OK;
 }
 
@@ -450,6 +484,7 @@ static void agent_free(kvl_agent *a)
     pthread_mutex_destroy(&a->notif_mu);
     pthread_cond_destroy(&a->notif_cv);
     pthread_mutex_destroy(&a->stats_mu);
+    pthread_cond_destroy(&a->paths_cv);
     pthread_mutex_destroy(&a->inq_mu);
     pthread_cond_destroy(&a->inq_cv);
     pthread_mutex_destroy(&a->log_mu);
@@ -475,6 +510,8 @@ kvl_err kvl_agent_create(const kvl_config *cfg, kvl_agent **out)
     pthread_mutex_init(&a->stage_mu, NULL);
     pthread_mutex_init(&a->notif_mu, NULL);
     pthread_mutex_init(&a->stats_mu, NULL);
+    kvl_cond_init(&a->paths_cv);
+    a->paths_gen = 1; /* never 0: kvl_paths_wait's "tell me the current one" */
     kvl_cond_init(&a->notif_cv);
     pthread_mutex_init(&a->inq_mu, NULL);
     kvl_cond_init(&a->inq_cv);
@@ -581,6 +618,9 @@ kvl_err kvl_agent_close(kvl_agent *a)
     pthread_mutex_lock(&a->inq_mu); /* kvl_inbound_next waiters give up now */
     pthread_cond_broadcast(&a->inq_cv);
     pthread_mutex_unlock(&a->inq_mu);
+    pthread_mutex_lock(&a->stats_mu); /* ...and kvl_paths_wait ones */
+    pthread_cond_broadcast(&a->paths_cv);
+    pthread_mutex_unlock(&a->stats_mu);
     uint64_t one = 1;
     ssize_t rc = write(a->wakefd, &one, sizeof one);
     (void)rc;

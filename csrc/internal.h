@@ -171,7 +171,6 @@ typedef struct kvl_path {
     uint64_t busy_bytes;       /* bytes verified since busy_start_ns */
     char rhost[48];            /* the peer address and port this path connects to */
     uint16_t rport;
-    int nic;                   /* index into agent->nics */
     /* monitor (monitor.c) */
     double delivery_Bps;
     double nic_other_Bps;
@@ -281,7 +280,6 @@ struct kvl_xfer {
                                            carried its ANNOUNCE */
     int io_refs;               /* frames / receives touching this transfer's memory */
     struct kvl_xfer *next_active;
-    struct kvl_xfer *next_all;
     uint64_t t_submit_ns;
     atomic_uint retries;       /* chunk sends beyond the first */
     /* shared with callers.  prog.fin is the engine's view of the outcome; callers
@@ -357,7 +355,6 @@ struct kvl_agent {
     kvl_peer *eng_peers;       /* peers adopted by the engine */
     kvl_conn *conns;           /* every live connection */
     kvl_conn *dead;            /* closed this iteration; freed at its end */
-    kvl_xfer *all_xfers;
     kvl_inbound *inbound;      /* inbound peers by name (proto.c), at most KVL_MAX_PEER_NAMES */
     uint32_t n_inbound;
     uint32_t n_conns_in;       /* accepted connections alive (bounded: cfg.max_connections) */
@@ -421,6 +418,8 @@ struct kvl_agent {
     pthread_mutex_t stats_mu;
     kvl_path_info *snap;
     size_t n_snap, cap_snap;
+    uint64_t paths_gen;        /* bumped when a snapshot's path set or a state differs */
+    pthread_cond_t paths_cv;   /* ...and broadcast (kvl_paths_wait), under stats_mu */
 };
 
 /* ---- proto.c: the protocol over a transport's endpoints ---- */
@@ -475,7 +474,6 @@ int kvl_xfer_running(kvl_xfer *x);
 void kvl_xfer_announce(kvl_xfer *x, kvl_buf *b, uint64_t now);
 /* Makes the outcome visible to callers (info.state) and wakes them. */
 void kvl_xfer_publish(kvl_xfer *x);
-void kvl_xfer_ref(kvl_xfer *x);
 
 /* ---- policy.c: the scheduler's decisions, pure functions ---- */
 /* What the scheduler needs to know of a path, at one instant. */
@@ -698,5 +696,8 @@ void kvl_notify_queue_free(kvl_agent *a);
 /* Queues a command for the engine thread and wakes it.  Takes cmd over. */
 void kvl_engine_post(kvl_agent *a, kvl_cmd *cmd);
 void kvl_engine_snapshot_paths(kvl_agent *a);
+/* Wakes kvl_paths_wait for a change kvl_paths does not show (a control
+ * connection's state).  Any thread. */
+void kvl_engine_paths_changed(kvl_agent *a);
 
 #endif

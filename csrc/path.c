@@ -53,6 +53,8 @@ void kvl_path_set_state(kvl_peer *p, kvl_path *pa, uint32_t state, const char *w
                                                                       : KVL_LOG_DEBUG;
     if (old == KVL_PATH_PROBING && state == KVL_PATH_DOWN)
         level = KVL_LOG_DEBUG; /* a failed reconnect: the path was down already */
+    if (ctrl) /* a data path's change wakes waiters with the snapshot that shows it */
+        kvl_engine_paths_changed(p->agent);
     kvl_log(p->agent, level, p->name, ctrl ? -1 : (int)pa->index, "%s %s -> %s: %s -> %s%s%s",
             ctrl ? "control connection" : "path", pa->local, pa->rhost[0] ? pa->rhost : "?",
             kvl_path_state_name(old), kvl_path_state_name(state), why ? ": " : "", why ? why : "");

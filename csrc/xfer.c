@@ -18,7 +18,6 @@
 
 #define MAX_LAYERS KVL_MAX_LAYERS
 
-void kvl_xfer_ref(kvl_xfer *x) { atomic_fetch_add(&x->refs, 1); }
 
 int kvl_xfer_running(kvl_xfer *x)
 {
@@ -94,9 +93,6 @@ static const kvl_region_info *find_remote(kvl_peer *p, uint64_t id)
     return lo < p->n_regions && p->regions[lo].id == id ? &p->regions[lo] : NULL;
 }
 
-/* Checks the remote side of every segment against the peer's region table,
- * refreshing the table once if a region is unknown (registered after our
- * handshake). */
 int kvl_region_key_cmp(const void *a, const void *b)
 {
     uint64_t x = *(const uint64_t *)a, y = ((const kvl_rkey_entry *)b)->id;
@@ -180,50 +176,42 @@ static int staged_anywhere(kvl_agent *a, kvl_peer *p, int op, const kvl_segment 
     return staged;
 }
 
-static kvl_err check_remote(kvl_agent *a, kvl_peer *p, int op, kvl_xfer *x,
-                            const kvl_segment *segs, size_t n)
+/* Checks the remote side of every segment against the peer's region table
+ * as it stands (from the handshake or the last kvl_peer_refresh).  A region
+ * the table lacks fails at once: submit never waits for the peer, so the
+ * caller refreshes (blocking, in its own thread) and submits again. */
+static kvl_err check_remote(kvl_peer *p, int op, kvl_xfer *x, const kvl_segment *segs,
+                            size_t n)
 {
     uint32_t need = op == KVL_OP_PUSH ? KVL_REMOTE_WRITE : KVL_REMOTE_READ;
     const char *side = op == KVL_OP_PUSH ? "dst" : "src";
-    for (int pass = 0; pass < 2; pass++) {
-        int refresh = 0;
-        pthread_mutex_lock(&p->mu);
-        kvl_err e = KVL_OK;
-        for (size_t i = 0; i < n && !e; i++) {
-            uint64_t id = op == KVL_OP_PUSH ? segs[i].dst_region : segs[i].src_region;
-            uint64_t off = op == KVL_OP_PUSH ? segs[i].dst_offset : segs[i].src_offset;
-            const kvl_region_info *r = find_remote(p, id);
-            if (!r && pass == 0) {
-                refresh = 1;
-                break;
-            }
-            if (!r)
-                e = kvl_fail(KVL_ERR_UNKNOWN_REGION,
-                             "segments[%zu].%s_region: peer '%s' has no region %llu", i, side,
-                             p->name, (unsigned long long)id);
-            else if (off > r->size || segs[i].len > r->size - off)
-                e = kvl_fail(KVL_ERR_OUT_OF_BOUNDS,
-                             "segments[%zu].%s: bytes [%llu, %llu) lie outside peer '%s' "
-                             "region %llu '%s' of %llu bytes",
-                             i, side, (unsigned long long)off,
-                             (unsigned long long)(off + segs[i].len), p->name,
-                             (unsigned long long)id, r->name, (unsigned long long)r->size);
-            else if ((r->rights & need) != need)
-                e = kvl_fail(KVL_ERR_ACCESS_DENIED,
-                             "segments[%zu].%s_region: peer '%s' region %llu '%s' was "
-                             "registered without %s",
-                             i, side, p->name, (unsigned long long)id, r->name,
-                             need == KVL_REMOTE_WRITE ? "remote_write=True"
-                                                      : "remote_read=True");
-        }
-        pthread_mutex_unlock(&p->mu);
-        if (!refresh)
-            return e ? e : take_keys(p, x, op, segs, n);
-        kvl_err re = kvl_peer_refresh(p, a->cfg.connect_timeout_ms);
-        if (re)
-            return re;
+    pthread_mutex_lock(&p->mu);
+    kvl_err e = KVL_OK;
+    for (size_t i = 0; i < n && !e; i++) {
+        uint64_t id = op == KVL_OP_PUSH ? segs[i].dst_region : segs[i].src_region;
+        uint64_t off = op == KVL_OP_PUSH ? segs[i].dst_offset : segs[i].src_offset;
+        const kvl_region_info *r = find_remote(p, id);
+        if (!r)
+            e = kvl_fail(KVL_ERR_UNKNOWN_REGION,
+                         "segments[%zu].%s_region: peer '%s' has no region %llu as of its "
+                         "last region table (kvl_peer_refresh asks for the current one)",
+                         i, side, p->name, (unsigned long long)id);
+        else if (off > r->size || segs[i].len > r->size - off)
+            e = kvl_fail(KVL_ERR_OUT_OF_BOUNDS,
+                         "segments[%zu].%s: bytes [%llu, %llu) lie outside peer '%s' "
+                         "region %llu '%s' of %llu bytes",
+                         i, side, (unsigned long long)off,
+                         (unsigned long long)(off + segs[i].len), p->name,
+                         (unsigned long long)id, r->name, (unsigned long long)r->size);
+        else if ((r->rights & need) != need)
+            e = kvl_fail(KVL_ERR_ACCESS_DENIED,
+                         "segments[%zu].%s_region: peer '%s' region %llu '%s' was "
+                         "registered without %s",
+                         i, side, p->name, (unsigned long long)id, r->name,
+                         need == KVL_REMOTE_WRITE ? "remote_write=True" : "remote_read=True");
     }
-    return KVL_OK;
+    pthread_mutex_unlock(&p->mu);
+    return e ? e : take_keys(p, x, op, segs, n);
 }
 
 /* ---- the caller's waits (progress.c), in the transfer's own words ---- */
@@ -375,7 +363,7 @@ kvl_err kvl_xfer_submit(kvl_agent *a, kvl_peer *p, int op, const kvl_segment *se
         if (k > x->stage)
             x->stage = k;
     }
-    if ((e = check_remote(a, p, op, x, segs, n_segs)))
+    if ((e = check_remote(p, op, x, segs, n_segs)))
         goto fail;
     uint64_t bytes_total = 0;
     for (size_t i = 0; i < n_segs; i++)

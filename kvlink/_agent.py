@@ -578,6 +578,13 @@ class Agent:
         so the peer can allocate and register the destination now.  Returns
         the peer's paths.
 
+        Blocks: up to ``timeout_s`` for the paths (woken by the engine when a
+        path changes state; with every path up it does not wait), then up to
+        ``connect_timeout_s`` for the region table, asked again while
+        ``timeout_s`` lasts when the control connection that carries it is
+        still reconnecting.  When ``timeout_s`` passes with some paths up and
+        others not, it goes on with those that are up.
+
         Raises:
             InvalidArgumentError: negative ``nbytes`` or ``timeout_s``, or an
                 announcement over 4096 bytes of JSON.
@@ -596,7 +603,12 @@ class Agent:
         tag = _prepare_tag(nbytes, layout)
         self._ensure_peer(peer)
         deadline = time.monotonic() + (timeout or 0.0)
+        seen = 0  # the path table's generation this loop last looked at (0: none yet)
         while True:
+            # the first call answers the current generation at once; later ones
+            # sleep in the engine until a path changes state or the deadline
+            left = max(0.0, deadline - time.monotonic()) if seen else 0.0
+            seen = _native.paths_wait(self._using, seen, left) or seen
             mine = [p for p in self.paths() if p.peer == peer]
             if not mine:
                 with self._using() as a:
@@ -613,11 +625,20 @@ class Agent:
                     ),
                     peer=peer,
                 )
-            time.sleep(0.02)
-        with self._using() as a:
-            p = _native.peer_find(a, peer)
-            _native.peer_refresh(p, self.config.connect_timeout_s)
-            _native.peer_send_prepare(p, peer, tag)
+        while True:
+            try:
+                with self._using() as a:
+                    p = _native.peer_find(a, peer)
+                    _native.peer_refresh(p, self.config.connect_timeout_s)
+                    _native.peer_send_prepare(p, peer, tag)
+                break
+            except PeerUnreachableError:
+                # the control connection (which carries the refresh) may still be
+                # reconnecting after the paths: its state change wakes this wait
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                seen = _native.paths_wait(self._using, seen, left) or seen
         return [p for p in self.paths() if p.peer == peer]
 
     # ---- transfers -------------------------------------------------------
@@ -643,6 +664,10 @@ class Agent:
         ``nbytes``, or ``segments`` (see :mod:`kvlink.kv`).  ``notify`` is
         delivered to the peer once every byte is verified there.
 
+        Returns once the transfer is queued; it waits for the peer only when
+        ``dst`` names a region the peer's table (as of the handshake) lacks:
+        then the table is asked for again, up to ``connect_timeout_s``.
+
         Raises:
             InvalidArgumentError: a bad argument (named), a negative
                 ``timeout_s``, or segments whose destinations overlap.
@@ -655,7 +680,9 @@ class Agent:
             UnknownPeerError: ``peer`` was not added.
             PeerUnreachableError: every path to ``peer`` is down; or ``instance``
                 is given and ``peer`` is another instance now (it restarted: the
-                regions and contents the caller knew are gone), nothing sent.
+                regions and contents the caller knew are gone), nothing sent; or
+                the peer did not send its region table within
+                ``connect_timeout_s``.
         """
         return self._submit(
             Op.PUSH, peer, src, dst, nbytes, src_offset, dst_offset, segments, notify, timeout_s,
@@ -745,7 +772,7 @@ class Agent:
                         segs = self._simple_segment(
                             op, p, peer, src, dst, nbytes, src_offset, dst_offset
                         )
-                    x = _native.xfer_submit(a, p, peer, op, segs, tag, deadline_s)
+                    x = self._submit_native(a, p, peer, op, segs, tag, deadline_s)
                     t = Transfer(x, op, peer, int(segs["len"].sum()), self._why_gone)
                 if self._metrics is not None:
                     self._metrics.track(t)  # once per transfer: nothing per chunk
@@ -757,6 +784,36 @@ class Agent:
                 self._refresh_keys(peer, exc)
 
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _submit_native(
+        self,
+        a: _native.Handle,
+        p: _native.Handle,
+        peer: str,
+        op: Op,
+        segs: np.ndarray[Any, Any],
+        tag: bytes,
+        deadline_s: float,
+    ) -> _native.Handle:
+        """kvl_xfer_submit, which never waits for the peer: when the segments
+        name a region the peer's table lacks (it may have registered it after
+        the handshake), the table is refreshed here, in the caller's thread
+        (up to ``connect_timeout_s``), and the transfer submitted once more.
+
+        Raises:
+            UnknownRegionError: the peer has no such region, even after the
+                refresh (or a local region is unknown: no refresh then).
+            PeerUnreachableError: the refresh got no answer.
+        """
+        try:
+            return _native.xfer_submit(a, p, peer, op, segs, tag, deadline_s)
+        except UnknownRegionError:
+            remote = segs["dst_region"] if op == Op.PUSH else segs["src_region"]
+            known = [r.id for r in _native.peer_regions(p, peer)]
+            if not np.isin(remote, known).all():
+                _native.peer_refresh(p, self.config.connect_timeout_s)
+                return _native.xfer_submit(a, p, peer, op, segs, tag, deadline_s)
+            raise  # the peer's table has them: a local region is unknown
 
     # ---- metrics ---------------------------------------------------------
 

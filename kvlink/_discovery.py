@@ -348,6 +348,7 @@ class Discovery:
         self.published_at = 0.0  # time.monotonic() of the last write
         self.errors = 0
         self.removed = 0  # peers removed because their record stayed gone
+        self.rounds = 0  # rounds done: etcd read and the peer table reconciled with it
         self._thread = threading.Thread(
             target=self._run, name=f"kvlink-discovery-{self._name}", daemon=True
         )
@@ -445,6 +446,7 @@ class Discovery:
             self.republished += 1
             self._publish(agent)
         self._reconcile(agent, table, now)
+        self.rounds += 1
 
     def _publish(self, agent: Agent) -> None:
         with self._pub_lock:

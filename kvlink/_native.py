@@ -632,6 +632,30 @@ def next_notification(a: Handle, timeout_s: float) -> Notification | None:
     )
 
 
+def paths_wait(
+    hold: Callable[[], AbstractContextManager[Handle]], seen: int, timeout_s: float
+) -> int | None:
+    """kvl_paths_wait, in slices: the generation of what :func:`paths` reports
+    once it differs from ``seen`` (0: the current one, at once), or None if no
+    path changed state within ``timeout_s``.  ``hold()`` lends the agent for
+    one slice, so close() and Ctrl-C get through between slices.
+
+    Raises:
+        ClosedError: the agent was closed.
+    """
+    gen = ffi.new("uint64_t *")
+
+    def wait(step_ms: int) -> int:
+        with hold() as a:
+            return int(lib.kvl_paths_wait(a, seen, step_ms, gen))
+
+    rc = _sliced(wait, timeout_s)
+    if rc == ErrorCode.TIMEOUT:
+        return None
+    check(rc)
+    return int(gen[0])
+
+
 def paths(a: Handle) -> list[PathInfo]:
     """kvl_paths: every path to every peer, with its live statistics."""
     n = ffi.new("size_t *")

@@ -118,8 +118,14 @@ def scripted_receiver() -> Iterator[Callable[..., Any]]:
 
     made: list[ScriptedReceiver] = []
 
-    def make(name: str = "rx", paths: int = 1, region: str = "kv", nbytes: int = 1 << 20) -> Any:
-        r = ScriptedReceiver(name, paths, region, nbytes)
+    def make(
+        name: str = "rx",
+        paths: int = 1,
+        region: str = "kv",
+        nbytes: int = 1 << 20,
+        answer_regions: bool = True,
+    ) -> Any:
+        r = ScriptedReceiver(name, paths, region, nbytes, answer_regions)
         made.append(r)
         return r
 

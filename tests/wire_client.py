@@ -233,11 +233,16 @@ class ScriptedReceiver:
     ``name`` exposing one writable region ``region`` of ``nbytes``, reads every frame (payloads
     dropped), answers PING and NOTIFY, but withholds the ACK of every DATA until
     :meth:`release`: a push to it cannot finish before the test says so. :meth:`kill` drops
-    every socket at once, as the death of a receiving process does.
+    every socket at once, as the death of a receiving process does.  With ``answer_regions``
+    False it never answers REGIONS_REQ (``regions_asked`` is set by the first one).
     """
 
-    def __init__(self, name: str, paths: int, region: str, nbytes: int) -> None:
+    def __init__(
+        self, name: str, paths: int, region: str, nbytes: int, answer_regions: bool = True
+    ) -> None:
         self.name = name
+        self.answer_regions = answer_regions
+        self.regions_asked = threading.Event()
         self.instance = 0x5C817ED0000001
         self.region = (1, nbytes, 2, region)  # id, size, rights (bit 1: remote_write), name
         self.key = os.urandom(16)  # its access key, handed out in the metadata
@@ -317,7 +322,9 @@ class ScriptedReceiver:
                 elif t == NOTIFY and struct.unpack_from("<Q", body)[0]:
                     self._send(conn, frame(NOTIFY_ACK, body[:8]))
                 elif t == REGIONS_REQ:
-                    self._send(conn, frame(REGIONS, self._table(control=True)))
+                    self.regions_asked.set()
+                    if self.answer_regions:
+                        self._send(conn, frame(REGIONS, self._table(control=True)))
         except (OSError, ConnectionError):
             return  # kill(), close(), or the agent hung up
 
@@ -348,6 +355,79 @@ class ScriptedReceiver:
             t.join(5)
 
     close = kill
+
+
+class AckHoldingProxy:
+    """A man in the middle for every address of an agent's metadata that withholds the
+    agent's ACK frames until :meth:`release` (everything else goes through unchanged, in
+    order): a push through it is announced and sent but cannot finish before the test says
+    so.  ``metadata()`` is the agent's, pointing at the proxy."""
+
+    def __init__(self, metadata: bytes) -> None:
+        self.meta = json.loads(metadata)
+        self._lock = threading.Lock()  # guards the two below
+        self._released = False
+        self._held: list[tuple[socket.socket, bytes]] = []  # (towards the initiator, frame)
+        self._socks: list[socket.socket] = []
+        addrs = []
+        for host, port in self.meta["addrs"]:
+            srv = socket.create_server((host, 0))
+            self._socks.append(srv)
+            addrs.append([host, srv.getsockname()[1]])
+            threading.Thread(target=self._accept, args=(srv, (host, port)), daemon=True).start()
+        self.meta["addrs"] = addrs
+
+    def metadata(self) -> bytes:
+        return json.dumps(self.meta).encode()
+
+    def _accept(self, srv: socket.socket, target: tuple[str, int]) -> None:
+        while True:
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+            try:
+                u = socket.create_connection(target)
+            except OSError:  # the agent is gone: so is this connection
+                c.close()
+                continue
+            with self._lock:
+                self._socks += [c, u]
+            threading.Thread(target=RewritingProxy._pipe, args=(c, u), daemon=True).start()
+            threading.Thread(target=self._answers, args=(u, c), daemon=True).start()
+
+    def _answers(self, up: socket.socket, down: socket.socket) -> None:
+        """Listener -> initiator, frame by frame, ACKs held back."""
+        try:
+            while True:
+                hdr = recv_exact(up, 24)
+                _, _, t, _, blen, _, plen = struct.unpack("<IBBHIIQ", hdr)
+                raw = hdr + recv_exact(up, blen) + (recv_exact(up, plen + 4) if plen else b"")
+                with self._lock:
+                    if t == ACK and not self._released:
+                        self._held.append((down, raw))
+                        continue
+                    down.sendall(raw)
+        except (OSError, ConnectionError):
+            with contextlib.suppress(OSError):
+                down.shutdown(socket.SHUT_WR)
+
+    def release(self) -> None:
+        """Sends every ACK held so far, and every one from now on."""
+        with self._lock:
+            self._released = True
+            held, self._held = self._held, []
+            for down, raw in held:
+                with contextlib.suppress(OSError):
+                    down.sendall(raw)
+
+    def close(self) -> None:
+        with self._lock:
+            socks, self._socks = self._socks, []
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
 
 
 MOVER_OFFER, MOVER_ACCEPT, MOVER_KEYS, MOVER_REFUSE = 17, 18, 19, 20
@@ -408,9 +488,13 @@ class RewritingProxy:
         while True:
             try:
                 c, _ = srv.accept()
-                u = socket.create_connection(target)
             except OSError:
                 return
+            try:
+                u = socket.create_connection(target)
+            except OSError:  # the agent is gone: so is this connection
+                c.close()
+                continue
             with self._lock:
                 self._conns += [c, u]
             threading.Thread(target=self._pipe, args=(c, u), daemon=True).start()

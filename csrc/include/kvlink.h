@@ -425,8 +425,10 @@ kvl_err kvl_peer_set_key(kvl_peer *peer, uint64_t id, const uint8_t key[16]);
 kvl_err kvl_peer_regions(kvl_peer *peer, kvl_region_info *out, size_t cap,
                          size_t *n);
 
-/* Asks the peer for its current region table over the control connection.
- * Blocks up to timeout_ms.  Thread-safe. */
+/* Asks the peer for its current region table over the control connection
+ * (what to do when kvl_xfer_submit names a region the table lacks, e.g. one
+ * registered after the handshake).  Blocks up to timeout_ms (call with the
+ * GIL released).  Thread-safe. */
 kvl_err kvl_peer_refresh(kvl_peer *peer, uint32_t timeout_ms);
 
 /* Pre-warm: delivers tag (at most 4096 bytes; typically the size or layout
@@ -440,10 +442,14 @@ kvl_err kvl_peer_send_prepare(kvl_peer *peer, const void *tag, size_t len);
 
 /* Validates segs against local regions and the peer's exposed regions
  * (bounds, rights), plans chunks and queues the transfer.  Nothing is sent
- * when validation fails.  notify (may be NULL, at most 4096 bytes) is
- * delivered to the peer once, after the last chunk is verified.
- * timeout_ms is the transfer's deadline (0 = none).  *out is owned by the
- * caller until kvl_xfer_release.  Thread-safe, does not block. */
+ * when validation fails.  The peer's regions are its table as of the
+ * handshake or the last kvl_peer_refresh: a region the table lacks fails
+ * with KVL_ERR_UNKNOWN_REGION at once (the peer is not asked; the caller
+ * may kvl_peer_refresh and submit again).  notify (may be NULL, at most
+ * 4096 bytes) is delivered to the peer once, after the last chunk is
+ * verified.  timeout_ms is the transfer's deadline (0 = none).  *out is
+ * owned by the caller until kvl_xfer_release.  Thread-safe, never blocks
+ * (takes short locks only; sends nothing itself: the engine does). */
 kvl_err kvl_xfer_submit(kvl_agent *agent, kvl_peer *peer, int op,
                         const kvl_segment *segs, size_t n_segs,
                         const void *notify, size_t notify_len,
@@ -550,6 +556,20 @@ kvl_err kvl_next_notification(kvl_agent *agent, uint32_t timeout_ms,
  * transfer finishes and when a path changes state) into out; *n gets the
  * total.  Thread-safe, does not block. */
 kvl_err kvl_paths(kvl_agent *agent, kvl_path_info *out, size_t cap, size_t *n);
+
+/* Waits until what kvl_paths reports differs from generation seen: a path
+ * changed state, or a peer's paths came or went (statistics alone do not
+ * count); a peer's control connection changing state (kvl_paths does not
+ * show it) counts too, so a caller waiting for kvl_peer_refresh to work
+ * again wakes when it reconnects.  *gen (the caller's; written before the
+ * return, never kept) gets the current generation, never 0: seen = 0
+ * returns it at once, so a caller takes *gen, reads kvl_paths, then waits
+ * with seen = *gen and misses no change in between.  KVL_OK once it
+ * differs, KVL_ERR_TIMEOUT if not within timeout_ms, KVL_ERR_CLOSED once
+ * kvl_agent_close began (it wakes every waiter; the agent must outlive the
+ * call, as for any call on it).  Blocks (call with the GIL released).
+ * Thread-safe. */
+kvl_err kvl_paths_wait(kvl_agent *agent, uint64_t seen, uint32_t timeout_ms, uint64_t *gen);
 
 /* ---- transports ----------------------------------------------------------- */
 

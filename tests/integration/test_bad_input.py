@@ -259,6 +259,7 @@ def test_garbage_and_truncated_frames_on_listener(make_agent, spawn_peer):
     assert rx.call("read", key="w", offset=0, nbytes=64)["hex"] == src[:64].tobytes().hex()
 
 
+@pytest.mark.timing
 def test_stalled_half_frame_is_dropped_and_agent_serves(make_agent, spawn_peer):
     """A client that sends half a HELLO and then says nothing is cut off after
     the handshake timeout; meanwhile real transfers go on."""

@@ -113,6 +113,7 @@ def test_quick_does_not_override_explicit_flags():
     assert r["chunk_bytes"] == 0  # auto, from --quick
 
 
+@pytest.mark.timing
 def test_size_zero_is_refused_before_any_process_starts():
     t0 = time.monotonic()
     out = bench("loopback", "--size", "0")
@@ -158,6 +159,7 @@ def test_demo_shows_baselines_beside_the_result():
         assert "iperf3: not installed" in text
 
 
+@pytest.mark.timing
 def test_failed_demo_fails_fast_with_the_reason():
     """A receiver that cannot allocate its cache: reported at once, with why."""
     t0 = time.monotonic()

@@ -81,6 +81,7 @@ def pair(cluster: Callable[..., Any], rx_name: str = "decode-3") -> tuple[Any, A
     return tx, rx, src, dst
 
 
+@pytest.mark.timing
 def test_publishes_under_a_lease_and_never_the_secret(cluster, etcd):
     a = cluster("decode-0")
     a.register(np.zeros(MiB, np.uint8), remote_write=True, name="kv")
@@ -322,7 +323,10 @@ def test_malformed_records_are_refused(cluster, etcd):
         )
         with pytest.raises(kvlink.DiscoveryError, match=f"malformed record for '{name}'"):
             a.push(name, np.zeros(8, np.uint8), "kv")
-    time.sleep(0.3)
+    # a whole background round that began after the last record was written (the one
+    # under way may have read etcd before it)
+    done = a.discovery.rounds
+    until(lambda: a.discovery.rounds >= done + 2, why="two discovery rounds")
     assert [p.name for p in a.peers()] == []  # none of them is listed
 
 
@@ -376,6 +380,7 @@ def test_etcd_authentication(etcd, make_agent, caplog):
         wrong.push("rx", np.zeros(8, np.uint8), "kv")
 
 
+@pytest.mark.timing
 def test_a_killed_peer_process_expires_and_a_new_one_is_found(cluster, etcd, spawn_peer):
     # A real agent in another process, killed (no close, no revoke): its lease runs out.
     opts = {"discovery": etcd.url("t"), "secret": SECRET, **FAST}

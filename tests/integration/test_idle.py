@@ -14,6 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+import kvlink
+from tests.waits import wait_for
+
 pytestmark = pytest.mark.usefixtures("io_threads_mode")
 
 MiB = 1 << 20
@@ -36,6 +39,7 @@ def _wakeups() -> dict[str, tuple[str, int]]:
     return out
 
 
+@pytest.mark.timing
 def test_idle_engine_wakes_about_once_a_tick(make_agent: Callable[..., Any]) -> None:
     interval_ms = 100
     rx = make_agent("rx", nics="loopback:4", monitor_interval_ms=interval_ms)
@@ -47,7 +51,16 @@ def test_idle_engine_wakes_about_once_a_tick(make_agent: Callable[..., Any]) -> 
     tx.add_peer(rx.metadata())
     tx.push("rx", src=src, dst="kv").wait(timeout_s=60)
     assert np.array_equal(dst, src)
-    time.sleep(1.0)  # in-flight bookkeeping of the push ends
+    # the push's bookkeeping ends: no copy in flight (a hedge's loser), no path stalled.
+    # The engine took the snapshot that shows it, and from then on nothing asks for the
+    # quarter-tick stall check.
+    wait_for(
+        lambda: all(
+            p.inflight_bytes == 0 and p.state != kvlink.PathState.STALLED for p in tx.paths()
+        ),
+        10,
+        "every path idle after the push",
+    )
     window_s = 3.0
     before = _wakeups()
     t0 = time.monotonic()

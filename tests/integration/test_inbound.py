@@ -78,6 +78,7 @@ def test_tags_pick_their_push_and_none_takes_the_next(pushed):
         rx.inbound(b"a", timeout_s=0.2)
 
 
+@pytest.mark.timing
 def test_inbound_times_out_and_checks_its_arguments(make_agent):
     rx = make_agent("rx")
     t0 = time.monotonic()
@@ -136,7 +137,9 @@ def test_data_without_announce_is_refused_and_huge_chunk_index_is_harmless(make_
 
 def test_sender_closing_with_nothing_queued_fails_the_handle_at_once(make_agent):
     # close() used to stop before the failed push retired, so its END never
-    # left and the receiver's handle waited for the push's deadline (60 s)
+    # left and the receiver's handle waited for the push's deadline (60 s).
+    # The receiver's ACKs are held back (a proxy), so the push is still
+    # running at close(), whatever the timing: one chunk in flight, nothing queued.
     cfg = {"chunk_bytes": 4096, "min_chunk_bytes": 4096, "window_chunks": 1, "window_bytes": 0}
     rx = make_agent("rx", nics="loopback:2", **cfg)
     tx = make_agent("tx", nics="loopback:2", **cfg)
@@ -144,15 +147,20 @@ def test_sender_closing_with_nothing_queued_fails_the_handle_at_once(make_agent)
     src = np.full(32 * MiB, 3, np.uint8)
     rx.register(dst, remote_write=True, name="kv")
     tx.register(src)
-    tx.add_peer(rx.metadata())
-    h = tx.push("rx", src=src, dst="kv", notify=b"slow")
-    ib = rx.inbound(b"slow", timeout_s=10)
-    tx.close()
-    assert h.state == kvlink.TransferState.FAILED or h.ok
-    if h.ok:
-        pytest.skip("the push finished before close(); nothing was tested")
-    with pytest.raises(kvlink.TransferAbortedError, match="closed"):
-        ib.wait(timeout_s=20)
+    proxy = wc.AckHoldingProxy(rx.metadata())
+    try:
+        tx.add_peer(proxy.metadata())
+        h = tx.push("rx", src=src, dst="kv", notify=b"slow", timeout_s=60)
+        ib = rx.inbound(b"slow", timeout_s=10)
+        assert h.state == kvlink.TransferState.RUNNING  # no ACK came: it cannot be done
+        tx.close()
+        assert h.state == kvlink.TransferState.FAILED  # close() failed it, not finished it
+        with pytest.raises(kvlink.TransferAbortedError, match="closed"):
+            h.wait(timeout_s=0)
+        with pytest.raises(kvlink.TransferAbortedError, match="closed"):
+            ib.wait(timeout_s=20)
+    finally:
+        proxy.close()
 
 
 def test_timeout_messages_name_the_whole_wait(make_agent):

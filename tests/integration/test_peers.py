@@ -3,12 +3,17 @@ peers replaced by a restarted agent of the same name."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
 import kvlink
+from kvlink import _native
 from kvlink.bench.measure import random_bytes as pattern
 from tests.integration.test_transfer import digest
+from tests.waits import wait_paths
+from tests.wire_client import RewritingProxy
 
 MiB = 1 << 20
 
@@ -101,3 +106,74 @@ def test_transfer_pinned_to_an_instance(make_agent):
         tx.push("rx", src=src, dst="kv", instance=-1)
     tx.push("rx", src=src, dst="kv", instance=rx.instance_id).wait(timeout_s=30)
     assert (dst == 9).all()
+
+
+UP = (kvlink.PathState.UP, kvlink.PathState.DEGRADED)
+
+
+def test_path_changes_wake_their_waiters(make_agent, scripted_receiver):
+    """kvl_paths_wait, what prepare() sleeps in: the current generation at once, a timeout
+    while nothing changes, woken by a path's (or the control connection's) state change and
+    by close()."""
+    rx = scripted_receiver("rx", paths=2)
+    tx = make_agent("tx", nics="loopback:2")
+    tx.add_peer(rx.metadata)
+    wait_paths(tx, "rx", lambda mine: len(mine) == 2 and all(p.state in UP for p in mine))
+    gen = _native.paths_wait(tx._using, 0, 0)
+    assert gen, "seen=0 answers the current generation"
+    assert _native.paths_wait(tx._using, gen, 0.3) is None  # nothing changed
+    rx.kill()
+    now = _native.paths_wait(tx._using, gen, 30)
+    assert now is not None and now != gen
+    # (that may have been the control connection's change, which paths() does not show)
+    wait_paths(tx, "rx", lambda mine: any(p.state not in UP for p in mine))
+    got: list[BaseException] = []
+
+    def waiter() -> None:
+        seen = now
+        try:
+            for _ in range(1000):  # the dead paths' re-probes change states meanwhile
+                seen = _native.paths_wait(tx._using, seen, 60) or seen
+        except BaseException as exc:  # handed to the test thread
+            got.append(exc)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    tx.close()
+    t.join(10)
+    assert not t.is_alive() and len(got) == 1 and isinstance(got[0], kvlink.ClosedError), got
+
+
+def test_prepare_waits_for_paths_to_come_back(make_agent):
+    """prepare() sleeps until the peer's paths are up again (re-probed by the monitor),
+    then returns them; with none coming back it fails at timeout_s, and close() ends it."""
+    rx = make_agent("rx", nics="loopback:2")
+    tx = make_agent("tx", nics="loopback:2", connect_timeout_s=1.0)
+    proxy = RewritingProxy(rx.metadata(), lambda body: body)
+    try:
+        tx.add_peer(proxy.metadata())
+        assert all(p.state in UP for p in tx.prepare("rx", timeout_s=30))
+        proxy.cut()  # every connection reset; new ones still go through
+        wait_paths(tx, "rx", lambda mine: any(p.state not in UP for p in mine))
+        paths = tx.prepare("rx", timeout_s=30)
+        assert len(paths) == 2 and all(p.state in UP for p in paths)
+        rx.close()  # now nothing comes back (the proxy cannot reach it)
+        proxy.cut()
+        wait_paths(tx, "rx", lambda mine: all(p.state not in UP for p in mine))
+        with pytest.raises(kvlink.PeerUnreachableError, match=r"came up within 0\.3 s"):
+            tx.prepare("rx", timeout_s=0.3)
+        got: list[BaseException] = []
+
+        def prepare() -> None:
+            try:
+                tx.prepare("rx", timeout_s=60)
+            except BaseException as exc:  # handed to the test thread
+                got.append(exc)
+
+        t = threading.Thread(target=prepare)
+        t.start()
+        tx.close()
+        t.join(10)
+        assert not t.is_alive() and len(got) == 1 and isinstance(got[0], kvlink.ClosedError)
+    finally:
+        proxy.close()

@@ -42,6 +42,25 @@ def test_metadata_from_before_a_registration_lacks_its_key(make_agent):
     assert np.array_equal(dst, src)
 
 
+def test_segments_into_a_region_registered_after_add_peer(make_agent):
+    # the peer's table is the handshake's and lacks the region: the push refreshes it (in
+    # the caller's thread; submit itself never waits for the peer) and goes ahead
+    rx = make_agent("rx")
+    tx = make_agent("tx")
+    src = np.full(MiB, 6, np.uint8)
+    sid = tx.register(src).id
+    tx.add_peer(rx.metadata())
+    dst = np.zeros(MiB, np.uint8)
+    rid = rx.register(dst, remote_write=True).id
+    tx.add_peer(rx.metadata())  # its key; the region table stays the handshake's
+    assert rid not in [r.id for r in tx.remote_regions("rx")]
+    seg = np.zeros(1, kvlink.SEGMENT_DTYPE)
+    seg[0] = (sid, 0, rid, 0, MiB, 0, 0)
+    tx.push("rx", segments=seg).wait(timeout_s=30)
+    assert np.array_equal(dst, src)
+    assert rid in [r.id for r in tx.remote_regions("rx")]
+
+
 @pytest.mark.parametrize("key", [None, bytes(16)], ids=["missing", "wrong"])
 def test_data_without_the_right_key_is_refused(make_agent, key):
     """A connection that knows the region id (the table lists it) but not its

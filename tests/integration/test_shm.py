@@ -10,7 +10,6 @@ import json
 import os
 import socket
 import struct
-import time
 
 import numpy as np
 import pytest
@@ -18,10 +17,12 @@ import pytest
 import kvlink
 from kvlink.bench import measure
 from tests import wire_client as wc
+from tests.waits import wait_paths
 
 pytestmark = pytest.mark.timeout(120)
 
 MiB = 1 << 20
+UP = (kvlink.PathState.UP, kvlink.PathState.DEGRADED)
 
 
 def transports(agent: kvlink.Agent, peer: str) -> set[str]:
@@ -209,11 +210,15 @@ def test_sender_killed_mid_push_reports_nothing_more_done(make_agent, spawn_peer
     tx = spawn_peer("tx", nics="loopback:2")
     tx.call("alloc", key="src", nbytes=n, fill="pattern", seed=4)
     tx.call("add_peer", metadata=rx.metadata().decode())
+    # rx's own paths to tx: they show when rx has seen tx's sockets close
+    rx.add_peer(tx.call("hello")["metadata"].encode())
     tx.call("push", peer="rx", local="src", remote=rid, notify=b"dying".hex())
     h = rx.inbound(b"dying", timeout_s=10)
     assert not h.done, "the push finished before the kill; nothing was tested"
-    tx.kill()
-    time.sleep(0.5)  # the copies in flight end (the sender's memory is gone)
+    tx.kill()  # returns once the process is reaped: its memory and sockets are gone
+    # the copies in flight end as rx's engine meets the closed sockets: wait for it to
+    # have met those of its own paths (the push's close with them)
+    wait_paths(rx, "tx", lambda mine: all(p.state not in UP for p in mine))
     frozen = h.bytes_done
     with pytest.raises(kvlink.TransferTimeoutError):
         h.wait(timeout_s=1)

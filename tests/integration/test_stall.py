@@ -19,7 +19,8 @@ from kvlink.bench.measure import random_bytes as pattern
 from tests.integration.test_transfer import digest
 
 # every test twice: I/O on the engine thread, and on two I/O threads (conftest.py)
-pytestmark = pytest.mark.usefixtures("io_threads_mode")
+# the stall rule fires after silences of a given length: timing (pyproject.toml)
+pytestmark = [pytest.mark.usefixtures("io_threads_mode"), pytest.mark.timing]
 
 MiB = 1 << 20
 

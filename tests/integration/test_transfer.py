@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import kvlink
-from kvlink import kv
+from kvlink import _native, kv
 from kvlink.bench.measure import random_bytes as pattern
 
 # every test twice: I/O on the engine thread, and on two I/O threads (conftest.py)
@@ -157,6 +157,7 @@ def test_sixteen_concurrent_transfers(make_agent, spawn_peer):
     assert digest(sink) == peer.call("digest", key="out")["digest"]
 
 
+@pytest.mark.timing
 def test_peer_killed_before_push_gives_clear_error(make_agent, spawn_peer):
     rx = spawn_peer("rx", nics="loopback:2")
     rx.call("alloc", key="kv", nbytes=MiB, remote_write=True, name="kv")
@@ -173,6 +174,7 @@ def test_peer_killed_before_push_gives_clear_error(make_agent, spawn_peer):
     assert "rx" in str(ei.value)
 
 
+@pytest.mark.timing
 def test_peer_killed_mid_transfer_fails_within_timeout(make_agent, scripted_receiver):
     # The receiver withholds every ACK, so the push is still running when it dies, however
     # fast the machine: the kill always lands mid-transfer.
@@ -193,3 +195,39 @@ def test_peer_killed_mid_transfer_fails_within_timeout(make_agent, scripted_rece
     # the agent is still usable and frees the transfer's regions
     assert tx.paths()[0].state in (kvlink.PathState.DOWN, kvlink.PathState.PROBING)
     tx.deregister(region)
+
+
+def _segment(src_region: int, dst_region: int, n: int) -> np.ndarray[Any, Any]:
+    seg = np.zeros(1, kvlink.SEGMENT_DTYPE)
+    seg[0] = (src_region, 0, dst_region, 0, n, 0, 0)
+    return seg
+
+
+def test_submit_never_waits_for_the_peers_region_table(make_agent, scripted_receiver):
+    # kvl_xfer_submit used to ask the peer for its region table itself when a segment named
+    # a region the table lacked, and to wait up to connect_timeout_s for the answer.  This
+    # receiver never answers REGIONS_REQ: a submit that asked would wait the 30 s out and
+    # fail with PeerUnreachableError.  It fails at once, without asking.
+    rx = scripted_receiver("rx", answer_regions=False)  # its table: region 1 only
+    tx = make_agent("tx", connect_timeout_s=30.0)
+    src = tx.register(np.ones(4096, np.uint8))
+    tx.add_peer(rx.metadata)
+    with tx._using() as a:
+        p = _native.peer_find(a, "rx")
+        with pytest.raises(kvlink.UnknownRegionError, match="no region 7 as of its last region"):
+            _native.xfer_submit(a, p, "rx", kvlink.Op.PUSH, _segment(src.id, 7, 4096), b"", 10)
+    assert not rx.regions_asked.is_set(), "submit asked the peer for its table"
+
+
+def test_push_asks_for_the_region_table_in_the_callers_thread(make_agent, scripted_receiver):
+    # the caller, not submit, refreshes the table when segments name a region it lacks: the
+    # question goes out, and a peer that does not answer fails the push after
+    # connect_timeout_s, nothing queued
+    rx = scripted_receiver("rx", answer_regions=False)
+    tx = make_agent("tx", connect_timeout_s=0.5)
+    src = tx.register(np.ones(4096, np.uint8))
+    tx.add_peer(rx.metadata)
+    with pytest.raises(kvlink.PeerUnreachableError, match="did not send its region table"):
+        tx.push("rx", segments=_segment(src.id, 7, 4096))
+    assert rx.regions_asked.is_set()
+    assert not rx.data_seen.is_set()

@@ -336,6 +336,7 @@ struct kvl_agent {
     size_t n_addrs;
     uint64_t instance;
     const kvl_stream_ops *stream; /* every connection's (transport/registry.c) */
+    const struct kvl_loop_hooks *hooks; /* what the engine thread's loop runs (agent.c) */
     void *tp_state;            /* the transport's own (TCP: its I/O threads) */
     kvl_regions regions;
     int epfd, wakefd;
@@ -692,12 +693,8 @@ int kvl_notify_inbound(kvl_agent *a, const char *peer, uint64_t instance,
 /* Teardown: frees notifications nobody read. */
 void kvl_notify_queue_free(kvl_agent *a);
 
-/* ---- engine.c ---- */
-/* Queues a command for the engine thread and wakes it.  Takes cmd over. */
-void kvl_engine_post(kvl_agent *a, kvl_cmd *cmd);
-void kvl_engine_snapshot_paths(kvl_agent *a);
-/* Wakes kvl_paths_wait for a change kvl_paths does not show (a control
- * connection's state).  Any thread. */
-void kvl_engine_paths_changed(kvl_agent *a);
+/* ---- loop.c, snapshot.c ---- */
+#include "loop.h"
+#include "snapshot.h"
 
 #endif

@@ -1,9 +1,7 @@
-/* engine.c: agent lifecycle and the engine thread's event loop.
- *
- * One engine thread per agent owns every socket, the schedulers and the
- * in-flight state.  Callers talk to it through a command queue (woken by an
- * eventfd) and read results from per-transfer and per-agent queues guarded
- * by their own mutexes; the engine never calls back into Python.
+/* agent.c: an agent's life (create, close, its configuration) and what the
+ * engine thread's commands, ticks and iterations mean (kvl_loop_hooks for
+ * loop.c): the one module that calls every other on the engine thread's
+ * behalf.  Nothing calls up into it but the public API.
  */
 #include <arpa/inet.h>
 #include <errno.h>
@@ -20,124 +18,7 @@
 
 #define SCRATCH_BYTES (256u << 10) /* drain buffer for payloads nobody may receive */
 
-void kvl_engine_post(kvl_agent *a, kvl_cmd *cmd)
-{
-    cmd->next = NULL;
-    pthread_mutex_lock(&a->mu);
-    if (a->cmd_tail)
-        a->cmd_tail->next = cmd;
-    else
-        a->cmd_head = cmd;
-    a->cmd_tail = cmd;
-    pthread_mutex_unlock(&a->mu);
-    uint64_t one = 1;
-    ssize_t rc = write(a->wakefd, &one, sizeof one);
-    (void)rc; /* a full eventfd counter still wakes the engine */
-}
-
-/* ---- path snapshots ---- */
-
-void kvl_engine_snapshot_paths(kvl_agent *a)
-{
-    size_t n = 0;
-    for (kvl_peer *p = a->eng_peers; p; p = p->eng_next)
-        if (!p->replaced)
-            n += p->n_paths;
-    pthread_mutex_lock(&a->stats_mu);
-    if (n > a->cap_snap) {
-        kvl_path_info *ns = realloc(a->snap, n * sizeof *ns);
-        if (!ns) {
-            pthread_mutex_unlock(&a->stats_mu);
-            return;
-        }
-        a->snap = ns;
-        a->cap_snap = n;
-    }
-    size_t k = 0;
-    int changed = n != a->n_snap; /* then the old entries are not compared */
-    for (kvl_peer *p = a->eng_peers; p; p = p->eng_next) {
-        if (p->replaced)
-            continue;
-        for (uint32_t i = 0; i < p->n_paths; i++) {
-            kvl_path *pa = &p->paths[i];
-            kvl_path_info *o = &a->snap[k++];
-            changed = changed || o->state != pa->state || o->index != i ||
-                      strcmp(o->peer, p->name) != 0;
-            memset(o, 0, sizeof *o);
-            snprintf(o->peer, sizeof o->peer, "%s", p->name);
-            o->index = i;
-            o->state = pa->state;
-            snprintf(o->local_addr, sizeof o->local_addr, "%s", pa->local);
-            snprintf(o->remote_addr, sizeof o->remote_addr, "%s", pa->remote);
-            o->bytes_sent = pa->bytes_sent_prev + (pa->conn ? kvl_conn_bytes_sent(pa->conn) : 0);
-            o->bytes_recv = pa->bytes_recv_prev + (pa->conn ? kvl_conn_bytes_recv(pa->conn) : 0);
-            o->bytes_put = pa->bytes_put_prev + (pa->conn ? kvl_conn_bytes_put(pa->conn) : 0);
-            o->rtt_us = pa->rtt_us;
-            o->delivery_gbps = pa->delivery_Bps / 1e9;
-            o->nic_other_gbps = pa->nic_other_Bps / 1e9;
-            o->stall_ms = pa->stall_ms;
-            o->reconnects = pa->reconnects;
-            o->hedges = pa->hedges;
-            o->t_down_ns = pa->t_down_ns;
-            o->chunks_done = pa->chunks_done;
-            o->inflight_bytes = pa->inflight_bytes;
-            o->est_gbps = pa->bw_Bps / 1e9;
-            snprintf(o->last_error, sizeof o->last_error, "%s", pa->last_error);
-            const kvl_mover_ops *mv = kvl_mover_by_kind(pa->mover_kind);
-            snprintf(o->transport, sizeof o->transport, "%s",
-                     mv ? mv->name : a->stream->name);
-            snprintf(o->transport_note, sizeof o->transport_note, "%s", pa->tnote);
-        }
-    }
-    a->n_snap = k;
-    if (changed) {
-        a->paths_gen++;
-        pthread_cond_broadcast(&a->paths_cv);
-    }
-    pthread_mutex_unlock(&a->stats_mu);
-}
-
-void kvl_engine_paths_changed(kvl_agent *a)
-{
-    pthread_mutex_lock(&a->stats_mu);
-    a->paths_gen++;
-    pthread_cond_broadcast(&a->paths_cv);
-    pthread_mutex_unlock(&a->stats_mu);
-}
-
-kvl_err kvl_paths(kvl_agent *a, kvl_path_info *out, size_t cap, size_t *n)
-{
-    kvl_clear_error();
-    if (atomic_load(&a->closed))
-        return kvl_fail(KVL_ERR_CLOSED, "the agent is closed");
-    pthread_mutex_lock(&a->stats_mu);
-    for (size_t i = 0; i < a->n_snap && i < cap; i++)
-        out[i] = a->snap[i];
-    *n = a->n_snap;
-    pthread_mutex_unlock(&a->stats_mu);
-    return KVL_OK;
-}
-
-kvl_err kvl_paths_wait(kvl_agent *a, uint64_t seen, uint32_t timeout_ms, uint64_t *gen)
-{
-    kvl_clear_error();
-    if (!a || !gen)
-        return kvl_fail(KVL_ERR_INVALID_ARG, "paths_wait: agent and gen must not be NULL");
-    struct timespec ts = kvl_deadline_ts(timeout_ms);
-    pthread_mutex_lock(&a->stats_mu);
-    int rc = 0;
-    while (a->paths_gen == seen && rc == 0 && !atomic_load(&a->closed))
-        rc = pthread_cond_timedwait(&a->paths_cv, &a->stats_mu, &ts);
-    *gen = a->paths_gen;
-    pthread_mutex_unlock(&a->stats_mu);
-    if (atomic_load(&a->closed))
-        return kvl_fail(KVL_ERR_CLOSED, "the agent is closed");
-    if (*gen == seen)
-        return kvl_fail(KVL_ERR_TIMEOUT, "no path changed state within %u ms", timeout_ms);
-    return KVL_OK;
-}
-
-/* ---- engine loop ---- */
+/* ---- peers on the engine thread ---- */
 
 static void adopt_peer(kvl_agent *a, kvl_peer *p)
 {
@@ -211,28 +92,6 @@ static void reap_peers(kvl_agent *a, uint64_t now)
     }
 }
 
-/* ---- the event loop's registrations (the transport's descriptors) ---- */
-
-int kvl_engine_watch(kvl_agent *a, int fd, void *ptr, uint32_t events)
-{
-    struct epoll_event ev = {.events = events, .data.ptr = ptr};
-    return epoll_ctl(a->epfd, EPOLL_CTL_ADD, fd, &ev);
-}
-
-int kvl_engine_rewatch(kvl_agent *a, int fd, void *ptr, uint32_t events)
-{
-    struct epoll_event ev = {.events = events, .data.ptr = ptr};
-    return epoll_ctl(a->epfd, EPOLL_CTL_MOD, fd, &ev);
-}
-
-void kvl_engine_unwatch(kvl_agent *a, int fd) { epoll_ctl(a->epfd, EPOLL_CTL_DEL, fd, NULL); }
-
-uint8_t *kvl_engine_scratch(kvl_agent *a, size_t *len)
-{
-    *len = a->scratch_len;
-    return a->scratch;
-}
-
 /* A submitted transfer joins its peer's FIFO (it retires from there). */
 static void append_active(kvl_peer *p, kvl_xfer *x)
 {
@@ -244,12 +103,8 @@ static void append_active(kvl_peer *p, kvl_xfer *x)
     p->active_tail = x;
 }
 
-static void run_commands(kvl_agent *a)
+static void run_commands(kvl_agent *a, kvl_cmd *cmd)
 {
-    pthread_mutex_lock(&a->mu);
-    kvl_cmd *cmd = a->cmd_head;
-    a->cmd_head = a->cmd_tail = NULL;
-    pthread_mutex_unlock(&a->mu);
     while (cmd) {
         kvl_cmd *next = cmd->next;
         kvl_peer *p = cmd->type == KVL_CMD_SUBMIT ? cmd->xfer->peer : cmd->peer;
@@ -336,64 +191,39 @@ static int close_drained(kvl_agent *a, uint64_t now)
     return 1;
 }
 
-static void *engine_main(void *arg)
+/* ---- the loop's hooks: what a tick and an iteration do ---- */
+
+static void on_tick(kvl_agent *a, uint64_t now)
 {
-    kvl_agent *a = arg;
-    struct epoll_event evs[64];
-    uint64_t interval = (uint64_t)a->cfg.monitor_interval_ms * 1000000ull;
-    /* Named for top -H / py-spy; the name is also how tests find this thread. */
-    pthread_setname_np(pthread_self(), "kvl-engine");
-    a->next_tick_ns = kvl_now_ns() + interval;
-    while (!atomic_load(&a->stopping)) {
-        if (atomic_load(&a->closing) && close_drained(a, kvl_now_ns()))
-            break;
-        uint64_t now = kvl_now_ns();
-        uint64_t next = a->next_stall_ns < a->next_tick_ns ? a->next_stall_ns : a->next_tick_ns;
-        int timeout = now >= next ? 0 : (int)((next - now) / 1000000 + 1);
-        int n = epoll_wait(a->epfd, evs, 64, timeout);
-        for (int i = 0; i < n; i++) {
-            if (evs[i].data.ptr == NULL) {
-                uint64_t v;
-                ssize_t rc = read(a->wakefd, &v, sizeof v);
-                (void)rc;
-                run_commands(a);
-                a->stream->progress(a);
-            } else {
-                a->stream->on_event(evs[i].data.ptr, evs[i].events);
-            }
-        }
-        now = kvl_now_ns();
-        if (now >= a->next_stall_ns) {
-            kvl_monitor_stall_check(a, now);
-            a->next_stall_ns = now + interval / 4;
-        }
-        if (now >= a->next_tick_ns) {
-            kvl_monitor_tick(a, now);
-            kvl_rx_expire(a, now);
-            kvl_sched_expire(a, now);
-            for (kvl_peer *p = a->eng_peers; p; p = p->eng_next)
-                kvl_notify_resend(p, now);
-            kvl_conn_expire(a, now);
-            for (size_t i = 0; i < a->n_addrs; i++)
-                a->stream->tick(a->listeners[i], now);
-            kvl_engine_snapshot_paths(a);
-            a->next_tick_ns = now + interval;
-        }
-        for (kvl_peer *p = a->eng_peers; p; p = p->eng_next)
-            if (p->active && !atomic_load(&a->closing))
-                kvl_sched_dispatch(p);
-        kvl_sched_reap(a);
-        reap_peers(a, now);
-        kvl_conn_reap(a);
-        /* The quarter-tick stall check runs only while it has work: an idle agent
-         * wakes once a tick, not four times (idle CPU of a loaded vLLM connector). */
-        if (!kvl_monitor_any_busy(a))
-            a->next_stall_ns = UINT64_MAX;
-        else if (a->next_stall_ns == UINT64_MAX)
-            a->next_stall_ns = now + interval / 4;
-    }
-    return NULL;
+    kvl_monitor_tick(a, now);
+    kvl_rx_expire(a, now);
+    kvl_sched_expire(a, now);
+    for (kvl_peer *p = a->eng_peers; p; p = p->eng_next)
+        kvl_notify_resend(p, now);
+    kvl_conn_expire(a, now);
+    kvl_engine_snapshot_paths(a);
 }
+
+/* Dispatch, then free what this iteration retired: no handler ever sees a
+ * freed transfer or connection. */
+static void on_iteration_end(kvl_agent *a, uint64_t now)
+{
+    for (kvl_peer *p = a->eng_peers; p; p = p->eng_next)
+        if (p->active && !atomic_load(&a->closing))
+            kvl_sched_dispatch(p);
+    kvl_sched_reap(a);
+    reap_peers(a, now);
+    kvl_conn_reap(a);
+}
+
+static const kvl_loop_hooks agent_hooks = {
+    .commands = run_commands,
+    .tick = on_tick,
+    .stall_check = kvl_monitor_stall_check,
+    .iteration_end = on_iteration_end,
+    .busy = kvl_monitor_any_busy,
+    .may_stop = close_drained,
+};
 
 /* ---- agent lifecycle ---- */
 
@@ -527,6 +357,7 @@ kvl_err kvl_agent_create(const kvl_config *cfg, kvl_agent **out)
         memcpy(a->secret, cfg->secret, cfg->secret_len);
     snprintf(a->name, sizeof a->name, "%s", cfg->name);
     a->stream = kvl_stream_default();
+    a->hooks = &agent_hooks;
     a->n_addrs = cfg->n_addrs;
     a->addrs = calloc(cfg->n_addrs, sizeof *a->addrs);
     a->ports = calloc(cfg->n_addrs, sizeof *a->ports);
@@ -579,7 +410,7 @@ kvl_err kvl_agent_create(const kvl_config *cfg, kvl_agent **out)
         agent_free(a);
         return e;
     }
-    if (pthread_create(&a->thread, NULL, engine_main, a) != 0) {
+    if (pthread_create(&a->thread, NULL, kvl_loop_main, a) != 0) {
         atomic_store(&a->stopping, 1);
         kvl_prober_stop(a);
         e = kvl_fail(KVL_ERR_SYSTEM, "agent_create: cannot start the engine thread");

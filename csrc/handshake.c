@@ -266,3 +266,223 @@ void kvl_handshake_on_mover_offer(kvl_conn *c)
     c->mover_due = NULL;
     mv->answer(c->a, c->ep, c->body + 1, c->h->body_len - 1, c->a->secret_len != 0);
 }
+
+/* ---- the initiator's half (on a detached endpoint, blocking) ---- */
+
+/* Reads one whole frame from a detached endpoint: *body is malloc'ed (the
+ * caller frees it) and its crc32c checked. */
+static kvl_err recv_frame(kvl_agent *a, kvl_ep *ep, uint64_t deadline, kvl_frame_hdr *h,
+                          uint8_t **body)
+{
+    uint8_t hdr[KVL_HDR_BYTES];
+    *body = NULL;
+    kvl_err e = a->stream->recv_all(ep, hdr, sizeof hdr, deadline);
+    if (e)
+        return e;
+    if ((e = kvl_hdr_decode(hdr, h)))
+        return e;
+    if (h->body_len > KVL_HANDSHAKE_BODY_MAX)
+        return kvl_fail(KVL_ERR_PROTOCOL, "a %u-byte handshake frame body", h->body_len);
+    *body = malloc(h->body_len ? h->body_len : 1);
+    if (!*body)
+        return kvl_fail(KVL_ERR_NOMEM, "handshake: out of memory");
+    if ((e = a->stream->recv_all(ep, *body, h->body_len, deadline)))
+        return e;
+    if (kvl_crc32c(0, *body, h->body_len) != h->body_crc)
+        return kvl_fail(KVL_ERR_PROTOCOL, "a handshake frame body failed its crc32c check");
+    return KVL_OK;
+}
+
+static kvl_err send_frame(kvl_agent *a, kvl_ep *ep, kvl_buf *b, uint8_t type, uint64_t deadline)
+{
+    kvl_frame_finish(b, type, 0);
+    kvl_err e = b->oom ? kvl_fail(KVL_ERR_NOMEM, "handshake: out of memory")
+                       : a->stream->send_all(ep, b->p, b->len, deadline);
+    kvl_buf_free(b);
+    return e;
+}
+
+/* With a secret: the listener's CHALLENGE (in body) must prove it holds
+ * it; then our AUTH proves we do.  A listener that fails is told so. */
+static kvl_err answer_challenge(kvl_agent *a, kvl_peer *p, kvl_ep *ep, const kvl_msg_hello *m,
+                                const uint8_t *body, uint32_t len, const char *where,
+                                uint64_t deadline, uint64_t *proven_instance)
+{
+    kvl_msg_challenge ch;
+    *proven_instance = 0;
+    if (kvl_dec_challenge(body, len, &ch))
+        return kvl_fail(KVL_ERR_HANDSHAKE, "handshake with '%s' at %s: %s", p->name, where,
+                        kvl_last_error());
+    kvl_auth_ctx x = {.server_name = ch.name, .server_instance = ch.instance,
+                      .client_name = a->name, .client_instance = a->instance,
+                      .kind = m->kind, .path = m->path, .nonce_c = m->nonce,
+                      .nonce_s = ch.nonce};
+    uint8_t want[KVL_MAC_BYTES];
+    kvl_auth_mac(a, 1, &x, want);
+    int proven = kvl_ct_equal(want, ch.mac, sizeof want) && strcmp(ch.name, p->name) == 0;
+    kvl_msg_auth au = {.status = proven ? KVL_OK : KVL_ERR_AUTH};
+    if (proven)
+        kvl_auth_mac(a, 0, &x, au.mac);
+    explicit_bzero(want, sizeof want);
+    kvl_buf b = {0};
+    kvl_frame_start(&b);
+    kvl_enc_auth(&b, &au);
+    kvl_err e = send_frame(a, ep, &b, KVL_F_AUTH, deadline);
+    explicit_bzero(&au, sizeof au);
+    if (!proven)
+        return kvl_fail(KVL_ERR_AUTH,
+                        "the agent at %s (answering as '%s') could not prove it holds this "
+                        "agent's ('%s') cluster secret: the two were given different secrets, "
+                        "or something else answers there",
+                        where, ch.name, a->name);
+    if (e)
+        return kvl_fail(KVL_ERR_UNREACHABLE, "handshake with peer '%s' at %s: %s", p->name,
+                        where, kvl_last_error());
+    *proven_instance = ch.instance;
+    return KVL_OK;
+}
+
+/* The mover a connection of this kind to p wants (its HELLO names it), or
+ * NULL: data paths only, chosen from Config.transport, whether p runs on
+ * this host (its metadata and the permission probe: KVL_PEER_SAME_HOST)
+ * and whether the path's last connection that a KVL_MV_FALLS_BACK mover
+ * carried died less than KVL_MOVER_FALLBACK_MS ago (then it runs in-stream
+ * on the same NIC: docs/ucx.md). */
+static const kvl_mover_ops *wanted_mover(const kvl_agent *a, const kvl_peer *p, int kind,
+                                         uint16_t path)
+{
+    if (kind != KVL_CONN_DATA)
+        return NULL;
+    uint64_t off = path < KVL_MAX_PATHS
+                       ? __atomic_load_n(&p->paths[path].mover_off_until_ns, __ATOMIC_RELAXED)
+                       : 0;
+    int fallen_back = off && kvl_now_ns() < off;
+    return kvl_mover_choose(&a->cfg, a->secret_len, (p->flags & KVL_PEER_SAME_HOST) != 0,
+                            fallen_back);
+}
+
+/* HELLO on ep, with a secret the challenge-response (auth.c), then the
+ * HELLO_ACK.  Fills *instance; on a control connection the region table
+ * is copied into p. */
+static kvl_err handshake(kvl_agent *a, kvl_peer *p, kvl_ep *ep, int kind, uint16_t path,
+                         const kvl_mover_ops *mv, const char *where, uint64_t deadline,
+                         uint64_t *instance)
+{
+    kvl_msg_hello m = {.instance = a->instance, .kind = (uint8_t)kind, .path = path,
+                       .flags = a->secret_len ? KVL_HELLO_AUTH : 0,
+                       .movers = mv ? mv->kind : 0};
+    strcpy(m.name, a->name);
+    memcpy(m.token, p->token, sizeof m.token);
+    if (a->secret_len && kvl_auth_nonce(m.nonce))
+        return KVL_ERR_SYSTEM;
+    kvl_buf b = {0};
+    kvl_frame_start(&b);
+    kvl_enc_hello(&b, &m);
+    kvl_err e = send_frame(a, ep, &b, KVL_F_HELLO, deadline);
+    kvl_frame_hdr h;
+    uint8_t *body = NULL;
+    if (!e)
+        e = recv_frame(a, ep, deadline, &h, &body);
+    int proven = 0; /* the listener proved it holds our secret */
+    uint64_t proven_instance = 0;
+    if (!e && h.type == KVL_F_CHALLENGE && a->secret_len) {
+        e = answer_challenge(a, p, ep, &m, body, h.body_len, where, deadline, &proven_instance);
+        proven = e == KVL_OK;
+        free(body);
+        body = NULL;
+        if (e == KVL_ERR_AUTH || e == KVL_ERR_HANDSHAKE || e == KVL_ERR_UNREACHABLE)
+            return e;
+        if (!e)
+            e = recv_frame(a, ep, deadline, &h, &body);
+    }
+    if (e) {
+        free(body);
+        if (e == KVL_ERR_HANDSHAKE || e == KVL_ERR_PROTOCOL)
+            return kvl_fail(KVL_ERR_HANDSHAKE,
+                            "handshake with '%s' at %s: %s (is a kvlink agent listening there?)",
+                            p->name, where, kvl_last_error());
+        return kvl_fail(e == KVL_ERR_TIMEOUT ? KVL_ERR_UNREACHABLE : e,
+                        "handshake with peer '%s' at %s: %s", p->name, where, kvl_last_error());
+    }
+    if (h.type != KVL_F_HELLO_ACK) {
+        free(body);
+        return kvl_fail(KVL_ERR_HANDSHAKE, "handshake with '%s' at %s: answer is frame type %u",
+                        p->name, where, h.type);
+    }
+    kvl_msg_hello_ack ack;
+    e = kvl_dec_hello_ack(body, h.body_len, &ack);
+    if (e) {
+        free(body);
+        return kvl_fail(KVL_ERR_HANDSHAKE, "handshake with '%s' at %s: %s", p->name, where,
+                        kvl_last_error());
+    }
+    if (ack.status != KVL_OK) {
+        free(body);
+        kvl_err st = ack.status <= KVL_ERR_MAX ? ack.status : KVL_ERR_HANDSHAKE;
+        return kvl_fail(st, "peer at %s refused the connection: %s", where, ack.msg);
+    }
+    if (proven && ack.instance != proven_instance) { /* HELLO_ACK itself is not proven */
+        free(body);
+        return kvl_fail(KVL_ERR_HANDSHAKE,
+                        "the agent at %s proved instance %016llx and then answered as %016llx",
+                        where, (unsigned long long)proven_instance,
+                        (unsigned long long)ack.instance);
+    }
+    if (a->secret_len && !proven) { /* accepted without proving anything: not one of ours */
+        free(body);
+        return kvl_fail(KVL_ERR_AUTH,
+                        "the agent at %s accepted us without authentication: it holds no "
+                        "cluster secret. Give every agent the same secret (KVLINK_SECRET)",
+                        where);
+    }
+    if (strcmp(ack.name, p->name) != 0) {
+        free(body);
+        return kvl_fail(KVL_ERR_HANDSHAKE,
+                        "the agent at %s is named '%s', not '%s': the peer metadata is stale or "
+                        "wrong",
+                        where, ack.name, p->name);
+    }
+    if (*instance && ack.instance != *instance) {
+        free(body);
+        return kvl_fail(KVL_ERR_HANDSHAKE,
+                        "the agent '%s' at %s is instance %016llx, the metadata names %016llx: "
+                        "the peer restarted; fetch its metadata again",
+                        p->name, where, (unsigned long long)ack.instance,
+                        (unsigned long long)*instance);
+    }
+    *instance = ack.instance;
+    if (kind == KVL_CONN_CONTROL) {
+        kvl_region_info *tab;
+        if ((e = kvl_dec_region_table(&ack, &tab))) {
+            free(body);
+            return e;
+        }
+        pthread_mutex_lock(&p->mu);
+        free(p->regions);
+        p->regions = tab;
+        p->n_regions = ack.n_regions;
+        p->regions_gen++;
+        pthread_mutex_unlock(&p->mu);
+    }
+    free(body);
+    return KVL_OK;
+}
+
+kvl_err kvl_handshake_initiate(kvl_agent *a, kvl_peer *p, kvl_ep *ep, int kind, uint16_t path,
+                               const char *local, const char *where, uint64_t deadline,
+                               uint64_t *instance)
+{
+    /* decided once: the HELLO names it, and a mover with KVL_MV_OFFER sends its offer */
+    const kvl_mover_ops *mv = wanted_mover(a, p, kind, path);
+    kvl_err e = handshake(a, p, ep, kind, path, mv, where, deadline, instance);
+    if (!e && mv) {
+        kvl_mover *m = NULL;
+        char note[128] = "";
+        if ((e = mv->start(a, ep, local, deadline, &m, note, sizeof note)))
+            e = kvl_fail(e, "peer '%s' at %s: %s set-up: %s", p->name, where, mv->label,
+                         kvl_last_error());
+        else
+            a->stream->set_mover(ep, mv, m, note);
+    }
+    return e;
+}

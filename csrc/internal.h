@@ -442,6 +442,16 @@ int kvl_conn_send_frame(kvl_conn *c, kvl_buf *buf);
 /* Queues a DATA frame (push) or READ_REQ (pull) for chunk ci of x. */
 int kvl_conn_send_chunk(kvl_conn *c, kvl_xfer *x, uint32_t ci);
 void kvl_conn_bind_outbound(kvl_conn *c, kvl_peer *p, int path);
+/* The initiator's half of a connection's handshake (handshake.c), on the
+ * detached endpoint ep (add_peer's helper threads, the prober; blocks until
+ * deadline, CLOCK_MONOTONIC ns): HELLO naming the mover this path wants, the
+ * challenge-response when this agent holds a secret, HELLO_ACK checked
+ * against p (its name; *instance: the one expected, 0 for any, then the one
+ * met; a control connection's region table copied into p), then the
+ * mover's set-up from local.  On an error the caller discards ep. */
+kvl_err kvl_handshake_initiate(kvl_agent *a, kvl_peer *p, kvl_ep *ep, int kind, uint16_t path,
+                               const char *local, const char *where, uint64_t deadline,
+                               uint64_t *instance);
 void kvl_conn_expire(kvl_agent *a, uint64_t now);
 int kvl_conn_sample(const kvl_conn *c, kvl_tp_sample *out);
 /* Iterates a->conns (live connections). */

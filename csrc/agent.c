@@ -191,6 +191,23 @@ static int close_drained(kvl_agent *a, uint64_t now)
     return 1;
 }
 
+/* ---- what a closing connection tells (conn.c's hooks) ---- */
+
+static void outbound_lost(kvl_conn *c, kvl_peer *p, int path, int was_ctrl, const char *why)
+{
+    kvl_notify_conn_lost(p, c);
+    if (path >= 0)
+        kvl_sched_path_down(p, (uint32_t)path, why);
+    else if (was_ctrl)
+        kvl_monitor_probe_failed(p, &p->ctrl_path, kvl_now_ns(), why);
+}
+
+static const kvl_conn_hooks agent_conn_hooks = {
+    .payload_dropped = kvl_place_payload_dropped,
+    .slot_free = kvl_place_slot_free,
+    .outbound_lost = outbound_lost,
+};
+
 /* ---- the loop's hooks: what a tick and an iteration do ---- */
 
 static void on_tick(kvl_agent *a, uint64_t now)
@@ -358,6 +375,8 @@ kvl_err kvl_agent_create(const kvl_config *cfg, kvl_agent **out)
     snprintf(a->name, sizeof a->name, "%s", cfg->name);
     a->stream = kvl_stream_default();
     a->hooks = &agent_hooks;
+    a->conn_hooks = &agent_conn_hooks;
+    a->revoke_rx = kvl_proto_revoke_rx;
     a->n_addrs = cfg->n_addrs;
     a->addrs = calloc(cfg->n_addrs, sizeof *a->addrs);
     a->ports = calloc(cfg->n_addrs, sizeof *a->ports);

@@ -302,18 +302,21 @@ int kvl_conn_send_chunk(kvl_conn *c, kvl_xfer *x, uint32_t ci)
     return kvl_conn_send_tp(c, &f);
 }
 
-void kvl_proto_on_version(kvl_conn *c, const char *why)
+void kvl_conn_send_region_table(kvl_conn *c, uint8_t type, uint32_t status, const char *msg)
 {
-    if (c->handshaken) { /* a version change mid-connection is garbage */
-        kvl_conn_fail(c, KVL_ERR_PROTOCOL, why);
+    kvl_region_info *tab = NULL;
+    size_t n = 0;
+    if (status == KVL_OK && c->kind == KVL_CONN_CONTROL &&
+        kvl_regions_snapshot(&c->a->regions, &tab, &n) != KVL_OK) {
+        kvl_conn_fail(c, KVL_ERR_NOMEM, "out of memory for the region table");
         return;
     }
-    /* tell the initiator why before hanging up: HandshakeError there, not a
-     * bare connection reset */
-    kvl_handshake_over(c);
-    c->kind = KVL_CONN_DATA;
-    kvl_proto_send_region_table(c, KVL_F_HELLO_ACK, KVL_ERR_HANDSHAKE, why);
-    tp(c)->refuse(c->ep);
+    kvl_buf b = {0};
+    kvl_frame_start(&b);
+    kvl_enc_hello_ack(&b, status, c->a->instance, c->a->name, msg, tab, n);
+    kvl_frame_finish(&b, type, 0);
+    free(tab);
+    kvl_conn_send_frame(c, &b);
 }
 
 void kvl_proto_on_error(kvl_conn *c, kvl_err err, const char *why) { kvl_conn_fail(c, err, why); }
@@ -325,17 +328,9 @@ static void conn_close(kvl_conn *c, int abortive, kvl_err err, const char *why)
         return;
     c->dead = 1;
     kvl_agent *a = c->a;
-    /* what the payload in progress held; then the transport drops its queue
-     * (releasing what queued frames held) and closes */
-    kvl_place_release_prefs(c);
-    if (c->rx) {
-        kvl_rx_done(c->rx, c->pst.chunk, c->pst.attempt, 0, 0, 0);
-        c->rx = NULL;
-    }
-    if (c->px) {
-        c->px->io_refs--;
-        c->px = NULL;
-    }
+    /* what the payload in progress held (place.c); then the transport drops
+     * its queue (releasing what queued frames held) and closes */
+    a->conn_hooks->payload_dropped(c);
     uint64_t sent = tp(c)->bytes_sent(c->ep), recv = tp(c)->bytes_recv(c->ep);
     uint64_t put = tp(c)->bytes_put(c->ep);
     /* a path whose connection still ran a mover that falls back (not fenced:
@@ -343,7 +338,7 @@ static void conn_close(kvl_conn *c, int abortive, kvl_err err, const char *why)
     int mover_died = c->outbound && c->path >= 0 && !atomic_load(&a->closing) &&
                      (mover_caps(c) & KVL_MV_FALLS_BACK);
     tp(c)->close(c->ep, abortive);
-    kvl_place_rx_release(c); /* after close: no I/O thread writes into the slot any more */
+    a->conn_hooks->slot_free(c); /* after close: no I/O thread writes into its slot any more */
     if (c->ib)
         c->ib->conns--;
     if (c->accepted)
@@ -351,7 +346,7 @@ static void conn_close(kvl_conn *c, int abortive, kvl_err err, const char *why)
     if (c->accepted && !c->handshaken)
         a->n_preauth--;
     if (c->outbound) {
-        kvl_notify_conn_lost(c->peer, c);
+        int was_ctrl = 0;
         if (c->path >= 0) {
             kvl_path *pa = &c->peer->paths[c->path];
             pa->bytes_sent_prev += sent;
@@ -364,11 +359,11 @@ static void conn_close(kvl_conn *c, int abortive, kvl_err err, const char *why)
                                  kvl_now_ns() + KVL_MOVER_FALLBACK_MS * 1000000ull,
                                  __ATOMIC_RELAXED);
             }
-            kvl_sched_path_down(c->peer, (uint32_t)c->path, why);
         } else if (c->peer->ctrl == c) {
             c->peer->ctrl = NULL;
-            kvl_monitor_probe_failed(c->peer, &c->peer->ctrl_path, kvl_now_ns(), why);
+            was_ctrl = 1;
         }
+        a->conn_hooks->outbound_lost(c, c->peer, c->path, was_ctrl, why);
     }
     /* unlink now, free at the end of the engine iteration */
     if (c->prev)

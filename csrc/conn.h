@@ -114,6 +114,6 @@ void kvl_place_rx_release(kvl_conn *c);
  * right now (transport.h, revocation).  Only asked when some copy of the
  * transfer is placing, so a flood of frames costs no walk. */
 void kvl_place_revoke_others(kvl_conn *self, kvl_rx_xfer *rx, kvl_xfer *px, uint32_t chunk);
-void kvl_proto_send_region_table(kvl_conn *c, uint8_t type, uint32_t status, const char *msg);
+void kvl_conn_send_region_table(kvl_conn *c, uint8_t type, uint32_t status, const char *msg);
 
 #endif

@@ -29,7 +29,7 @@ static void refuse_hello(kvl_conn *c, const kvl_msg_hello *m, uint32_t status, c
 {
     c->kind = m->kind;
     kvl_handshake_over(c); /* answered: the handshake timeout no longer applies */
-    kvl_proto_send_region_table(c, KVL_F_HELLO_ACK, status, why);
+    kvl_conn_send_region_table(c, KVL_F_HELLO_ACK, status, why);
     tp(c)->refuse(c->ep);
 }
 
@@ -246,7 +246,7 @@ static void admit(kvl_conn *c, const kvl_msg_hello *hello)
         }
     }
     c->mover_due = status == KVL_OK && mv && (mv->caps & KVL_MV_OFFER) ? mv : NULL;
-    kvl_proto_send_region_table(c, KVL_F_HELLO_ACK, status, msg);
+    kvl_conn_send_region_table(c, KVL_F_HELLO_ACK, status, msg);
     if (status != KVL_OK)
         tp(c)->refuse(c->ep); /* nothing behind a refused HELLO is read */
 }
@@ -265,6 +265,20 @@ void kvl_handshake_on_mover_offer(kvl_conn *c)
     }
     c->mover_due = NULL;
     mv->answer(c->a, c->ep, c->body + 1, c->h->body_len - 1, c->a->secret_len != 0);
+}
+
+void kvl_proto_on_version(kvl_conn *c, const char *why)
+{
+    if (c->handshaken) { /* a version change mid-connection is garbage */
+        kvl_conn_fail(c, KVL_ERR_PROTOCOL, why);
+        return;
+    }
+    /* tell the initiator why before hanging up: HandshakeError there, not a
+     * bare connection reset */
+    kvl_handshake_over(c);
+    c->kind = KVL_CONN_DATA;
+    kvl_conn_send_region_table(c, KVL_F_HELLO_ACK, KVL_ERR_HANDSHAKE, why);
+    tp(c)->refuse(c->ep);
 }
 
 /* ---- the initiator's half (on a detached endpoint, blocking) ---- */

@@ -399,7 +399,7 @@ void kvl_rx_end(kvl_agent *a, uint64_t instance, const kvl_msg_status *m)
     kvl_rx_xfer *r = find(a, instance, m->xfer);
     if (!r && !(r = entry_new(a, instance, m->xfer)))
         return; /* at the limit: a late copy then finds no entry and is refused */
-    kvl_proto_revoke_rx(a, r); /* nothing lands once the handle says it is over */
+    a->revoke_rx(a, r); /* nothing lands once the handle says it is over */
     if (r->h) {
         if (m->status != KVL_OK)
             inx_fail(r->h, m->status > 0 && m->status <= KVL_ERR_MAX ? m->status
@@ -421,7 +421,7 @@ void kvl_rx_expire(kvl_agent *a, uint64_t now)
         if (!r->ended && r->deadline_ns && now > r->deadline_ns + END_GRACE_NS) {
             /* the sender's END never came: the push is over here too, and
              * no late copy may land once the handle says it failed */
-            kvl_proto_revoke_rx(a, r);
+            a->revoke_rx(a, r);
             if (r->h) {
                 inx_fail(r->h, KVL_ERR_DEADLINE,
                          "push %llu from this sender passed its deadline without finishing",

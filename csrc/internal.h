@@ -326,6 +326,7 @@ enum {
     KVL_CMD_REGIONS = 7        /* no peer: this agent's regions changed (movers re-map) */
 };
 
+struct kvl_rx_xfer;
 struct kvl_agent {
     kvl_config cfg;            /* addrs copied below; secret copied to secret[] */
     char name[KVL_NAME_MAX];
@@ -337,6 +338,9 @@ struct kvl_agent {
     uint64_t instance;
     const kvl_stream_ops *stream; /* every connection's (transport/registry.c) */
     const struct kvl_loop_hooks *hooks; /* what the engine thread's loop runs (agent.c) */
+    const struct kvl_conn_hooks *conn_hooks; /* what a closing connection tells (agent.c) */
+    /* inbound.c: the copies still placing a push's chunks stop (place.c) */
+    void (*revoke_rx)(kvl_agent *a, struct kvl_rx_xfer *r);
     void *tp_state;            /* the transport's own (TCP: its I/O threads) */
     kvl_regions regions;
     int epfd, wakefd;
@@ -442,6 +446,23 @@ int kvl_conn_send_frame(kvl_conn *c, kvl_buf *buf);
 /* Queues a DATA frame (push) or READ_REQ (pull) for chunk ci of x. */
 int kvl_conn_send_chunk(kvl_conn *c, kvl_xfer *x, uint32_t ci);
 void kvl_conn_bind_outbound(kvl_conn *c, kvl_peer *p, int path);
+/* What conn.c tells the modules above it when a connection closes (engine
+ * thread), registered by the agent at create so that conn.c calls none of
+ * them by name. */
+typedef struct kvl_conn_hooks {
+    /* Before the stream closes: let go of what the payload in progress holds
+     * (ownership of its chunk, the regions it reads, its transfer). */
+    void (*payload_dropped)(kvl_conn *c);
+    /* After the stream closed (no I/O thread writes any more): its slot. */
+    void (*slot_free)(kvl_conn *c);
+    /* An outbound connection of p is gone (path: its index, or -1 for a
+     * control connection; was_ctrl: it was p's control connection; why: the
+     * reason): notifications move, the path goes down and is re-probed. */
+    void (*outbound_lost)(kvl_conn *c, kvl_peer *p, int path, int was_ctrl, const char *why);
+} kvl_conn_hooks;
+/* place.c's payload_dropped and slot_free hooks. */
+void kvl_place_payload_dropped(kvl_conn *c);
+void kvl_place_slot_free(kvl_conn *c);
 /* The initiator's half of a connection's handshake (handshake.c), on the
  * detached endpoint ep (add_peer's helper threads, the prober; blocks until
  * deadline, CLOCK_MONOTONIC ns): HELLO naming the mover this path wants, the

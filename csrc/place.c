@@ -215,3 +215,18 @@ int kvl_proto_payload_live(kvl_conn *c)
         return 0;
     return !c->rx || kvl_rx_owns(c->rx, c->pst.chunk, c->pst.attempt);
 }
+
+void kvl_place_payload_dropped(kvl_conn *c)
+{
+    kvl_place_release_prefs(c);
+    if (c->rx) {
+        kvl_rx_done(c->rx, c->pst.chunk, c->pst.attempt, 0, 0, 0);
+        c->rx = NULL;
+    }
+    if (c->px) {
+        c->px->io_refs--;
+        c->px = NULL;
+    }
+}
+
+void kvl_place_slot_free(kvl_conn *c) { kvl_place_rx_release(c); }

@@ -25,23 +25,6 @@ static void send_status(kvl_conn *c, uint8_t type, const kvl_msg_status *st, kvl
     kvl_conn_send_tp(c, f);
 }
 
-void kvl_proto_send_region_table(kvl_conn *c, uint8_t type, uint32_t status, const char *msg)
-{
-    kvl_region_info *tab = NULL;
-    size_t n = 0;
-    if (status == KVL_OK && c->kind == KVL_CONN_CONTROL &&
-        kvl_regions_snapshot(&c->a->regions, &tab, &n) != KVL_OK) {
-        kvl_conn_fail(c, KVL_ERR_NOMEM, "out of memory for the region table");
-        return;
-    }
-    kvl_buf b = {0};
-    kvl_frame_start(&b);
-    kvl_enc_hello_ack(&b, status, c->a->instance, c->a->name, msg, tab, n);
-    kvl_frame_finish(&b, type, 0);
-    free(tab);
-    kvl_conn_send_frame(c, &b);
-}
-
 /* MOVER_KEYS: the peer's mover mapped regions registered after its set-up
  * (docs/ucx.md step 3).  For a mover it has gone since (fenced, dropped) the
  * keys have nothing to go with. */
@@ -402,7 +385,7 @@ void kvl_proto_on_frame(kvl_conn *c, const kvl_frame_hdr *h, const uint8_t *body
     else if (t == KVL_F_NOTIFY && !c->outbound)
         on_notify(c);
     else if (t == KVL_F_REGIONS_REQ && in_ctrl)
-        kvl_proto_send_region_table(c, KVL_F_REGIONS, KVL_OK, "");
+        kvl_conn_send_region_table(c, KVL_F_REGIONS, KVL_OK, "");
     else if (t == KVL_F_REGIONS && out_ctrl)
         on_regions(c);
     else if (t == KVL_F_PING && !c->outbound)

@@ -14,8 +14,6 @@ extern const kvl_stream_ops kvl_tcp_stream;
 extern const kvl_mover_ops kvl_shm_mover;
 extern const kvl_mover_ops kvl_ucx_mover;
 
-const uint8_t kvl_zeros[256u << 10];
-
 /* In preference order. */
 static const kvl_mover_ops *const movers[] = {&kvl_ucx_mover, &kvl_shm_mover};
 

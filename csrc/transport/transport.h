@@ -358,10 +358,6 @@ kvl_err kvl_movers_usable(const kvl_config *cfg, uint32_t secret_len);
  * kvl_mover_choose returns for every data path. */
 void kvl_mover_force(const kvl_mover_ops *ops);
 
-/* 256 KiB of zeros: what a cancelled copy sends or names instead of memory
- * that may be let go of. */
-extern const uint8_t kvl_zeros[256u << 10];
-
 /* ---- what the core offers a transport (proto.c, engine.c) ---- */
 
 /* A listener accepted ep: the core's connection for it, or NULL (then the

@@ -73,10 +73,11 @@ struct kvl_out {
     kvl_stage_buf *slot;   /* f.stage: the host slot the payload was gathered into (stage_out) */
 };
 
-/* A cancelled DATA frame's remaining payload is sent from kvl_zeros: the
- * stream must stay whole, and the receiver drains the bytes (its chunk is
- * settled). */
-#define zeros kvl_zeros
+/* A cancelled DATA frame's remaining payload is sent from here, and a
+ * receiver-pulled one's cover names it instead of memory that may be let go
+ * of: the stream must stay whole, and the receiver drains the bytes (its
+ * chunk is settled). */
+static const uint8_t zeros[256u << 10];
 
 static void tcp_mover_failed(kvl_ep *ep, const char *why);
 static void tcp_set_mover(kvl_ep *ep, const kvl_mover_ops *ops, kvl_mover *m,

@@ -780,3 +780,24 @@ def make_plan(
         return chunks, pieces, int(plan.chunk_target), int(plan.n_layers)
     finally:
         lib.kvl_plan_free(plan)
+
+
+# ---- benchmarks ----------------------------------------------------------------
+
+
+def bench_tcp_move(
+    fds: Sequence[int], buf: Any, send: bool, timeout_s: float
+) -> tuple[float, float]:
+    """kvl_bench_tcp_move: the plain-TCP baseline of ``kvlink-bench tcp-limit`` moves the
+    writable buffer ``buf`` over the connected blocking sockets ``fds``, one slice and one
+    thread each; returns (wall seconds, CPU seconds of those threads).
+
+    Raises:
+        KvlinkError: a socket failed or moved nothing for ``timeout_s`` (the message says
+            which), or the peer closed early.
+    """
+    arr = ffi.new("int[]", list(fds))
+    cbuf = ffi.from_buffer(buf, require_writable=not send)
+    out = ffi.new("kvl_bench_tcp_result *")
+    check(lib.kvl_bench_tcp_move(arr, len(fds), cbuf, len(cbuf), int(send), _ms(timeout_s), out))
+    return out.wall_ns / 1e9, out.cpu_ns / 1e9

@@ -598,6 +598,28 @@ kvl_err kvl_cuda_load_lib(const char *const *libs, size_t n);
  * Does not block; thread-safe. */
 kvl_err kvl_cuda_pci_bus_id(int32_t device, char *out, size_t len);
 
+/* ---- benchmarks ----------------------------------------------------------- */
+
+/* What kvl_bench_tcp_move measured. */
+typedef struct kvl_bench_tcp_result {
+    uint64_t wall_ns;      /* the first thread's start to the last one's end */
+    uint64_t cpu_ns;       /* user + system time of the moving threads, summed */
+    uint64_t bytes;        /* bytes moved: len */
+} kvl_bench_tcp_result;
+
+/* The plain-TCP baseline of `kvlink-bench tcp-limit` (csrc/bench_tcp.c):
+ * moves [buf, buf+len) over the n connected blocking sockets fds[0..n),
+ * slice i (len/n bytes; the last one takes the rest) over fds[i], one thread
+ * per socket, with plain send or recv: no framing, no checksum.  send_side 1
+ * sends, then waits for one byte back on each socket (the receiver has all
+ * of it); 0 receives, then sends that byte.  A socket that moves nothing for
+ * timeout_ms fails the call (KVL_ERR_SYSTEM); a peer that closes early,
+ * KVL_ERR_CONN_LOST.  fds stay the caller's and open (their SO_RCVTIMEO and
+ * SO_SNDTIMEO set to timeout_ms); buf is borrowed for the call.  Blocks until
+ * every slice moved or one failed; thread-safe. */
+kvl_err kvl_bench_tcp_move(const int *fds, uint32_t n, void *buf, uint64_t len, int send_side,
+                           uint32_t timeout_ms, kvl_bench_tcp_result *out);
+
 #ifdef __cplusplus
 }
 #endif

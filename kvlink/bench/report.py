@@ -183,7 +183,8 @@ class Reporter:
 
         t = Table(title="kvlink-bench (GB/s = 1e9 bytes/s)")
         for col in ("tool", "op", "size", "chunk", "conc", "GB/s", "limit GB/s", "% limit",
-                    "first layer", "p50", "p99", "CPU cores", "per path GB/s"):  # fmt: skip
+                    "first layer", "p50", "p99", "CPU cores", "CPU s/GiB",
+                    "per path GB/s"):  # fmt: skip
             t.add_column(col)
         for r in self.rows:
             ratio = r.get("ratio_to_limit")
@@ -200,6 +201,7 @@ class Reporter:
                 f"{r['p50_s'] * 1e3:.1f} ms" if r.get("p50_s") else "-",
                 f"{r['p99_s'] * 1e3:.1f} ms" if r.get("p99_s") else "-",
                 f"{r['cpu_cores']:.2f}" if r.get("cpu_cores") is not None else "-",
+                f"{r['cpu_s_per_gib']:.3f}" if r.get("cpu_s_per_gib") is not None else "-",
                 " ".join(f"{v:.2f}" for v in r.get("per_path_gbps", {}).values()) or "-",
             )
         self.console.print(t)

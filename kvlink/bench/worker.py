@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -34,6 +34,9 @@ from kvlink import kv
 
 from . import measure
 from .protocol import ChildProcess, WorkerError, serve_lines
+
+if TYPE_CHECKING:
+    from .tcp_limit import Receiver
 
 # Counters of paths() whose change over one transfer ``wait`` reports.
 _DELTA_FIELDS = ("bytes_sent", "chunks_done", "hedges", "reconnects")
@@ -52,6 +55,7 @@ class Agents:
         self.regions: dict[str, kvlink.Region] = {}
         self.xfers: dict[int, tuple[kvlink.Transfer, str, list[dict[str, Any]]]] = {}
         self.armed: tuple[float, float, float] | None = None
+        self.receiver: Receiver | None = None
 
     def _agent(self, name: str | None) -> tuple[str, kvlink.Agent]:
         if name is None:
@@ -349,6 +353,25 @@ class Agents:
 
     def read(self, key: str, offset: int, nbytes: int) -> dict[str, Any]:
         return {"hex": self.bufs[key][offset : offset + nbytes].tobytes().hex()}
+
+    # ---- the tcp-limit baseline (kvlink/bench/tcp_limit.py) ----------------------------
+
+    def tcp_limit_listen(self, key: str, hosts: list[str], nbytes: int) -> dict[str, Any]:
+        """Listens on each of ``hosts``; a thread then receives the first ``nbytes`` of buffer
+        ``key`` over one connection to each (the baseline's plain TCP); answers the ports."""
+        from .tcp_limit import Receiver
+
+        if self.receiver is not None:
+            raise ValueError("tcp_limit_listen: the previous move's result was not taken")
+        self.receiver = Receiver(hosts, self.bufs[key][:nbytes])
+        return {"ports": self.receiver.ports}
+
+    def tcp_limit_result(self, timeout_s: float) -> dict[str, Any]:
+        """Waits for the move :meth:`tcp_limit_listen` started: its wall and CPU seconds."""
+        if self.receiver is None:
+            raise ValueError("tcp_limit_result before tcp_limit_listen")
+        rx, self.receiver = self.receiver, None
+        return rx.result(timeout_s)
 
     # ---- clocks ------------------------------------------------------------------------
 

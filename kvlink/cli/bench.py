@@ -5,6 +5,8 @@ Subcommands:
              over 4 loopback paths, every byte verified, beside baselines taken in the
              same run (iperf3 on the same paths, memcpy on this machine)
   loopback   serve + run as two processes on this machine over N loopback paths
+  tcp-limit  kvlink's TCP data path over N loopback paths against plain TCP (N
+             connections, a native thread each side, no framing, no crc) in the same run
   testbed    the same across the emulated multi-NIC testbed (root; reuses testbed
              --tag as it is if it is up, else builds it and removes it afterwards)
   serve      the target side on this host (prints its bootstrap endpoint)
@@ -19,6 +21,7 @@ same paths) when --compare includes iperf3 (the default for loopback/testbed).
 Examples:
   kvlink-bench loopback --paths 4 --size 16MiB,256MiB,1GiB --iters 5
   kvlink-bench testbed --links 4 --rate 2gbit --size 20MB,1GiB --json
+  kvlink-bench tcp-limit --paths 4 --size 1GiB --iters 5 --io-threads auto
   kvlink-bench loopback --size 16MiB --concurrency 64 --op pull
   kvlink-bench serve --nics eth2,eth3 --size 4GiB --bootstrap 0.0.0.0:18515
   kvlink-bench run --connect host:18515 --nics eth2,eth3 --size 1GiB
@@ -109,6 +112,13 @@ def int_range(lo: int, hi: int | None = None) -> Callable[[str], int]:
 
     parse.__name__ = "int"  # how argparse names the type in "invalid int value"
     return parse
+
+
+def io_threads_arg(text: str) -> str:
+    """argparse type: Config.io_threads as text, "auto" or 0..64."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    return str(int_range(0, 64)(text))
 
 
 def _show(name: str, value: Any) -> str:
@@ -227,6 +237,36 @@ def build_parser(prog: str = "kvlink-bench") -> argparse.ArgumentParser:
         help=f"loopback paths, 1 to {MAX_PATHS} {_quick_note('paths')}",
     )
     common(lo)
+    tl = sub.add_parser("tcp-limit", help="kvlink's TCP data path against plain TCP",
+                        description="kvlink (KVLINK_TRANSPORT=tcp) between two processes over N "
+                        "loopback paths against the tcp-limit baseline: N TCP connections "
+                        "between the same two processes, one native thread each side moving "
+                        "its own slice of the same memory, no framing, no crc. Rounds "
+                        "alternate the two; each kvlink row has its round's baseline as its "
+                        "limit; CPU is both processes' (cpu_s, cpu_s_per_gib). Throughput in "
+                        "GB/s (1e9 bytes/s).")  # fmt: skip
+    tl.add_argument("--paths", type=int_range(1, MAX_PATHS), default=None,
+                    help=f"loopback paths and baseline connections, 1 to {MAX_PATHS} "
+                    f"{_quick_note('paths')}")  # fmt: skip
+    tl.add_argument("--size", type=size_list, default=None, metavar="SIZES",
+                    help=f"bytes each move carries, comma-separated {_quick_note('size')}")
+    tl.add_argument("--iters", type=int_range(1), default=None,
+                    help=f"timed rounds per size, each one baseline move and one kvlink push "
+                    f"{_quick_note('iters')}")  # fmt: skip
+    tl.add_argument("--warmup", type=int_range(0), default=None,
+                    help=f"untimed rounds before them {_quick_note('warmup')}")
+    tl.add_argument("--io-threads", type=io_threads_arg, default=None, metavar="N",
+                    help="kvlink's Config.io_threads on both sides: auto or a count "
+                    "(default: KVLINK_IO_THREADS, else auto)")  # fmt: skip
+    tl.add_argument("--no-verify", action="store_true",
+                    help="skip the byte check after each move (default: check)")
+    tl.add_argument("--json", action="store_true",
+                    help="one JSON object per result line, gbps in GB/s (default: a table)")
+    tl.add_argument("--csv", metavar="FILE", default=None,
+                    help="also write the results as CSV (default: none)")
+    tl.add_argument("--quick", action="store_true",
+                    help="a tiny run for smoke tests: changes the defaults of --size, --iters, "
+                    "--warmup and --paths, never a flag given explicitly (default: off)")
     tb = sub.add_parser(
         "testbed", help="across the emulated multi-NIC testbed (root)",
         description="kvlink across the emulated multi-NIC testbed (root); throughput in GB/s "
@@ -366,6 +406,8 @@ def spec_from(args: argparse.Namespace) -> RunSpec:
 
 
 def check_args(args: argparse.Namespace) -> str | None:
+    if args.command == "tcp-limit":
+        return None
     if args.mem == "cuda" and args.command != "loopback":
         return (
             f"--mem cuda: GPU memory is measured by `kvlink-bench loopback --mem cuda` (both "
@@ -523,6 +565,40 @@ def cmd_loopback(args: argparse.Namespace, rep: Reporter) -> int:
 
     for r in [*with_limit(rows, limit), *run_peers(args, rep, Where(), limit)]:
         rep.result(r)
+    return 0
+
+
+def cmd_tcp_limit(args: argparse.Namespace, rep: Reporter) -> int:
+    from ..bench import tcp_limit
+
+    # The command measures kvlink's TCP transport: both agents (this one, serve's) take it.
+    os.environ["KVLINK_TRANSPORT"] = "tcp"
+    if args.io_threads is not None:
+        os.environ["KVLINK_IO_THREADS"] = args.io_threads
+    if err := check_environment():
+        raise UsageError(err)
+    nics = f"loopback:{args.paths}"
+    rows: list[dict[str, Any]] = []
+    with spawn_serve([], nics, max(args.size), "127.0.0.1") as endpoint:
+        for size in args.size:
+            for r in tcp_limit.run(endpoint, args.paths, size, args.iters, args.warmup,
+                                   not args.no_verify, rep.progress):  # fmt: skip
+                rows.append(r)
+                rep.result(r)
+    for size in args.size:
+        kv = [r for r in rows if r["tool"] == "kvlink" and r["size_bytes"] == size]
+        base = [r for r in rows if r["tool"] == "tcp-limit" and r["size_bytes"] == size]
+
+        def span(rs: list[dict[str, Any]], key: str) -> str:
+            xs = sorted(r[key] for r in rs)
+            return f"{xs[0]:.2f}-{xs[-1]:.2f} (median {statistics.median(xs):.2f})"
+
+        rep.note(
+            f"{measure.fmt_size(size)} over {args.paths} paths, {len(kv)} rounds: "
+            f"kvlink/tcp-limit {span(kv, 'ratio_to_limit')} x; GB/s kvlink "
+            f"{span(kv, 'gbps')}, tcp-limit {span(base, 'gbps')}; CPU s/GiB kvlink "
+            f"{span(kv, 'cpu_s_per_gib')}, tcp-limit {span(base, 'cpu_s_per_gib')}"
+        )
     return 0
 
 
@@ -739,11 +815,12 @@ def _main(argv: Sequence[str] | None, prog: str) -> int:
         return 2
     if args.command != "run":  # `run` meets a `serve` started apart: the user gives both theirs
         share_run_secret()
-    rep = Reporter(args.command, args.json, args.csv, args.plot)
+    rep = Reporter(args.command, args.json, args.csv, getattr(args, "plot", None))
     rep.run = run_info(prog, argv)
     rep.scenario_of = lambda row: scenario_name(args, row)
     try:
-        fn = {"loopback": cmd_loopback, "testbed": cmd_testbed, "run": cmd_run}[args.command]
+        fn = {"loopback": cmd_loopback, "testbed": cmd_testbed, "run": cmd_run,
+              "tcp-limit": cmd_tcp_limit}[args.command]  # fmt: skip
         rc = fn(args, rep)
     except UsageError as exc:
         rep.stop()

@@ -51,6 +51,34 @@ def test_loopback_quick_json():
         pytest.fail("iperf3 is required in CI for the limit measurement")
 
 
+def test_tcp_limit_quick_json():
+    """Each round: the plain-TCP baseline, then kvlink over TCP divided by it."""
+    out = bench("tcp-limit", "--quick", "--json", "--iters", "2", "--io-threads", "1")
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    (note,) = [r["note"] for r in rows if "note" in r]
+    assert "kvlink/tcp-limit" in note and "CPU s/GiB" in note
+    rows = [r for r in rows if "note" not in r]
+    assert [(r["tool"], r["round"]) for r in rows] == [
+        ("tcp-limit", 0), ("kvlink", 0), ("tcp-limit", 1), ("kvlink", 1)
+    ]  # fmt: skip
+    for base, kv in (rows[0:2], rows[2:4]):
+        for r in (base, kv):
+            assert set(r) >= FIELDS | {"cpu_s_per_gib", "cpu_cores"}, FIELDS - set(r)
+            assert r["size_bytes"] == 16 << 20 and r["paths"] == 2 and r["verified"] is True
+            assert r["gbps"] > 0 and r["cpu_s"] > 0
+            assert r["cpu_s_per_gib"] == pytest.approx(r["cpu_s"] * (1 << 30) / r["size_bytes"])
+        assert kv["transports"] == ["tcp"]
+        assert kv["limit_gbps"] == base["gbps"] and base["ratio_to_limit"] == 1.0
+        assert kv["ratio_to_limit"] == pytest.approx(kv["gbps"] / base["gbps"])
+
+
+def test_tcp_limit_refuses_a_bad_io_threads():
+    out = bench("tcp-limit", "--quick", "--io-threads", "many")
+    assert out.returncode == 2
+    assert "--io-threads" in out.stderr
+
+
 def test_pull_with_concurrency():
     out = bench(
         "loopback", "--quick", "--json", "--op", "pull", "--concurrency", "4", "--compare", "none"

@@ -39,7 +39,7 @@
 #include "../../internal.h"
 #include "tcp.h"
 
-#define IO_BATCH (2u << 20)  /* bytes per syscall: fewer wakeups, and the crc pass still hits L2 */
+#define IO_BATCH (2u << 20)  /* bytes per receive wakeup (SO_RCVLOWAT): fewer wakeups */
 #define IO_BUDGET (8u << 20) /* bytes per readiness event before serving others */
 #define MAX_IOV 64
 #define PULL_BATCH (512u << 10) /* bytes per mover pull (a same-host copy): crc from L2 */
@@ -72,6 +72,26 @@ struct kvl_out {
     size_t cov_len, cov_sent;
     kvl_stage_buf *slot;   /* f.stage: the host slot the payload was gathered into (stage_out) */
 };
+
+/* Payload bytes per send or read syscall: one L2 cache's worth, so the crc32c
+ * pass right after the syscall finds them there (256 KiB..IO_BATCH).  On AMD
+ * Zen 3 (512 KiB L2) a 2 MiB batch was crc'd from L3, ~25% slower in perf;
+ * where L2 is 2 MiB, 2 MiB batches measured faster than 512 KiB
+ * (docs/BENCHMARKS.md, docs/data/tcp-limit.md). */
+static size_t crc_batch(void)
+{
+    static size_t batch; /* every thread computes the same value */
+    size_t b = __atomic_load_n(&batch, __ATOMIC_RELAXED);
+    if (!b) {
+        long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+        if (l2 <= 0 || l2 > (long)IO_BATCH) /* 0 or -1: not known */
+            b = IO_BATCH;
+        else
+            b = l2 < (256l << 10) ? 256u << 10 : (size_t)l2;
+        __atomic_store_n(&batch, b, __ATOMIC_RELAXED);
+    }
+    return b;
+}
 
 /* A cancelled DATA frame's remaining payload is sent from here, and a
  * receiver-pulled one's cover names it instead of memory that may be let go
@@ -389,10 +409,11 @@ static int out_iov(kvl_out *o, struct iovec *v)
     } else if (o->payload_sent < o->f.payload_len) {
         int idx = o->iov_idx;
         size_t off = o->iov_off;
-        while (n < MAX_IOV && idx < o->f.n_payload && want < IO_BATCH) {
+        size_t batch = crc_batch();
+        while (n < MAX_IOV && idx < o->f.n_payload && want < batch) {
             size_t len = o->f.payload[idx].iov_len - off;
-            if (len > IO_BATCH - want)
-                len = IO_BATCH - want;
+            if (len > batch - want)
+                len = batch - want;
             v[n].iov_base = (uint8_t *)o->f.payload[idx].iov_base + off;
             v[n++].iov_len = len;
             want += len;
@@ -783,7 +804,7 @@ static ssize_t read_payload(kvl_ep *ep, const struct iovec *dst, int ndst, int l
         v[0].iov_len = len < scratch_len ? len : scratch_len;
         n = 1;
     } else {
-        n = sink_batch(ep, dst, ndst, IO_BATCH, v);
+        n = sink_batch(ep, dst, ndst, crc_batch(), v);
     }
     ssize_t got = readv(ep->fd, v, n);
     if (got <= 0)

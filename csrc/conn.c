@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "conn.h"
+#include "conn_impl.h"
 
 
 kvl_conn *kvl_conn_new(kvl_agent *a, kvl_ep *ep)

@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "conn.h"
+#include "conn_impl.h"
 
 
 /* An accepted connection answered its HELLO (admitted or refused): it no

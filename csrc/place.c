@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "conn.h"
+#include "conn_impl.h"
 
 
 /* ---- receive helpers ---- */

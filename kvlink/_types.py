@@ -195,7 +195,8 @@ class PathInfo:
     hedges: int  # straggler copies sent on this path
     t_down_ns: int  # CLOCK_MONOTONIC time it last left service, STALLED or DOWN (0: never)
     last_error: str
-    transport: str = "tcp"  # what carries this path's payload: "tcp" (or "ucx", docs/ucx.md)
+    # what carries this path's payload: "tcp", "shm", "ucx" (docs/ucx.md), or "fault" (tests)
+    transport: str = "tcp"
     transport_note: str = ""  # why this transport (Config.transport "auto": why not UCX)
     bytes_put: int = 0  # payload moved by UCX put: pushed (of bytes_sent) or pulled (of bytes_recv)
     numa_node: int = -1  # NUMA node of the local NIC (sysfs); -1: unknown (loopback, virtual)

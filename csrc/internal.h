@@ -616,8 +616,10 @@ void kvl_rx_expire(kvl_agent *a, uint64_t now);
 void kvl_rx_forget_sender(kvl_agent *a, uint64_t sender);
 void kvl_rx_free_all(kvl_agent *a);
 /* proto.c: every copy placing a chunk of r stops placing before this
- * returns (the handle is about to report a failure). */
-void kvl_proto_revoke_rx(kvl_agent *a, kvl_rx_xfer *r);
+ * returns (the handle is about to report a failure).  silent: the sender's
+ * END never came, so writes of r it posted on a one-sided path may still
+ * land: every such path from it is fenced too. */
+void kvl_proto_revoke_rx(kvl_agent *a, kvl_rx_xfer *r, int silent);
 
 /* ---- sha256.c ---- */
 #define KVL_SHA256_BYTES 32

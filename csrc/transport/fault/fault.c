@@ -477,20 +477,35 @@ static kvl_err link_new(fault_link **out)
     return KVL_OK;
 }
 
-/* Takes e off its link (l->mu and links_mu held): its queued writes are
- * cancelled; the last end stops the worker (joined by the caller). */
+/* e's end closes (l->mu held): its queued writes are cancelled, and the
+ * peer's into its memory fail at once (as a queue pair in error completes
+ * them with an error): the peer's ready / wait say -1 and its stream wakes. */
+static void end_close(fault_end *e, const char *why)
+{
+    fault_link *l = e->l;
+    fault_end *peer = l->end[1 - e->side];
+    int failed = 0;
+    while (l->q) { /* every job is ours, or the peer's into our memory */
+        fjob *j = l->q;
+        failed |= j->from != e->side;
+        l->q = j->next;
+        job_free(j);
+    }
+    if (failed && peer) {
+        uint64_t one = 1;
+        end_break(peer, why);
+        if (write(peer->efd, &one, sizeof one) < 0 && errno != EAGAIN)
+            end_break(peer, "eventfd write failed");
+    }
+    pthread_cond_broadcast(&l->cv);
+}
+
+/* Takes e off its link (l->mu and links_mu held); the last end stops the
+ * worker (joined by the caller). */
 static int link_leave(fault_end *e)
 {
     fault_link *l = e->l;
-    for (fjob **pp = &l->q; *pp;) {
-        fjob *j = *pp;
-        if (j->from == e->side) {
-            *pp = j->next;
-            job_free(j);
-        } else {
-            pp = &j->next;
-        }
-    }
+    end_close(e, "the peer's end is gone: its writes were not placed");
     l->end[e->side] = NULL;
     if (--l->refs)
         return 0;
@@ -1009,15 +1024,7 @@ static void fault_fence(kvl_mover *m, const char *why)
     fault_end *e = E(m);
     fault_link *l = e->l;
     pthread_mutex_lock(&l->mu);
-    for (fjob **pp = &l->q; *pp;) {
-        fjob *j = *pp;
-        if (j->from == e->side) {
-            *pp = j->next;
-            job_free(j);
-        } else {
-            pp = &j->next;
-        }
-    }
+    end_close(e, "the peer's end was fenced: its writes were not placed");
     e->fenced = 1;
     end_break(e, "fenced");
     pthread_mutex_unlock(&l->mu);

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import kvlink
+from kvlink.bench import measure
 
 MiB = 1 << 20
 CHUNK = 64 << 10  # small chunks: many writes per transfer, so the rates bite
@@ -326,3 +327,23 @@ def test_receiver_that_gives_up_fences_writes_still_posted(make_agent, caplog):
     assert "was revoked here" in caplog.text
     with pytest.raises(kvlink.TransferError):
         push.wait(timeout_s=20.0)
+
+
+def test_offer_from_another_process_is_refused(make_agent, spawn_peer):
+    """A listener in another process refuses the offer, naming the pids: the fault
+    mover's puts are memcpy's within one process.  The paths run in-stream and the
+    push still lands, byte-exact."""
+    rx = spawn_peer("rx", nics="loopback:2", transport="fault")
+    rx.call("alloc", key="w", nbytes=N, remote_write=True, name="w")
+    tx = make_agent(
+        "tx", nics="loopback:2", transport="fault", chunk_bytes=CHUNK, min_chunk_bytes=CHUNK
+    )
+    tx.add_peer(rx.metadata)
+    for p in tx.paths():
+        assert p.transport == "tcp", p
+        assert "only within one process" in p.transport_note, p.transport_note
+    src = pattern(N, 8)
+    tx.register(src)
+    tx.push("rx", src=src, dst="w").wait(timeout_s=TIMEOUT_S)
+    assert rx.call("digest", key="w")["digest"] == measure.digest(src)
+    assert sum(p.bytes_put for p in tx.paths()) == 0

@@ -205,7 +205,11 @@ def test_faulty_writes_never_complete_wrong(make_agent, caplog, kind):
         assert crc_retries > 0, retries  # refused by the receiver's crc, then retried
     if kind in ("dup", "delay"):
         assert retries == 0, caplog.text[-2000:]  # slow or twice, but right: no retry
-    assert all(p.transport == "fault" for p in tx.paths())
+    paths = tx.paths()
+    assert all(p.transport == "fault" for p in paths)
+    # the core reads the mover's KVL_MV_NO_HEDGE, not its name: no copy of a chunk
+    # goes onto or off these paths while another is in flight
+    assert sum(p.hedges for p in paths) == 0, [p.hedges for p in paths]
     counts = settle_faults(tx, caplog)
     for k in WANTED[kind]:
         assert counts[k] > 0, (k, counts)

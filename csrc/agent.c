@@ -272,9 +272,12 @@ static kvl_err check_config(const kvl_config *cfg)
                         KVL_MAX_IO_THREADS, cfg->io_threads);
     if (!cfg->max_connections)
         return kvl_fail(KVL_ERR_INVALID_ARG, "config.max_connections must be positive");
-    if (cfg->transport > KVL_TRANSPORT_UCX)
-        return kvl_fail(KVL_ERR_INVALID_ARG, "config.transport must be 0..2 (got %u)",
+    if (cfg->transport > KVL_TRANSPORT_FAULT)
+        return kvl_fail(KVL_ERR_INVALID_ARG, "config.transport must be 0..3 (got %u)",
                         cfg->transport);
+    if (cfg->fault_spec[0] && cfg->transport != KVL_TRANSPORT_FAULT)
+        return kvl_fail(KVL_ERR_INVALID_ARG,
+                        "config.fault_spec is for transport 3 (fault, tests only): clear it");
     kvl_err me = kvl_movers_usable(cfg, (uint32_t)cfg->secret_len);
     if (me)
         return me;

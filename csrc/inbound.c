@@ -399,7 +399,9 @@ void kvl_rx_end(kvl_agent *a, uint64_t instance, const kvl_msg_status *m)
     kvl_rx_xfer *r = find(a, instance, m->xfer);
     if (!r && !(r = entry_new(a, instance, m->xfer)))
         return; /* at the limit: a late copy then finds no entry and is refused */
-    a->revoke_rx(a, r); /* nothing lands once the handle says it is over */
+    /* nothing lands once the handle says it is over (END comes only once the
+     * sender's one-sided writes are complete or fenced: transport.h) */
+    a->revoke_rx(a, r, 0);
     if (r->h) {
         if (m->status != KVL_OK)
             inx_fail(r->h, m->status > 0 && m->status <= KVL_ERR_MAX ? m->status
@@ -420,8 +422,9 @@ void kvl_rx_expire(kvl_agent *a, uint64_t now)
         kvl_rx_xfer *r = *pp;
         if (!r->ended && r->deadline_ns && now > r->deadline_ns + END_GRACE_NS) {
             /* the sender's END never came: the push is over here too, and
-             * no late copy may land once the handle says it failed */
-            a->revoke_rx(a, r);
+             * no late copy may land once the handle says it failed, not
+             * even a write the sender posted on a one-sided path */
+            a->revoke_rx(a, r, 1);
             if (r->h) {
                 inx_fail(r->h, KVL_ERR_DEADLINE,
                          "push %llu from this sender passed its deadline without finishing",

@@ -46,8 +46,11 @@ void kvl_rx_expire(kvl_agent *a, uint64_t now);
  * dropped, handles failed. */
 void kvl_rx_forget_sender(kvl_agent *a, uint64_t sender);
 void kvl_rx_free_all(kvl_agent *a);
-/* proto.c: every copy placing a chunk of r stops placing before this
- * returns (the handle is about to report a failure). */
-void kvl_proto_revoke_rx(kvl_agent *a, kvl_rx_xfer *r);
+/* place.c: every copy placing a chunk of r stops placing before this
+ * returns (the handle is about to report a failure).  silent: the sender's
+ * END never came, so writes of r it posted on a one-sided path may still
+ * land: every such path from it is fenced too.  (inbound.c calls it as
+ * a->revoke_rx, registered by the agent.) */
+void kvl_proto_revoke_rx(kvl_agent *a, kvl_rx_xfer *r, int silent);
 
 #endif

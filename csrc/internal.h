@@ -207,7 +207,7 @@ struct kvl_agent {
     const struct kvl_loop_hooks *hooks; /* what the engine thread's loop runs (agent.c) */
     const struct kvl_conn_hooks *conn_hooks; /* what a closing connection tells (agent.c) */
     /* inbound.c: the copies still placing a push's chunks stop (place.c) */
-    void (*revoke_rx)(kvl_agent *a, struct kvl_rx_xfer *r);
+    void (*revoke_rx)(kvl_agent *a, struct kvl_rx_xfer *r, int silent);
     void *tp_state;            /* the transport's own (TCP: its I/O threads) */
     kvl_regions regions;
     int epfd, wakefd;

@@ -39,13 +39,23 @@ void kvl_place_revoke_others(kvl_conn *self, kvl_rx_xfer *rx, kvl_xfer *px, uint
             tp(c)->revoke(c->ep);
 }
 
-void kvl_proto_revoke_rx(kvl_agent *a, kvl_rx_xfer *r)
+void kvl_proto_revoke_rx(kvl_agent *a, kvl_rx_xfer *r, int silent)
 {
-    if (!a->cfg.io_threads || !r->refs)
+    int placing = a->cfg.io_threads && r->refs;
+    if (!placing && !(silent && (kvl_movers_caps(&a->cfg) & KVL_MV_ONE_SIDED)))
         return;
-    for (kvl_conn *c = a->conns; c; c = c->next)
-        if (!c->dead && c->rx == r)
+    for (kvl_conn *c = a->conns; c; c = c->next) {
+        if (c->dead)
+            continue;
+        /* a sender gone silent may have writes of r posted on a one-sided
+         * path, whose header we may not even have read: they land without
+         * us, so revoke fences every such path from that sender */
+        if (silent && !c->outbound && c->kind == KVL_CONN_DATA && c->ib &&
+            c->ib->sender == r->instance && (mover_caps(c) & KVL_MV_ONE_SIDED))
             tp(c)->revoke(c->ep);
+        else if (placing && c->rx == r)
+            tp(c)->revoke(c->ep);
+    }
 }
 
 /* The staged payload's slot back to the pool (none: nothing). */

@@ -26,8 +26,13 @@ KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
 
-# Config.transport values (docs/ucx.md)
-_TRANSPORTS = ("auto", "tcp", "ucx")
+# Config.transport values (docs/ucx.md); "fault" is for tests only (Config.fault_mover)
+_TRANSPORTS = ("auto", "tcp", "ucx", "fault")
+
+# Config.fault_mover keys (csrc/transport/fault/fault.c): rates 0..1, times in ms, the seed
+_FAULT_RATES = ("drop", "corrupt", "dup", "late", "delay")
+_FAULT_MS = ("delay_ms", "dup_ms", "late_ms")
+_FAULT_SPEC_MAX = 127  # bytes: kvl_config.fault_spec
 
 # KVLINK_* variables that are not Config fields (read by the test suite and the
 # CLI); any other KVLINK_* name is taken for a typo and warned about.
@@ -128,6 +133,13 @@ class Config:
     # whose peer accepts the set-up (needs a cluster secret and libucp:
     # docs/ucx.md), TCP elsewhere, shm to a same-host peer.
     transport: str = "auto"
+    # Tests only, with transport="fault" (never for data that matters): what
+    # goes wrong with the fault-injecting mover's writes, a one-sided mover whose
+    # puts are memcpy's between two agents of one process.  Comma-separated:
+    # drop, corrupt, dup, late, delay (rates 0..1 per write), delay_ms, dup_ms,
+    # late_ms (times), seed, e.g. "drop=0.1,corrupt=0.05,dup=0.2,delay_ms=20,seed=7"
+    # (docs/architecture.md, "The transport interface").  "": no faults.
+    fault_mover: str = ""
     # Chunk size cap of transfers whose payloads are staged through host
     # memory (GPU memory over TCP, stage_host_memory): 16 MiB keeps a chunk's
     # device<->host copy short against its socket time, so copies on some
@@ -225,6 +237,7 @@ class Config:
         if not isinstance(tp, str) or tp.strip().lower() not in _TRANSPORTS:
             raise ConfigError(f"transport: expected one of {', '.join(_TRANSPORTS)}, got {tp!r}")
         object.__setattr__(self, "transport", tp.strip().lower())
+        _check_fault_mover(self.fault_mover, self.transport)
         if self.secret is not None:
             _check_secret("secret", self.secret)
         if self.discovery is not None:
@@ -348,6 +361,42 @@ def _check_secret(where: str, value: Any) -> bytes:
             " (use a random one, e.g. `openssl rand -hex 32`)"
         )
     return value
+
+
+def _check_fault_mover(spec: Any, transport: str) -> None:
+    if not isinstance(spec, str):
+        raise ConfigError(f"fault_mover: expected a string like 'drop=0.1,seed=7', got {spec!r}")
+    if not spec:
+        return
+    if transport != "fault":
+        raise ConfigError(
+            f"fault_mover: {spec!r} is given, but transport={transport!r}; the fault mover is "
+            "for tests only and runs with transport='fault' (or clear fault_mover)"
+        )
+    if len(spec.encode()) > _FAULT_SPEC_MAX:
+        raise ConfigError(f"fault_mover: longer than {_FAULT_SPEC_MAX} bytes; shorten it")
+    keys = (*_FAULT_RATES, *_FAULT_MS, "seed")
+    for item in spec.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or key not in keys:
+            raise ConfigError(
+                f"fault_mover: {item!r} is not KEY=VALUE with KEY one of {', '.join(keys)}"
+                f"{_closest(key, keys)}"
+            )
+        try:
+            number = float(value) if key != "seed" else int(value)
+        except ValueError:
+            raise ConfigError(f"fault_mover: {key}={value!r} is not a number") from None
+        if key in _FAULT_RATES and not 0.0 <= number <= 1.0:
+            raise ConfigError(f"fault_mover: {key}={value} is a rate per write: give 0..1")
+        if key in _FAULT_MS and (number != int(number) or not 0 <= number <= 600_000):
+            raise ConfigError(f"fault_mover: {key}={value} must be whole milliseconds 0..600000")
+        if key == "seed" and number < 0:
+            raise ConfigError(f"fault_mover: seed={value} must be a non-negative integer")
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(Config))

@@ -157,6 +157,7 @@ def agent_create(name: str, addrs: Sequence[str], cfg: Config) -> Handle:
     c.max_connections = cfg.max_connections
     c.io_threads = cfg.resolved_io_threads(len(addrs))
     c.transport = _TRANSPORT_MODES[cfg.transport]
+    c.fault_spec = cfg.fault_mover.encode()
     c.stage_host_memory = int(cfg.stage_host_memory)
     c.stage_chunk_bytes = cfg.gpu_chunk_bytes
     c.stage_pool_bytes = cfg.gpu_staging_bytes
@@ -166,7 +167,7 @@ def agent_create(name: str, addrs: Sequence[str], cfg: Config) -> Handle:
 
 
 # Config.transport -> kvl_transport_mode (kvlink.h)
-_TRANSPORT_MODES = {"auto": 0, "tcp": 1, "ucx": 2}
+_TRANSPORT_MODES = {"auto": 0, "tcp": 1, "ucx": 2, "fault": 3}
 
 
 def agent_close(a: Handle) -> None:

@@ -56,8 +56,8 @@ def path_transport(requested: str) -> tuple[str, str]:
     """
     if requested == "tcp":
         return "tcp", "transport='tcp'"
-    if requested == "ucx":
-        return "ucx", ""
+    if requested in ("ucx", "fault"):  # the engine says per path what came of it
+        return requested, ""
     return "tcp", (
         "transport='auto': TCP to a peer on another host or network namespace (same-host peers "
         "get 'shm'); UCX is not offered: only UCX over TCP is available here, which does not "

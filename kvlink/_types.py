@@ -195,9 +195,10 @@ class PathInfo:
     hedges: int  # straggler copies sent on this path
     t_down_ns: int  # CLOCK_MONOTONIC time it last left service, STALLED or DOWN (0: never)
     last_error: str
-    transport: str = "tcp"  # what carries this path's payloads: "tcp", "shm" or "ucx"
+    # what carries this path's payloads: "tcp", "shm", "ucx", or "fault" (tests only)
+    transport: str = "tcp"
     transport_note: str = ""  # why this transport (e.g. why the peer refused UCX)
-    bytes_put: int = 0  # payload a one-sided mover (UCX) placed: pushed or pulled
+    bytes_put: int = 0  # payload a one-sided mover (UCX, fault) placed: pushed or pulled
     numa_node: int = -1  # NUMA node of the local NIC (sysfs); -1: unknown (loopback, virtual)
 
 

@@ -123,6 +123,9 @@ typedef struct kvl_config {
                                     memory, stage_host_memory), so copies and sockets overlap */
     uint64_t stage_pool_bytes;   /* idle staging slots (pinned host memory) kept for reuse;
                                     slots given back beyond this are freed */
+    char fault_spec[128];        /* KVL_TRANSPORT_FAULT only (tests): the faults its writes
+                                    suffer, "drop=0.1,corrupt=0.05,dup=0.2,late=0.05,delay_ms=20,
+                                    seed=7" (transport/fault/fault.c); "" none */
 } kvl_config;
 
 /* kvl_config.transport: what carries data paths' payloads besides the TCP
@@ -136,7 +139,17 @@ typedef struct kvl_config {
  * secret and UCX loaded, kvl_ucx_load_lib); a path whose offer is refused or
  * fails runs in-stream on the same connection (shm to a same-host peer), and
  * kvl_path_info.transport_note says why. */
-enum kvl_transport_mode { KVL_TRANSPORT_AUTO = 0, KVL_TRANSPORT_TCP = 1, KVL_TRANSPORT_UCX = 2 };
+enum kvl_transport_mode {
+    KVL_TRANSPORT_AUTO = 0,
+    KVL_TRANSPORT_TCP = 1,
+    KVL_TRANSPORT_UCX = 2,
+    /* For tests only, never for data that matters: every data path offers the
+     * fault-injecting mover (transport/fault/fault.c), a one-sided mover whose
+     * puts are memcpy's, valid only between agents of one process; its writes
+     * go wrong as kvl_config.fault_spec says.  A path whose peer refuses it
+     * runs in-stream. */
+    KVL_TRANSPORT_FAULT = 3
+};
 
 /* One contiguous byte range.  Region ids are those of the side that owns the
  * memory: for a push src is local and dst remote, for a pull the reverse. */

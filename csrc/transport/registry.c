@@ -13,30 +13,28 @@
 extern const kvl_stream_ops kvl_tcp_stream;
 extern const kvl_mover_ops kvl_shm_mover;
 extern const kvl_mover_ops kvl_ucx_mover;
+extern const kvl_mover_ops kvl_fault_mover;
 
-/* In preference order. */
-static const kvl_mover_ops *const movers[] = {&kvl_ucx_mover, &kvl_shm_mover};
-
-static const kvl_mover_ops *forced; /* tests: the fault-injecting mover */
+/* In preference order (the asked-for ones first: under "fault" a same-host
+ * peer gets the fault mover, not same-host copies). */
+static const kvl_mover_ops *const movers[] = {&kvl_ucx_mover, &kvl_fault_mover, &kvl_shm_mover};
 
 const kvl_stream_ops *kvl_stream_default(void) { return &kvl_tcp_stream; }
 
 const kvl_mover_ops *kvl_mover_by_kind(uint32_t kind)
 {
-    if (forced && forced->kind == kind)
-        return forced;
     for (size_t i = 0; i < sizeof movers / sizeof *movers; i++)
         if (movers[i]->kind == kind)
             return movers[i];
     return NULL;
 }
 
-void kvl_mover_force(const kvl_mover_ops *ops) { forced = ops; }
-
 /* The mover a Config.transport value names (0: none). */
 static uint32_t mode_kind(uint32_t mode)
 {
-    return mode == KVL_TRANSPORT_UCX ? KVL_MOVER_UCX : 0;
+    return mode == KVL_TRANSPORT_UCX     ? KVL_MOVER_UCX
+           : mode == KVL_TRANSPORT_FAULT ? KVL_MOVER_FAULT
+                                         : 0;
 }
 
 /* Which movers Config.transport lets a path use at all: none with "tcp";
@@ -52,8 +50,6 @@ static int mode_allows(uint32_t mode, const kvl_mover_ops *m)
 const kvl_mover_ops *kvl_mover_choose(const kvl_config *cfg, uint32_t secret_len, int same_host,
                                       int fallen_back)
 {
-    if (forced)
-        return cfg->transport == KVL_TRANSPORT_TCP ? NULL : forced;
     for (size_t i = 0; i < sizeof movers / sizeof *movers; i++) {
         const kvl_mover_ops *m = movers[i];
         if (!mode_allows(cfg->transport, m))
@@ -82,7 +78,7 @@ kvl_err kvl_mover_allowed(const kvl_config *cfg, const kvl_mover_ops *ops, const
 
 uint32_t kvl_movers_caps(const kvl_config *cfg)
 {
-    uint32_t caps = forced && cfg->transport != KVL_TRANSPORT_TCP ? forced->caps : 0;
+    uint32_t caps = 0;
     for (size_t i = 0; i < sizeof movers / sizeof *movers; i++)
         if (mode_allows(cfg->transport, movers[i]))
             caps |= movers[i]->caps;

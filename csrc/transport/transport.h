@@ -354,9 +354,6 @@ kvl_err kvl_mover_allowed(const kvl_config *cfg, const kvl_mover_ops *ops, const
 uint32_t kvl_movers_caps(const kvl_config *cfg);
 /* Checks cfg.transport at Agent(): every mover it may use is usable. */
 kvl_err kvl_movers_usable(const kvl_config *cfg, uint32_t secret_len);
-/* Tests only (tests/c, KVLINK_FAULT_MOVER builds): registers a mover that
- * kvl_mover_choose returns for every data path. */
-void kvl_mover_force(const kvl_mover_ops *ops);
 
 /* ---- what the core offers a transport (proto.c, engine.c) ---- */
 

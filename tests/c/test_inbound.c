@@ -12,9 +12,10 @@
  * counted, with whether the handle had already failed when it came. */
 static int revoked, revoked_after_failure;
 
-void kvl_proto_revoke_rx(kvl_agent *a, kvl_rx_xfer *r)
+void kvl_proto_revoke_rx(kvl_agent *a, kvl_rx_xfer *r, int silent)
 {
     (void)a;
+    (void)silent;
     revoked++;
     if (r->h && kvl_inxfer_wait(r->h, 0) != KVL_ERR_TIMEOUT)
         revoked_after_failure++;

@@ -4,7 +4,9 @@
  * the engine threads and once with I/O threads (io_threads = 2), then both again with
  * every payload staged through host slots (stage_host_memory: the path GPU memory
  * takes, memcpy for cudaMemcpy) from a pool smaller than what is in flight, so slots
- * are taken, freed and reused all the time.  Built with ASan/UBSan
+ * are taken, freed and reused all the time; and last over the fault-injecting
+ * mover (transport FAULT: one-sided memcpy puts that are dropped, corrupted,
+ * duplicated and delayed), both I/O modes.  Built with ASan/UBSan
  * and with ThreadSanitizer (make -C tests/c tsan): the engine, prober, log
  * and caller threads all run for real over real sockets. */
 #include <stdlib.h>
@@ -26,6 +28,7 @@ typedef struct side {
 static side sides[2];
 static uint32_t io_threads; /* of both agents, this round */
 static int staged;          /* ... and stage_host_memory */
+static const char *faults;  /* ... and the fault mover's spec (NULL: transport AUTO) */
 static kvl_peer *peer_of[2]; /* sides[i]'s peer object for the other side */
 
 static kvl_agent *make_agent(const char *name)
@@ -39,6 +42,11 @@ static kvl_agent *make_agent(const char *name)
                     .window_bytes = 4u << 20, .close_linger_ms = 2000,
                     .io_threads = io_threads, .stage_host_memory = staged,
                     .stage_chunk_bytes = 512u << 10, .stage_pool_bytes = 1u << 20};
+    if (faults) { /* a dropped or corrupted write is retried: room for bad luck */
+        c.transport = KVL_TRANSPORT_FAULT;
+        c.max_attempts = 16;
+        snprintf(c.fault_spec, sizeof c.fault_spec, "%s", faults);
+    }
     kvl_agent *a = NULL;
     CHECKF(kvl_agent_create(&c, &a) == KVL_OK, "%s: %s", name, kvl_last_error());
     return a;
@@ -139,10 +147,11 @@ static void *logs(void *arg)
     return NULL;
 }
 
-static void stress(uint32_t threads, int stage)
+static void stress(uint32_t threads, int stage, const char *fault_spec)
 {
     io_threads = threads;
     staged = stage;
+    faults = fault_spec;
     pthread_t lt[2];
     for (int i = 0; i < 2; i++) {
         sides[i].a = make_agent(i ? "stress-b" : "stress-a");
@@ -168,6 +177,19 @@ static void stress(uint32_t threads, int stage)
     }
     for (int i = 0; i < 2; i++)
         pthread_join(dr[i], NULL);
+    for (int i = 0; faults && i < 2; i++) { /* the payloads went by the fault mover's puts */
+        kvl_path_info pi[4];
+        size_t np = 0;
+        uint64_t put = 0;
+        CHECK(kvl_paths(sides[i].a, pi, 4, &np) == KVL_OK && np == 2);
+        for (size_t k = 0; k < np; k++) {
+            CHECKF(strcmp(pi[k].transport, "fault") == 0, "path %zu runs %s: %s", k,
+                   pi[k].transport, pi[k].transport_note);
+            put += pi[k].bytes_put;
+        }
+        CHECKF(put >= (uint64_t)THREADS * ROUNDS * SLOT, "side %d: %llu bytes put", i,
+               (unsigned long long)put);
+    }
     for (int i = 0; i < 2; i++) {
         kvl_log_wake(sides[i].a);
         pthread_join(lt[i], NULL);
@@ -179,9 +201,12 @@ static void stress(uint32_t threads, int stage)
 int main(void)
 {
     double t0 = test_now_s();
-    stress(0, 0);
-    stress(2, 0);
-    stress(0, 1);
-    stress(2, 1);
+    stress(0, 0, NULL);
+    stress(2, 0, NULL);
+    stress(0, 1, NULL);
+    stress(2, 1, NULL);
+    const char *spec = "drop=0.05,corrupt=0.05,dup=0.2,delay=0.3,delay_ms=3,seed=11";
+    stress(0, 0, spec);
+    stress(2, 0, spec);
     return test_report("test_stress", t0);
 }

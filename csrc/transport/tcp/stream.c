@@ -268,10 +268,12 @@ static void mover_fence(kvl_ep *ep, const char *why)
 {
     char msg[160];
     snprintf(msg, sizeof msg, "%s fenced: %s", ep->mv_ops->label, why);
+    char reads[32] = "";
+    if (ep->oob_reads)
+        snprintf(reads, sizeof reads, " (%u reads outstanding)", ep->oob_reads);
     kvl_log(ep->a, KVL_LOG_WARNING, NULL, -1,
-            "%s (%u reads outstanding): the path's %s end is destroyed, its connection "
-            "closes and reconnects",
-            msg, ep->oob_reads, ep->mv_ops->label);
+            "%s%s: the path's %s end is destroyed, its connection closes and reconnects", msg,
+            reads, ep->mv_ops->label);
     if (ep->mv_ops->fence)
         ep->mv_ops->fence(ep->mv, why);
     ep->mv_ops->free(ep->mv, ep->a->cfg.connect_timeout_ms);
@@ -1221,6 +1223,13 @@ static void tcp_progress(kvl_agent *a)
 
 static void tcp_revoke(kvl_ep *ep)
 {
+    if (ep->mv && (ep->mv_ops->caps & KVL_MV_ONE_SIDED) && !ep->dead) {
+        /* the peer's puts land without us and cannot be drained: our end
+         * is destroyed, so nothing lands once this returns (docs/ucx.md,
+         * "Fence = the receiver destroys its end"); the path reconnects */
+        mover_fence(ep, "a push its peer may still be putting was revoked here");
+        return;
+    }
     if (!ep->rx_busy)
         return; /* on the engine thread, payload_live is asked before every batch */
     pthread_mutex_lock(&ep->jmu); /* waits out a batch being placed */

@@ -399,7 +399,9 @@ static int ucx_answer(kvl_agent *a, kvl_ep *ep, const uint8_t *body, size_t len,
     if (a->cfg.transport != KVL_TRANSPORT_UCX) {
         char why[96];
         snprintf(why, sizeof why, "agent '%s' runs transport='%s'", a->name,
-                 a->cfg.transport == KVL_TRANSPORT_TCP ? "tcp" : "auto");
+                 a->cfg.transport == KVL_TRANSPORT_TCP     ? "tcp"
+                 : a->cfg.transport == KVL_TRANSPORT_FAULT ? "fault"
+                                                           : "auto");
         return refuse(a, ep, KVL_ERR_INVALID_ARG, why);
     }
     kvl_ucx_setup s;

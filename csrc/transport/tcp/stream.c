@@ -324,6 +324,12 @@ static int tcp_cancel(kvl_ep *ep, uint64_t xid, uint32_t chunk, uint32_t attempt
             }
             o->ready = 1;
             ep->put_tx += o->f.payload_len;
+            /* its trailer may go now: the socket was not watched while the
+             * frame waited for its writes (OUT_WAIT), and the mover's event
+             * that would resume it may have been spent inside wait(), so
+             * without this the frame (and every one behind it) stalled until
+             * something else was queued (test_tcp_stream, case 6) */
+            watch(ep, 1);
         }
         if (o->in_job)
             pthread_mutex_lock(&ep->jmu); /* the I/O thread is between two sends */

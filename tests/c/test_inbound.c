@@ -7,12 +7,13 @@
 #include "internal.h"
 #include "test_main.h"
 
-/* proto.c's revocation, which inbound.c asks for before a handle reports a
- * failure (the real one walks connections, which this test has none of):
- * counted, with whether the handle had already failed when it came. */
+/* The revocation inbound.c asks for (a->revoke_rx, place.c's in the agent)
+ * before a handle reports a failure (the real one walks connections, which
+ * this test has none of): counted, with whether the handle had already
+ * failed when it came. */
 static int revoked, revoked_after_failure;
 
-void kvl_proto_revoke_rx(kvl_agent *a, kvl_rx_xfer *r, int silent)
+static void revoke_rx(kvl_agent *a, kvl_rx_xfer *r, int silent)
 {
     (void)a;
     (void)silent;
@@ -25,6 +26,7 @@ static kvl_agent *agent_new(void)
 {
     kvl_agent *a = calloc(1, sizeof *a);
     snprintf(a->name, sizeof a->name, "test");
+    a->revoke_rx = revoke_rx;
     pthread_mutex_init(&a->inq_mu, NULL);
     pthread_cond_init(&a->inq_cv, NULL);
     pthread_mutex_init(&a->log_mu, NULL);

@@ -32,13 +32,9 @@ static void adopt_peer(kvl_agent *a, kvl_peer *p)
         if (!pa->ep)
             continue;
         c = kvl_conn_adopt(a, pa->ep);
-        if (!c) {
-            kvl_path_set_state(p, pa, KVL_PATH_DOWN, "engine: cannot take the connection over");
-        } else {
+        if (c)
             kvl_conn_bind_outbound(c, p, (int)i);
-            pa->conn = c;
-        }
-        pa->ep = NULL;
+        kvl_path_adopted(p, pa, c);
     }
     p->eng_next = a->eng_peers;
     a->eng_peers = p;

@@ -111,9 +111,8 @@ void kvl_conn_bind_outbound(kvl_conn *c, kvl_peer *p, int path)
                 mv = NULL;
             }
         }
-        tp(c)->note(c->ep, pa->tnote, sizeof pa->tnote);
-        pa->mover_kind = mv ? mv->kind : 0;
-        pa->mover_caps = mv ? mv->caps : 0;
+        char note[sizeof pa->tnote];
+        tp(c)->note(c->ep, note, sizeof note);
         uint64_t off = __atomic_load_n(&pa->mover_off_until_ns, __ATOMIC_RELAXED);
         uint64_t now = kvl_now_ns();
         const kvl_mover_ops *gone = kvl_mover_by_kind(pa->mover_died_kind);
@@ -125,10 +124,11 @@ void kvl_conn_bind_outbound(kvl_conn *c, kvl_peer *p, int path)
             for (; tp(c)->name[i] && i + 1 < sizeof stream; i++)
                 stream[i] = (char)toupper((unsigned char)tp(c)->name[i]);
             stream[i] = 0;
-            snprintf(pa->tnote, sizeof pa->tnote,
+            snprintf(note, sizeof note,
                      "%s path died (%.60s): %s on the same NIC; %s again in %llu s", gone->label,
                      died, stream, gone->label, (unsigned long long)((off - now) / 1000000000ull));
         }
+        kvl_path_carried_by(pa, mv ? mv->kind : 0, mv ? mv->caps : 0, note);
     }
 }
 
@@ -333,10 +333,10 @@ static void conn_close(kvl_conn *c, int abortive, kvl_err err, const char *why)
     a->conn_hooks->payload_dropped(c);
     uint64_t sent = tp(c)->bytes_sent(c->ep), recv = tp(c)->bytes_recv(c->ep);
     uint64_t put = tp(c)->bytes_put(c->ep);
-    /* a path whose connection still ran a mover that falls back (not fenced:
-     * that is no failure) */
-    int mover_died = c->outbound && c->path >= 0 && !atomic_load(&a->closing) &&
-                     (mover_caps(c) & KVL_MV_FALLS_BACK);
+    /* the mover a path's connection still ran (not fenced: that is no
+     * failure): one that falls back keeps the path off it a while */
+    uint32_t died_caps =
+        c->outbound && c->path >= 0 && !atomic_load(&a->closing) ? mover_caps(c) : 0;
     tp(c)->close(c->ep, abortive);
     a->conn_hooks->slot_free(c); /* after close: no I/O thread writes into its slot any more */
     if (c->ib)
@@ -348,17 +348,7 @@ static void conn_close(kvl_conn *c, int abortive, kvl_err err, const char *why)
     if (c->outbound) {
         int was_ctrl = 0;
         if (c->path >= 0) {
-            kvl_path *pa = &c->peer->paths[c->path];
-            pa->bytes_sent_prev += sent;
-            pa->bytes_recv_prev += recv;
-            pa->bytes_put_prev += put;
-            if (mover_died) { /* "a UCX path that dies falls back to TCP" */
-                snprintf(pa->mover_died, sizeof pa->mover_died, "%s", why);
-                pa->mover_died_kind = pa->mover_kind;
-                __atomic_store_n(&pa->mover_off_until_ns,
-                                 kvl_now_ns() + KVL_MOVER_FALLBACK_MS * 1000000ull,
-                                 __ATOMIC_RELAXED);
-            }
+            kvl_path_lost(&c->peer->paths[c->path], sent, recv, put, died_caps, why);
         } else if (c->peer->ctrl == c) {
             c->peer->ctrl = NULL;
             was_ctrl = 1;

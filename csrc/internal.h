@@ -24,55 +24,7 @@
 typedef struct kvl_conn kvl_conn;
 typedef struct kvl_out kvl_out;
 
-typedef struct kvl_path {
-    uint32_t index;
-    kvl_conn *conn;
-    kvl_ep *ep;                /* connected endpoint waiting for the engine to adopt it */
-    uint32_t state;            /* kvl_path_state */
-    char local[48], remote[48];
-    uint64_t inflight_bytes;
-    uint32_t inflight_chunks;
-    double bw_Bps;             /* EWMA of the busy-period delivery rate; 0 = no sample yet */
-    double rtt_us;             /* smoothed RTT from TCP_INFO, sampled every tick */
-    uint64_t busy_start_ns;    /* when the path last went from idle to busy */
-    uint64_t busy_bytes;       /* bytes verified since busy_start_ns */
-    char rhost[48];            /* the peer address and port this path connects to */
-    uint16_t rport;
-    /* monitor (monitor.c) */
-    double delivery_Bps;
-    double nic_other_Bps;
-    uint64_t t_progress_ns;    /* last time bytes moved either way (tick resolution) */
-    uint64_t t_chunk_ns;       /* last chunk verified on this path */
-    uint64_t seen_acked, seen_received;
-    uint32_t stall_ms;
-    uint64_t t_last_ping_ns, ping_sent_ns; /* ping_sent_ns != 0: a probe is outstanding */
-    uint64_t bytes_sent_prev, bytes_recv_prev; /* totals of earlier connections */
-    uint64_t bytes_put_prev;   /* ... of which placed by a one-sided mover (bytes_put) */
-    /* re-probing (probe.c) */
-    uint64_t next_probe_ns;
-    uint32_t backoff_ms;
-    uint32_t reconnects;
-    uint64_t hedges;
-    uint64_t t_down_ns;
-    uint32_t probe_fails;      /* reconnects that failed since the path last was up */
-    char down_cause[96];       /* why it left service, kept through failed reconnects */
-    uint64_t t_stall_ns;       /* STALLED since */
-    uint64_t stall_acked, stall_received; /* TCP counters when it stalled */
-    uint32_t stall_limit_ms;   /* silence that counted as a stall at that moment */
-    double jitter_ms;          /* longest silence the path recovered from (decays) */
-    uint64_t chunks_done;
-    char last_error[160];
-    /* what carries the connection's payloads (transport.h): its mover's kind and
-     * KVL_MV_* bits, 0 in-stream; the scheduler reads the bits, never a name */
-    uint32_t mover_kind, mover_caps;
-    char tnote[128];           /* why this transport (kvl_path_info.transport_note) */
-    /* a connection that a KVL_MV_FALLS_BACK mover carried died: the path's next
-     * connections run in-stream on the same NIC (no mover) until this
-     * CLOCK_MONOTONIC time; atomic (the connecting threads read it) */
-    uint64_t mover_off_until_ns;
-    char mover_died[96];       /* engine: why it died (for the fallen-back path's note) */
-    uint32_t mover_died_kind;  /* engine: the mover that carried it */
-} kvl_path;
+#include "path.h" /* kvl_path: one path to a peer, and what changes it */
 
 struct kvl_peer {
     kvl_agent *agent;
@@ -313,14 +265,6 @@ struct kvl_agent {
 #include "auth.h"
 
 #include "log.h"
-
-/* ---- path.c: the path state machine ---- */
-/* Moves pa (a data path of p, or &p->ctrl_path) to state, logging why;
- * DOWN and STALLED keep why as last_error. */
-void kvl_path_set_state(kvl_peer *p, kvl_path *pa, uint32_t state, const char *why);
-const char *kvl_path_state_name(uint32_t state);
-/* Refreshes p->may_work after a path's state or probe count changed. */
-void kvl_peer_update_hint(kvl_peer *p);
 
 #include "notify.h"
 

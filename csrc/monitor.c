@@ -22,12 +22,9 @@
 #define NIC_EWMA 0.3
 #define OVERHEAD 1.06          /* wire bytes per payload byte (headers at MTU 1500) */
 #define DEGRADED_SHARE 0.5     /* below half the best path's rate: degraded */
-#define PROBE_BACKOFF_MIN_MS 100
 #define BYTE_STALL_TICKS 2     /* no TCP progress for 2 ticks: the path stalled */
 #define STALL_LIMIT_MAX_MS 2000 /* however jittery a path was, 2 s of silence is a stall */
-#define JITTER_DECAY (1.0 / 256) /* per tick: a recovered stall is forgotten in ~20 s */
 #define STALL_CUT_MS 2000      /* a stalled path silent this long is cut and re-probed */
-#define SLOWDOWN 0.7           /* kernel rate below 70% of the estimate: follow it down */
 
 static int read_counter(const char *ifname, const char *which, uint64_t *out)
 {
@@ -122,10 +119,8 @@ static void send_ping(kvl_path *pa, uint64_t now)
     kvl_frame_start(&b);
     kvl_enc_token(&b, now);
     kvl_frame_finish(&b, KVL_F_PING, 0);
-    if (kvl_conn_send_frame(pa->conn, &b) == 0) {
-        pa->ping_sent_ns = now;
-        pa->t_last_ping_ns = now;
-    }
+    if (kvl_conn_send_frame(pa->conn, &b) == 0)
+        kvl_path_ping_sent(pa, now);
 }
 
 void kvl_monitor_probe_all(kvl_peer *p, uint64_t now)
@@ -141,13 +136,7 @@ void kvl_monitor_on_pong(kvl_peer *p, int path, uint64_t sent_ns, uint64_t now)
 {
     if (path < 0 || (uint32_t)path >= p->n_paths)
         return;
-    kvl_path *pa = &p->paths[path];
-    if (sent_ns == pa->ping_sent_ns && now > sent_ns) {
-        double rtt = (double)(now - sent_ns) / 1e3;
-        pa->rtt_us = pa->rtt_us > 0 ? 0.7 * pa->rtt_us + 0.3 * rtt : rtt;
-        pa->ping_sent_ns = 0;
-    }
-    pa->t_progress_ns = now;
+    kvl_path_pong(&p->paths[path], sent_ns, now);
 }
 
 /* Chunk-level limit: max(3 ticks, stall_factor x the expected time of the
@@ -184,9 +173,7 @@ static void stall(kvl_peer *p, kvl_path *pa, const kvl_tp_sample *s, const char 
     char why[160];
     snprintf(why, sizeof why, "%s for %llu ms with %llu bytes in flight: path stalled", what,
              (unsigned long long)ms, (unsigned long long)pa->inflight_bytes);
-    pa->stall_acked = s->bytes_acked;
-    pa->stall_received = s->bytes_received;
-    pa->stall_limit_ms = (uint32_t)limit_ms;
+    kvl_path_stall_detected(pa, s->bytes_acked, s->bytes_received, (uint32_t)limit_ms);
     kvl_sched_path_stalled(p, pa->index, why);
     send_ping(pa, now); /* its PONG shows the path alive even with nothing else to move */
 }
@@ -199,13 +186,7 @@ static void watch_stalled(kvl_peer *p, kvl_path *pa, const kvl_tp_sample *s, uin
                 !pa->ping_sent_ns;
     uint64_t ms = (now - pa->t_stall_ns) / 1000000ull;
     if (moved) {
-        double silence = (double)ms + pa->stall_limit_ms;
-        if (silence > pa->jitter_ms)
-            pa->jitter_ms = silence;
-        char why[96];
-        snprintf(why, sizeof why, "moving again after %llu ms", (unsigned long long)ms);
-        kvl_path_set_state(p, pa, KVL_PATH_UP, why);
-        pa->t_progress_ns = now;
+        kvl_path_recovered(p, pa, ms, now);
         kvl_engine_snapshot_paths(p->agent);
     } else if (ms >= STALL_CUT_MS) {
         char why[160];
@@ -265,26 +246,10 @@ void kvl_monitor_stall_check(kvl_agent *a, uint64_t now)
 static void watch_path(kvl_agent *a, kvl_path *pa, uint64_t now)
 {
     kvl_tp_sample s;
-    pa->jitter_ms -= pa->jitter_ms * JITTER_DECAY;
+    kvl_path_tick(pa);
     if (!pa->conn || kvl_conn_sample(pa->conn, &s) != 0)
         return;
-    if (s.rtt_us > 0 && pa->inflight_chunks)
-        pa->rtt_us = s.rtt_us;
-    if (s.delivery_Bps > 0 && !s.app_limited) {
-        pa->delivery_Bps = s.delivery_Bps;
-        /* chunk completions update the rate only per chunk; a link that
-         * slows down shows in the kernel's samples within a tick, so a busy
-         * path's estimate follows them down at once (once past its ramp-up) */
-        if (pa->inflight_chunks && pa->bw_Bps > 0 && s.delivery_Bps < SLOWDOWN * pa->bw_Bps &&
-            now - pa->busy_start_ns > 2 * (uint64_t)a->cfg.monitor_interval_ms * 1000000ull)
-            pa->bw_Bps = 0.5 * (pa->bw_Bps + s.delivery_Bps);
-    }
-    if (s.bytes_acked != pa->seen_acked || s.bytes_received != pa->seen_received ||
-        !pa->inflight_chunks)
-        pa->t_progress_ns = now;
-    pa->seen_acked = s.bytes_acked;
-    pa->seen_received = s.bytes_received;
-    pa->stall_ms = (uint32_t)((now - pa->t_progress_ns) / 1000000ull);
+    kvl_path_sampled(pa, &s, now, 2 * (uint64_t)a->cfg.monitor_interval_ms * 1000000ull);
     if (!pa->inflight_chunks && pa->state != KVL_PATH_STALLED) { /* stalled: watch_stalled */
         if (pa->ping_sent_ns && now - pa->ping_sent_ns > PING_LOST_MS * 1000000ull) {
             char why[160];
@@ -321,7 +286,7 @@ void kvl_monitor_tick(kvl_agent *a, uint64_t now)
             if (pa->conn)
                 watch_path(a, pa, now);
             if (a->nics)
-                pa->nic_other_Bps = a->nics[a->nic_of_addr[i]].other_Bps;
+                kvl_path_nic_sampled(pa, a->nics[a->nic_of_addr[i]].other_Bps);
             if (pa->conn && pa->bw_Bps > best)
                 best = pa->bw_Bps;
         }
@@ -348,11 +313,6 @@ void kvl_monitor_tick(kvl_agent *a, uint64_t now)
 /* Backoff bookkeeping shared with the prober's result handling. */
 void kvl_monitor_probe_failed(kvl_peer *p, kvl_path *pa, uint64_t now, const char *why)
 {
-    kvl_agent *a = p->agent;
-    uint32_t b = pa->backoff_ms ? pa->backoff_ms * 2 : PROBE_BACKOFF_MIN_MS;
-    if (b > a->cfg.probe_backoff_max_ms)
-        b = a->cfg.probe_backoff_max_ms;
-    pa->backoff_ms = b;
-    pa->next_probe_ns = now + (uint64_t)b * 1000000ull;
+    kvl_path_backoff(pa, now, p->agent->cfg.probe_backoff_max_ms);
     kvl_path_set_state(p, pa, KVL_PATH_DOWN, why);
 }

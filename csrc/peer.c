@@ -307,22 +307,13 @@ kvl_err kvl_peer_connect(kvl_agent *a, const char *name, uint64_t instance,
                      bad->msg);
     }
     p->instance = instance;
-    snprintf(p->ctrl_path.local, sizeof p->ctrl_path.local, "%s", jobs[0].local);
-    snprintf(p->ctrl_path.rhost, sizeof p->ctrl_path.rhost, "%s", jobs[0].host);
-    p->ctrl_path.rport = jobs[0].port;
+    kvl_path_route(&p->ctrl_path, jobs[0].local, jobs[0].host, jobs[0].port);
     for (uint32_t i = 0; i < p->n_paths; i++) {
         kvl_path *pa = &p->paths[i];
         size_t r = remote_of[i];
-        pa->index = i;
-        pa->ep = jobs[i + 1].ep;
-        snprintf(pa->local, sizeof pa->local, "%s", a->addrs[i]);
-        snprintf(pa->remote, sizeof pa->remote, "%s:%u", hosts[r], ports[r]);
-        snprintf(pa->rhost, sizeof pa->rhost, "%s", hosts[r]);
-        pa->rport = ports[r];
-        if (jobs[i + 1].err) {
-            pa->probe_fails = 1; /* it failed to connect: known dead until a probe works */
-            kvl_path_set_state(p, pa, KVL_PATH_DOWN, jobs[i + 1].msg);
-        }
+        kvl_path_init(pa, i, a->addrs[i], hosts[r], ports[r], jobs[i + 1].ep);
+        if (jobs[i + 1].err)
+            kvl_path_never_connected(p, pa, jobs[i + 1].msg);
     }
     kvl_peer_update_hint(p);
     if (e) {

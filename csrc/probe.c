@@ -118,9 +118,7 @@ static void ctrl_next_route(kvl_peer *p)
     for (uint32_t k = 1; k <= p->n_paths; k++) {
         const kvl_path *pa = &p->paths[(cur + k) % p->n_paths];
         if (pa->conn && !kvl_conn_is_dead(pa->conn)) {
-            snprintf(c->local, sizeof c->local, "%s", pa->local);
-            snprintf(c->rhost, sizeof c->rhost, "%s", pa->rhost);
-            c->rport = pa->rport;
+            kvl_path_route(c, pa->local, pa->rhost, pa->rport);
             return;
         }
     }
@@ -149,8 +147,7 @@ void kvl_prober_done(kvl_agent *a, kvl_cmd *cmd)
                  pa->down_cause[0] ? pa->down_cause : "?");
         kvl_monitor_probe_failed(p, pa, now, why);
         if (cmd->path >= 0) {
-            pa->probe_fails++;
-            kvl_peer_update_hint(p);
+            kvl_path_reconnect_failed(p, pa);
             kvl_sched_check_reachable(p); /* known dead now: fail what waits for it */
         } else {
             ctrl_next_route(p);
@@ -160,15 +157,6 @@ void kvl_prober_done(kvl_agent *a, kvl_cmd *cmd)
     kvl_conn_bind_outbound(c, p, cmd->path);
     if (cmd->path < 0)
         p->ctrl = c;
-    else
-        pa->conn = c;
-    kvl_path_set_state(p, pa, KVL_PATH_UP, "reconnected");
-    pa->backoff_ms = 0;
-    pa->probe_fails = 0;
-    kvl_peer_update_hint(p);
-    pa->reconnects++;
-    pa->t_progress_ns = now;
-    pa->ping_sent_ns = 0;
-    pa->seen_acked = pa->seen_received = 0;
+    kvl_path_reconnected(p, pa, c, now);
     kvl_engine_snapshot_paths(a);
 }

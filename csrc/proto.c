@@ -43,7 +43,9 @@ static void on_mover_keys(kvl_conn *c)
         kvl_conn_fail(c, KVL_ERR_PROTOCOL, kvl_last_error());
     else if (c->outbound && c->path >= 0) { /* paths() shows the keys it holds now */
         kvl_path *pa = &c->peer->paths[c->path];
-        tp(c)->note(c->ep, pa->tnote, sizeof pa->tnote);
+        char note[sizeof pa->tnote];
+        tp(c)->note(c->ep, note, sizeof note);
+        kvl_path_noted(pa, note);
     }
 }
 

@@ -14,9 +14,6 @@
 
 #include "internal.h"
 
-#define EWMA_NEW 0.3           /* weight of a new rate sample: adapts in ~3 chunks */
-#define SHORT_BUSY_NS 50000000ull /* busy periods under 50 ms only raise the rate estimate */
-
 static int path_usable(const kvl_path *pa)
 {
     return pa->conn && !kvl_conn_is_dead(pa->conn) &&
@@ -79,24 +76,17 @@ static int send_copy(kvl_path *pa, kvl_xfer *x, uint32_t ci)
 /* Bookkeeping for one copy of chunk ci going out on path pa. */
 static void account_send(kvl_xfer *x, uint32_t ci, kvl_path *pa, int hedge)
 {
-    uint64_t now = kvl_now_ns();
-    if (pa->inflight_chunks == 0) {
-        pa->busy_start_ns = now;
-        pa->busy_bytes = 0;
-    }
+    kvl_path_dispatched(pa, x->plan.chunks[ci].bytes, hedge, kvl_now_ns());
     x->attempt[ci]++;
     if (hedge) {
         x->hpath[ci] = (uint8_t)pa->index;
         x->hattempt[ci] = x->attempt[ci];
-        pa->hedges++;
     } else {
         x->cpath[ci] = (uint8_t)pa->index;
         x->pattempt[ci] = x->attempt[ci];
         x->hpath[ci] = KVL_NO_PATH;
     }
     x->cstate[ci] = KVL_CHUNK_INFLIGHT;
-    pa->inflight_bytes += x->plan.chunks[ci].bytes;
-    pa->inflight_chunks++;
     if (x->attempt[ci] > 1)
         atomic_fetch_add_explicit(&x->retries, 1, memory_order_relaxed);
 }
@@ -241,11 +231,7 @@ static void drop_copy(kvl_peer *p, kvl_xfer *x, uint32_t ci, int hedge_copy)
     uint8_t *slot = hedge_copy ? &x->hpath[ci] : &x->cpath[ci];
     if (*slot == KVL_NO_PATH)
         return;
-    kvl_path *pa = &p->paths[*slot];
-    uint64_t bytes = x->plan.chunks[ci].bytes;
-    pa->inflight_bytes = pa->inflight_bytes >= bytes ? pa->inflight_bytes - bytes : 0;
-    if (pa->inflight_chunks)
-        pa->inflight_chunks--;
+    kvl_path_copy_dropped(&p->paths[*slot], x->plan.chunks[ci].bytes);
     *slot = KVL_NO_PATH;
 }
 
@@ -276,24 +262,7 @@ void kvl_sched_on_chunk_done(kvl_peer *p, kvl_xfer *x, uint32_t ci, uint32_t pat
         kvl_log(p->agent, KVL_LOG_DEBUG, p->name, loser,
                 "cancel: the other copy of chunk %u of transfer %llu won on path %u", ci,
                 (unsigned long long)x->id, path);
-    /* Rate over the current busy period rather than per chunk: acks that
-     * arrive back to back would make per-chunk samples absurdly high. */
-    pa->busy_bytes += x->plan.chunks[ci].bytes;
-    if (now > pa->busy_start_ns) {
-        double sample = (double)pa->busy_bytes * 1e9 / (double)(now - pa->busy_start_ns);
-        /* A short busy period is mostly connection ramp-up (slow start after
-         * idle): it may raise the estimate but not lower it, or a path that
-         * got little work would keep getting little work. */
-        int short_period = now - pa->busy_start_ns < SHORT_BUSY_NS;
-        if (pa->bw_Bps <= 0) {
-            if (!short_period)
-                pa->bw_Bps = sample; /* until then the path plans with the prior */
-        } else if (!short_period || sample > pa->bw_Bps)
-            pa->bw_Bps = (1 - EWMA_NEW) * pa->bw_Bps + EWMA_NEW * sample;
-    }
-    pa->t_progress_ns = now;
-    pa->t_chunk_ns = now;
-    pa->chunks_done++;
+    kvl_path_chunk_done(pa, x->plan.chunks[ci].bytes, now);
     kvl_xfer_chunk_done(x, ci, pa->index, now);
     if (!kvl_xfer_running(x)) {
         if (x->notify)
@@ -397,14 +366,12 @@ static void evacuate(kvl_peer *p, uint32_t path, int cancel, const char *why)
             }
         }
     }
-    pa->inflight_bytes = 0;
-    pa->inflight_chunks = 0;
+    kvl_path_evacuated(pa);
 }
 
 void kvl_sched_path_down(kvl_peer *p, uint32_t path, const char *why)
 {
-    kvl_path *pa = &p->paths[path];
-    pa->conn = NULL;
+    kvl_path *pa = &p->paths[path]; /* its connection is gone already (kvl_path_lost) */
     kvl_monitor_probe_failed(p, pa, kvl_now_ns(), why); /* DOWN, re-probed after a backoff */
     evacuate(p, path, 0, why);
     kvl_sched_check_reachable(p);
@@ -414,17 +381,9 @@ void kvl_sched_path_down(kvl_peer *p, uint32_t path, const char *why)
 void kvl_sched_path_stalled(kvl_peer *p, uint32_t path, const char *why)
 {
     kvl_path *pa = &p->paths[path];
-    kvl_path_set_state(p, pa, KVL_PATH_STALLED, why);
-    pa->t_stall_ns = kvl_now_ns();
+    kvl_path_stalled(p, pa, why);
     evacuate(p, path, 1, why);
     kvl_engine_snapshot_paths(p->agent);
-}
-
-int kvl_path_may_work(const kvl_path *pa)
-{
-    if (pa->state != KVL_PATH_DOWN && pa->state != KVL_PATH_PROBING)
-        return 1;
-    return pa->rhost[0] && pa->probe_fails == 0;
 }
 
 void kvl_sched_check_reachable(kvl_peer *p)

@@ -25,8 +25,6 @@ void kvl_sched_path_stalled(kvl_peer *p, uint32_t path, const char *why);
  * failed since it went down); a path still being re-probed, or stalled,
  * may come back within the deadline. */
 void kvl_sched_check_reachable(kvl_peer *p);
-/* 0 once a reconnect of the path failed since it went down. */
-int kvl_path_may_work(const kvl_path *pa);
 /* Fails a running transfer from the engine: drops its chunks' in-flight
  * accounting, records the error and wakes waiters. */
 void kvl_sched_fail(kvl_xfer *x, kvl_err err, const char *fmt, ...)

@@ -73,14 +73,6 @@ void kvl_engine_snapshot_paths(kvl_agent *a)
     pthread_mutex_unlock(&a->stats_mu);
 }
 
-void kvl_engine_paths_changed(kvl_agent *a)
-{
-    pthread_mutex_lock(&a->stats_mu);
-    a->paths_gen++;
-    pthread_cond_broadcast(&a->paths_cv);
-    pthread_mutex_unlock(&a->stats_mu);
-}
-
 kvl_err kvl_paths(kvl_agent *a, kvl_path_info *out, size_t cap, size_t *n)
 {
     kvl_clear_error();

@@ -7,8 +7,5 @@ typedef struct kvl_agent kvl_agent;
 /* Engine thread: publishes every path's state for kvl_paths and wakes
  * kvl_paths_wait when a state or the set of paths changed. */
 void kvl_engine_snapshot_paths(kvl_agent *a);
-/* Wakes kvl_paths_wait for a change kvl_paths does not show (a control
- * connection's state).  Any thread. */
-void kvl_engine_paths_changed(kvl_agent *a);
 
 #endif

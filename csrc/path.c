@@ -16,7 +16,7 @@
 
 #include "internal.h"
 
-#define PROBE_BACKOFF_MIN_MS 100
+#define PROBE_BACKOFF_MIN_MS 100 /* the first wait before a down path is re-probed */
 #define JITTER_DECAY (1.0 / 256) /* per tick: a recovered stall is forgotten in ~20 s */
 #define SLOWDOWN 0.7           /* kernel rate below 70% of the estimate: follow it down */
 #define EWMA_NEW 0.3           /* weight of a new rate sample: adapts in ~3 chunks */
@@ -32,8 +32,8 @@ void kvl_peer_update_hint(kvl_peer *p)
     atomic_store(&p->may_work, any);
 }
 
-/* Wakes kvl_paths_wait for a change kvl_paths does not show (a control
- * connection's state). */
+/* Wakes kvl_paths_wait for a change the snapshots (snapshot.c) do not show
+ * (a control connection's state). */
 static void paths_changed(kvl_agent *a)
 {
     pthread_mutex_lock(&a->stats_mu);

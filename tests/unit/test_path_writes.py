@@ -39,7 +39,7 @@ def strip(text: str) -> str:
 
 def path_fields(header: str) -> list[str]:
     """The field names of struct kvl_path, from its definition."""
-    m = re.search(r"typedef\s+struct\s+kvl_path\s*\{(.*?)\}\s*kvl_path\s*;", strip(header), re.S)
+    m = re.search(r"\bstruct\s+kvl_path\s*\{(.*?)\}\s*(?:kvl_path\s*)?;", strip(header), re.S)
     assert m, "struct kvl_path not found in csrc/path.h"
     fields = []
     for decl in m.group(1).split(";"):
@@ -106,9 +106,8 @@ def writes(source: str, fields: list[str]) -> list[tuple[int, str]]:
 
 def test_fields_parsed():
     fields = path_fields((CSRC / "path.h").read_text())
-    for name in ("index", "conn", "state", "inflight_bytes", "seen_acked", "seen_received",
-                 "tnote", "last_error", "mover_off_until_ns", "mover_died_kind"):
-        assert name in fields
+    some = "index conn state inflight_bytes seen_acked seen_received tnote last_error"
+    assert set(some.split()) | {"mover_off_until_ns", "mover_died_kind"} <= set(fields)
     assert len(fields) >= 45
 
 

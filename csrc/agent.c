@@ -195,7 +195,7 @@ static void outbound_lost(kvl_conn *c, kvl_peer *p, int path, int was_ctrl, cons
     if (path >= 0)
         kvl_sched_path_down(p, (uint32_t)path, why);
     else if (was_ctrl)
-        kvl_monitor_probe_failed(p, &p->ctrl_path, kvl_now_ns(), why);
+        kvl_path_failed(p, &p->ctrl_path, kvl_now_ns(), why);
 }
 
 static const kvl_conn_hooks agent_conn_hooks = {

@@ -309,10 +309,3 @@ void kvl_monitor_tick(kvl_agent *a, uint64_t now)
         }
     }
 }
-
-/* Backoff bookkeeping shared with the prober's result handling. */
-void kvl_monitor_probe_failed(kvl_peer *p, kvl_path *pa, uint64_t now, const char *why)
-{
-    kvl_path_backoff(pa, now, p->agent->cfg.probe_backoff_max_ms);
-    kvl_path_set_state(p, pa, KVL_PATH_DOWN, why);
-}

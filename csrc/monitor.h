@@ -16,7 +16,5 @@ int kvl_monitor_any_busy(const kvl_agent *a);
 void kvl_monitor_probe_all(kvl_peer *p, uint64_t now);
 /* A PONG came back on an outbound data connection. */
 void kvl_monitor_on_pong(kvl_peer *p, int path, uint64_t sent_ns, uint64_t now);
-/* A probe failed: the path waits twice as long (up to the cap) before the next. */
-void kvl_monitor_probe_failed(kvl_peer *p, kvl_path *pa, uint64_t now, const char *why);
 
 #endif

@@ -148,6 +148,12 @@ void kvl_path_backoff(kvl_path *pa, uint64_t now, uint32_t max_ms)
     pa->next_probe_ns = now + (uint64_t)b * 1000000ull;
 }
 
+void kvl_path_failed(kvl_peer *p, kvl_path *pa, uint64_t now, const char *why)
+{
+    kvl_path_backoff(pa, now, p->agent->cfg.probe_backoff_max_ms);
+    kvl_path_set_state(p, pa, KVL_PATH_DOWN, why);
+}
+
 void kvl_path_lost(kvl_path *pa, uint64_t sent, uint64_t recv, uint64_t put, uint32_t mover_caps,
                    const char *why)
 {

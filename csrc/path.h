@@ -97,6 +97,9 @@ void kvl_path_reconnected(kvl_peer *p, kvl_path *pa, kvl_conn *c, uint64_t now);
 void kvl_path_reconnect_failed(kvl_peer *p, kvl_path *pa);
 /* The next probe of pa waits twice as long as the last (from 100 ms, at most max_ms). */
 void kvl_path_backoff(kvl_path *pa, uint64_t now, uint32_t max_ms);
+/* pa's connection, or a reconnect of it, failed at now: DOWN, re-probed
+ * after its backoff (kvl_path_backoff, up to probe_backoff_max_ms). */
+void kvl_path_failed(kvl_peer *p, kvl_path *pa, uint64_t now, const char *why);
 /* pa's connection closed having sent / received / placed these bytes (kept
  * in the *_prev totals).  mover_caps: the KVL_MV_* bits of the mover it still
  * ran (0: none, or the agent closes); one that falls back keeps the path's

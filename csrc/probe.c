@@ -88,7 +88,7 @@ void kvl_prober_request(kvl_agent *a, kvl_peer *p, int path)
     kvl_path *pa = path < 0 ? &p->ctrl_path : &p->paths[path];
     kvl_probe_job *job = calloc(1, sizeof *job);
     if (!job) {
-        kvl_monitor_probe_failed(p, pa, kvl_now_ns(), "out of memory for a probe");
+        kvl_path_failed(p, pa, kvl_now_ns(), "out of memory for a probe");
         return;
     }
     job->peer = p;
@@ -145,7 +145,7 @@ void kvl_prober_done(kvl_agent *a, kvl_cmd *cmd)
             err += 9 + plen; /* the peer is named where this is shown */
         snprintf(why, sizeof why, "%s; down since: %s", err,
                  pa->down_cause[0] ? pa->down_cause : "?");
-        kvl_monitor_probe_failed(p, pa, now, why);
+        kvl_path_failed(p, pa, now, why);
         if (cmd->path >= 0) {
             kvl_path_reconnect_failed(p, pa);
             kvl_sched_check_reachable(p); /* known dead now: fail what waits for it */

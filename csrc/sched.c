@@ -372,7 +372,7 @@ static void evacuate(kvl_peer *p, uint32_t path, int cancel, const char *why)
 void kvl_sched_path_down(kvl_peer *p, uint32_t path, const char *why)
 {
     kvl_path *pa = &p->paths[path]; /* its connection is gone already (kvl_path_lost) */
-    kvl_monitor_probe_failed(p, pa, kvl_now_ns(), why); /* DOWN, re-probed after a backoff */
+    kvl_path_failed(p, pa, kvl_now_ns(), why); /* DOWN, re-probed after a backoff */
     evacuate(p, path, 0, why);
     kvl_sched_check_reachable(p);
     kvl_engine_snapshot_paths(p->agent);

@@ -249,8 +249,14 @@ static void test_backoff_and_reconnect(void)
     kvl_path_backoff(&fresh, 0, 50);
     CHECK_EQ_U64(fresh.backoff_ms, 50);
 
+    /* a connection that fails: DOWN, re-probed after the agent's capped backoff */
+    a->cfg.probe_backoff_max_ms = 1000;
+    kvl_path_failed(p, pa, 2 * MS, "reset by peer");
+    CHECK_EQ_U64(pa->state, KVL_PATH_DOWN);
+    CHECK(!strcmp(pa->last_error, "reset by peer"));
+    CHECK_EQ_U64(pa->backoff_ms, 1000);
+    CHECK_EQ_U64(pa->next_probe_ns, 1002 * MS);
     /* a reconnect resets what belonged to the old connection */
-    kvl_path_set_state(p, pa, KVL_PATH_DOWN, "reset by peer");
     kvl_path_reconnect_failed(p, pa);
     kvl_path_ping_sent(pa, 3 * MS);
     kvl_tp_sample s = {.bytes_acked = 5000, .bytes_received = 6000};
@@ -269,8 +275,9 @@ static void test_backoff_and_reconnect(void)
     CHECK_EQ_U64(pa->seen_acked, 0);
     CHECK_EQ_U64(pa->seen_received, 0);
     CHECK(atomic_load(&p->may_work));
-    kvl_path_backoff(pa, 8 * MS, 1000);
+    kvl_path_failed(p, pa, 8 * MS, "reset again");
     CHECK_EQ_U64(pa->backoff_ms, 100); /* starts over */
+    CHECK_EQ_U64(pa->next_probe_ns, 108 * MS);
     kvl_path_set_state(p, pa, KVL_PATH_PROBING, "reconnecting");
     kvl_path_reconnected(p, pa, (kvl_conn *)&c2, 9 * MS);
     CHECK_EQ_U64(pa->reconnects, 2);

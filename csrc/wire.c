@@ -601,3 +601,16 @@ void kvl_dec_announce_chunk(const kvl_msg_announce *m, uint32_t i, uint32_t *lay
     *layer_first = ld_u32(m->map + (size_t)i * 8);
     *layer_last = ld_u32(m->map + (size_t)i * 8 + 4);
 }
+
+const kvl_region_info *kvl_region_table_find(const kvl_region_info *tab, size_t n, uint64_t id)
+{
+    size_t lo = 0, hi = n;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (tab[mid].id < id)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < n && tab[lo].id == id ? &tab[lo] : NULL;
+}

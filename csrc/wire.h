@@ -237,6 +237,9 @@ const uint8_t *kvl_dec_key_for(const kvl_msg_chunk *m, uint64_t region);
 const uint8_t *kvl_dec_region_next(const uint8_t *p, kvl_region_info *r);
 /* The whole table of an accepted HELLO_ACK/REGIONS, in a new array (caller frees). */
 kvl_err kvl_dec_region_table(const kvl_msg_hello_ack *m, kvl_region_info **out);
+/* The entry for id in a region table of n entries sorted by id (as the wire
+ * carries it and kvl_dec_region_table returns it), or NULL. */
+const kvl_region_info *kvl_region_table_find(const kvl_region_info *tab, size_t n, uint64_t id);
 
 
 #endif

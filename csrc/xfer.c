@@ -82,15 +82,7 @@ static kvl_err hold_local(kvl_agent *a, kvl_xfer *x, uint64_t id, uint64_t off, 
 
 static const kvl_region_info *find_remote(kvl_peer *p, uint64_t id)
 {
-    size_t lo = 0, hi = p->n_regions;
-    while (lo < hi) {
-        size_t mid = lo + (hi - lo) / 2;
-        if (p->regions[mid].id < id)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    return lo < p->n_regions && p->regions[lo].id == id ? &p->regions[lo] : NULL;
+    return kvl_region_table_find(p->regions, p->n_regions, id);
 }
 
 int kvl_region_key_cmp(const void *a, const void *b)

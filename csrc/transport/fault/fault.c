@@ -698,20 +698,6 @@ static kvl_err fault_start(kvl_agent *a, kvl_ep *ep, const char *local, uint64_t
     return KVL_OK;
 }
 
-static const kvl_region_info *table_entry(const kvl_region_info *tab, size_t n, uint64_t id)
-{
-    size_t lo = 0, hi = n;
-    while (lo < hi) {
-        size_t mid = lo + (hi - lo) / 2;
-        if (tab[mid].id == id)
-            return &tab[mid];
-        if (tab[mid].id < id)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    return NULL;
-}
 
 /* As ucx_check: a region learnt that the table lists must be open for
  * remote writes and of the table's size; one it does not list (registered
@@ -721,7 +707,7 @@ static int fault_check(kvl_mover *m, const kvl_region_info *regions, size_t n, c
 {
     fault_end *e = E(m);
     for (uint32_t i = 0; i < e->n_peer; i++) {
-        const kvl_region_info *r = table_entry(regions, n, e->peer[i].id);
+        const kvl_region_info *r = kvl_region_table_find(regions, n, e->peer[i].id);
         if (!r)
             continue;
         if (!(r->rights & KVL_REMOTE_WRITE))

@@ -267,22 +267,6 @@ static kvl_err ucx_start(kvl_agent *a, kvl_ep *ep, const char *local, uint64_t d
     return KVL_OK;
 }
 
-/* The peer's region table entry for id (tab sorted by id, as the wire
- * carries it), or NULL. */
-static const kvl_region_info *table_entry(const kvl_region_info *tab, size_t n, uint64_t id)
-{
-    size_t lo = 0, hi = n;
-    while (lo < hi) {
-        size_t mid = lo + (hi - lo) / 2;
-        if (tab[mid].id == id)
-            return &tab[mid];
-        if (tab[mid].id < id)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    return NULL;
-}
 
 static int ucx_check(kvl_mover *m, const kvl_region_info *regions, size_t n, char *note,
                      size_t note_len)
@@ -295,7 +279,7 @@ static int ucx_check(kvl_mover *m, const kvl_region_info *regions, size_t n, cha
      * within (xfer.c), and a key smaller than the table's region would fail
      * a put with KVL_ERR_OUT_OF_BOUNDS, not place out of range. */
     for (uint32_t i = 0; i < u->n_keys; i++) {
-        const kvl_region_info *r = table_entry(regions, n, u->keys[i].region);
+        const kvl_region_info *r = kvl_region_table_find(regions, n, u->keys[i].region);
         if (!r)
             continue;
         uint64_t ksize = u->keys[i].size;

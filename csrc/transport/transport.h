@@ -97,8 +97,10 @@ typedef struct kvl_tp_frame {
     /* KVL_STAGE_*: the payload's memory is not the stream's to read (GPU
      * memory, or host memory under stage_host_memory): the stream copies
      * it into host memory (kvl_stage_gather) right before the payload
-     * starts, and sends from there.  Never given to a mover without
-     * KVL_MV_GPU_MEM. */
+     * starts, and sends from there.  A one-sided mover then puts from that
+     * slot (kept until the frame has left, which waits for the writes); a
+     * receiver-pulled one never gets such a frame (the receiver would read
+     * the slot after it was given back) unless it has KVL_MV_GPU_MEM. */
     int stage;
 } kvl_tp_frame;
 

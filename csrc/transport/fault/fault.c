@@ -864,7 +864,7 @@ static void fault_sample(const kvl_mover *m, kvl_tp_sample *out)
 static int fault_covers(const kvl_mover *m, const kvl_tp_frame *f)
 {
     const fault_end *e = CE(m);
-    if (!f->dst || f->stage)
+    if (!f->dst)
         return 0;
     const fregion *r = NULL;
     for (uint32_t i = 0; i < f->n_dst; i++) {

@@ -198,7 +198,13 @@ static int tcp_send(kvl_ep *ep, kvl_tp_frame *f)
     }
     o->f = *f;
     memset(f, 0, sizeof *f);
-    if (ep->mv && o->f.payload_len && (!o->f.stage || (ep->mv_ops->caps & KVL_MV_GPU_MEM)) &&
+    /* a staged payload is gathered into a host slot before it starts
+     * (stage_out), and the slot is given back once the frame has left: a
+     * one-sided mover puts from it (its trailer waits for the writes), a
+     * receiver-pulled one would read it too late */
+    uint32_t mcaps = ep->mv ? ep->mv_ops->caps : 0;
+    if (ep->mv && o->f.payload_len &&
+        (!o->f.stage || (mcaps & (KVL_MV_ONE_SIDED | KVL_MV_GPU_MEM))) &&
         ep->mv_ops->covers(ep->mv, &o->f)) {
         o->oob = 1; /* header flag OOB: the stream carries the cover, not the bytes */
         o->mv_caps = ep->mv_ops->caps;

@@ -493,7 +493,7 @@ static int ucx_covers(const kvl_mover *m, const kvl_tp_frame *f)
 {
     const kvl_ucx_path *u = CU(m);
     const kvl_wire_piece *dst = f->dst;
-    if (!u->uep || !dst || f->stage)
+    if (!u->uep || !dst)
         return 0;
     const upkey *k = NULL;
     for (uint32_t i = 0; i < f->n_dst; i++) {

@@ -10,7 +10,6 @@
 
 #include "conn_impl.h"
 
-
 kvl_conn *kvl_conn_new(kvl_agent *a, kvl_ep *ep)
 {
     kvl_conn *c = calloc(1, sizeof *c);

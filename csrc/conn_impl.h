@@ -56,7 +56,6 @@ struct kvl_conn {
     kvl_conn *next, *prev;
 };
 
-
 static inline const kvl_stream_ops *tp(const kvl_conn *c) { return c->a->stream; }
 
 /* c's mover (NULL: payloads in-stream), as the stream has it now: a mover

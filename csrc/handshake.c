@@ -12,7 +12,6 @@
 
 #include "conn_impl.h"
 
-
 /* An accepted connection answered its HELLO (admitted or refused): it no
  * longer counts among those still in their handshake. */
 void kvl_handshake_over(kvl_conn *c)

@@ -12,7 +12,6 @@
 
 #include "conn_impl.h"
 
-
 /* ---- receive helpers ---- */
 
 int kvl_place_dst_reserve(kvl_conn *c, int n)

@@ -12,7 +12,6 @@
 
 #include "conn_impl.h"
 
-
 /* ACK, or READ_RESP with the payload f carries (f may be NULL). */
 static void send_status(kvl_conn *c, uint8_t type, const kvl_msg_status *st, kvl_tp_frame *f)
 {

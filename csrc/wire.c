@@ -4,6 +4,7 @@
  * latches "bad" on overrun, so garbage from the network yields
  * KVL_ERR_PROTOCOL, never an out-of-bounds read.
  */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -600,6 +601,28 @@ void kvl_dec_announce_chunk(const kvl_msg_announce *m, uint32_t i, uint32_t *lay
 {
     *layer_first = ld_u32(m->map + (size_t)i * 8);
     *layer_last = ld_u32(m->map + (size_t)i * 8 + 4);
+}
+
+int kvl_region_learnt_ok(const kvl_region_info *tab, size_t n, uint64_t id, uint64_t size,
+                         const char *who, char *why, size_t why_len)
+{
+    const kvl_region_info *r = kvl_region_table_find(tab, n, id);
+    if (!r)
+        return 1;
+    if (!(r->rights & KVL_REMOTE_WRITE))
+        snprintf(why, why_len,
+                 "%s key for region %llu, which the peer's region table does not open for "
+                 "remote writes: peer broken or hostile, running TCP",
+                 who, (unsigned long long)id);
+    else if (size != r->size)
+        snprintf(why, why_len,
+                 "%s key of region %llu covers %llu bytes, the peer's region table says "
+                 "%llu: peer broken or hostile, running TCP",
+                 who, (unsigned long long)id, (unsigned long long)size,
+                 (unsigned long long)r->size);
+    else
+        return 1;
+    return 0;
 }
 
 const kvl_region_info *kvl_region_table_find(const kvl_region_info *tab, size_t n, uint64_t id)

@@ -240,6 +240,11 @@ kvl_err kvl_dec_region_table(const kvl_msg_hello_ack *m, kvl_region_info **out);
 /* The entry for id in a region table of n entries sorted by id (as the wire
  * carries it and kvl_dec_region_table returns it), or NULL. */
 const kvl_region_info *kvl_region_table_find(const kvl_region_info *tab, size_t n, uint64_t id);
-
+/* What a one-sided mover learnt of a peer's region (id, size: its key), checked
+ * against the peer's region table tab[0..n): 1 when the table does not list it
+ * (registered since) or agrees (open for remote writes, the same size); else 0
+ * with the reason in why, naming who (the mover's label). */
+int kvl_region_learnt_ok(const kvl_region_info *tab, size_t n, uint64_t id, uint64_t size,
+                         const char *who, char *why, size_t why_len);
 
 #endif

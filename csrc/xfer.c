@@ -18,7 +18,6 @@
 
 #define MAX_LAYERS KVL_MAX_LAYERS
 
-
 int kvl_xfer_running(kvl_xfer *x)
 {
     /* written only by the engine thread, which is the only caller */

@@ -357,122 +357,17 @@ class ScriptedReceiver:
     close = kill
 
 
-class AckHoldingProxy:
-    """A man in the middle for every address of an agent's metadata that withholds the
-    agent's ACK frames until :meth:`release` (everything else goes through unchanged, in
-    order): a push through it is announced and sent but cannot finish before the test says
-    so.  ``metadata()`` is the agent's, pointing at the proxy."""
+class _FrontProxy:
+    """Listens in front of every address of an agent's metadata and pipes each connection
+    to the agent; what the agent sends back goes through the subclass's ``_answers(up,
+    down)``.  ``metadata()`` is the agent's, pointing at the proxy.  Subclasses set their
+    own state before calling ``__init__`` (it starts accepting)."""
 
     def __init__(self, metadata: bytes) -> None:
         self.meta = json.loads(metadata)
-        self._lock = threading.Lock()  # guards the two below
-        self._released = False
-        self._held: list[tuple[socket.socket, bytes]] = []  # (towards the initiator, frame)
-        self._socks: list[socket.socket] = []
-        addrs = []
-        for host, port in self.meta["addrs"]:
-            srv = socket.create_server((host, 0))
-            self._socks.append(srv)
-            addrs.append([host, srv.getsockname()[1]])
-            threading.Thread(target=self._accept, args=(srv, (host, port)), daemon=True).start()
-        self.meta["addrs"] = addrs
-
-    def metadata(self) -> bytes:
-        return json.dumps(self.meta).encode()
-
-    def _accept(self, srv: socket.socket, target: tuple[str, int]) -> None:
-        while True:
-            try:
-                c, _ = srv.accept()
-            except OSError:
-                return
-            try:
-                u = socket.create_connection(target)
-            except OSError:  # the agent is gone: so is this connection
-                c.close()
-                continue
-            with self._lock:
-                self._socks += [c, u]
-            threading.Thread(target=RewritingProxy._pipe, args=(c, u), daemon=True).start()
-            threading.Thread(target=self._answers, args=(u, c), daemon=True).start()
-
-    def _answers(self, up: socket.socket, down: socket.socket) -> None:
-        """Listener -> initiator, frame by frame, ACKs held back."""
-        try:
-            while True:
-                hdr = recv_exact(up, 24)
-                _, _, t, _, blen, _, plen = struct.unpack("<IBBHIIQ", hdr)
-                raw = hdr + recv_exact(up, blen) + (recv_exact(up, plen + 4) if plen else b"")
-                with self._lock:
-                    if t == ACK and not self._released:
-                        self._held.append((down, raw))
-                        continue
-                    down.sendall(raw)
-        except (OSError, ConnectionError):
-            with contextlib.suppress(OSError):
-                down.shutdown(socket.SHUT_WR)
-
-    def release(self) -> None:
-        """Sends every ACK held so far, and every one from now on."""
-        with self._lock:
-            self._released = True
-            held, self._held = self._held, []
-            for down, raw in held:
-                with contextlib.suppress(OSError):
-                    down.sendall(raw)
-
-    def close(self) -> None:
-        with self._lock:
-            socks, self._socks = self._socks, []
-        for s in socks:
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-            s.close()
-
-
-MOVER_OFFER, MOVER_ACCEPT, MOVER_KEYS, MOVER_REFUSE = 17, 18, 19, 20
-
-
-def ucx_setup_decode(body: bytes) -> tuple[bytes, list[list]]:
-    """The UCX mover's part of a MOVER_OFFER / MOVER_ACCEPT body, after its kind byte
-    (docs/wire-protocol.md): the worker address and the keys as [region, base, size, key
-    bytes]."""
-    (alen,) = struct.unpack_from("<H", body)
-    addr = body[2 : 2 + alen]
-    off = 2 + alen
-    (n,) = struct.unpack_from("<I", body, off)
-    off += 4
-    keys = []
-    for _ in range(n):
-        region, base, size, klen = struct.unpack_from("<QQQH", body, off)
-        off += 26
-        keys.append([region, base, size, body[off : off + klen]])
-        off += klen
-    return addr, keys
-
-
-def ucx_setup_encode(addr: bytes, keys: list[list]) -> bytes:
-    out = struct.pack("<H", len(addr)) + addr + struct.pack("<I", len(keys))
-    for region, base, size, key in keys:
-        out += struct.pack("<QQQH", region, base, size, len(key)) + key
-    return out
-
-
-class RewritingProxy:
-    """A man in the middle for every address of an agent's metadata: bytes go through
-    unchanged, except that the UCX part of the first MOVER_ACCEPT on each connection (its
-    body after the kind byte) is handed
-    to ``rewrite(body) -> body`` (its crc32c recomputed), as a peer that answers with bad
-    keys would.  Frames after the handshake carry no MAC, so this is what a broken or
-    hostile listener can send.  ``metadata()`` is the agent's, pointing at the proxy."""
-
-    def __init__(self, metadata: bytes, rewrite) -> None:  # type: ignore[no-untyped-def]
-        self.meta = json.loads(metadata)
-        self.rewrite = rewrite
-        self.accepts_rewritten = 0
         self._lock = threading.Lock()
-        self._socks: list[socket.socket] = []
-        self._conns: list[socket.socket] = []  # the proxied connections (cut() drops them)
+        self._socks: list[socket.socket] = []  # the listening sockets
+        self._conns: list[socket.socket] = []  # the proxied connections (both ends)
         addrs = []
         for host, port in self.meta["addrs"]:
             srv = socket.create_server((host, 0))
@@ -509,6 +404,96 @@ class RewritingProxy:
             pass
         with contextlib.suppress(OSError):
             b.shutdown(socket.SHUT_WR)
+
+    def _answers(self, up: socket.socket, down: socket.socket) -> None:
+        raise NotImplementedError
+
+
+class AckHoldingProxy(_FrontProxy):
+    """A man in the middle for every address of an agent's metadata that withholds the
+    agent's ACK frames until :meth:`release` (everything else goes through unchanged, in
+    order): a push through it is announced and sent but cannot finish before the test says
+    so.  ``metadata()`` is the agent's, pointing at the proxy."""
+
+    def __init__(self, metadata: bytes) -> None:
+        self._released = False  # under _lock, as _held
+        self._held: list[tuple[socket.socket, bytes]] = []  # (towards the initiator, frame)
+        super().__init__(metadata)
+
+    def _answers(self, up: socket.socket, down: socket.socket) -> None:
+        """Listener -> initiator, frame by frame, ACKs held back."""
+        try:
+            while True:
+                hdr = recv_exact(up, 24)
+                _, _, t, _, blen, _, plen = struct.unpack("<IBBHIIQ", hdr)
+                raw = hdr + recv_exact(up, blen) + (recv_exact(up, plen + 4) if plen else b"")
+                with self._lock:
+                    if t == ACK and not self._released:
+                        self._held.append((down, raw))
+                        continue
+                    down.sendall(raw)
+        except (OSError, ConnectionError):
+            with contextlib.suppress(OSError):
+                down.shutdown(socket.SHUT_WR)
+
+    def release(self) -> None:
+        """Sends every ACK held so far, and every one from now on."""
+        with self._lock:
+            self._released = True
+            held, self._held = self._held, []
+            for down, raw in held:
+                with contextlib.suppress(OSError):
+                    down.sendall(raw)
+
+    def close(self) -> None:
+        with self._lock:
+            socks, self._socks, self._conns = self._socks + self._conns, [], []
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+
+MOVER_OFFER, MOVER_ACCEPT, MOVER_KEYS, MOVER_REFUSE = 17, 18, 19, 20
+
+
+def ucx_setup_decode(body: bytes) -> tuple[bytes, list[list]]:
+    """The UCX mover's part of a MOVER_OFFER / MOVER_ACCEPT body, after its kind byte
+    (docs/wire-protocol.md): the worker address and the keys as [region, base, size, key
+    bytes]."""
+    (alen,) = struct.unpack_from("<H", body)
+    addr = body[2 : 2 + alen]
+    off = 2 + alen
+    (n,) = struct.unpack_from("<I", body, off)
+    off += 4
+    keys = []
+    for _ in range(n):
+        region, base, size, klen = struct.unpack_from("<QQQH", body, off)
+        off += 26
+        keys.append([region, base, size, body[off : off + klen]])
+        off += klen
+    return addr, keys
+
+
+def ucx_setup_encode(addr: bytes, keys: list[list]) -> bytes:
+    out = struct.pack("<H", len(addr)) + addr + struct.pack("<I", len(keys))
+    for region, base, size, key in keys:
+        out += struct.pack("<QQQH", region, base, size, len(key)) + key
+    return out
+
+
+class RewritingProxy(_FrontProxy):
+    """A man in the middle for every address of an agent's metadata: bytes go through
+    unchanged, except that the UCX part of the first MOVER_ACCEPT on each connection (its
+    body after the kind byte) is handed
+    to ``rewrite(body) -> body`` (its crc32c recomputed), as a peer that answers with bad
+    keys would.  Frames after the handshake carry no MAC, so this is what a broken or
+    hostile listener can send.  ``metadata()`` is the agent's, pointing at the proxy."""
+
+    def __init__(self, metadata: bytes, rewrite) -> None:  # type: ignore[no-untyped-def]
+        self.rewrite = rewrite
+        self.accepts_rewritten = 0
+        super().__init__(metadata)
 
     def _answers(self, up: socket.socket, down: socket.socket) -> None:
         """Listener -> initiator: frame by frame until the UCX answer, then raw."""

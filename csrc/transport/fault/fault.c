@@ -698,7 +698,6 @@ static kvl_err fault_start(kvl_agent *a, kvl_ep *ep, const char *local, uint64_t
     return KVL_OK;
 }
 
-
 /* As ucx_check: a region learnt that the table lists must be open for
  * remote writes and of the table's size; one it does not list (registered
  * after the table was read) stays, bounded by its own size. */
@@ -707,21 +706,8 @@ static int fault_check(kvl_mover *m, const kvl_region_info *regions, size_t n, c
 {
     fault_end *e = E(m);
     for (uint32_t i = 0; i < e->n_peer; i++) {
-        const kvl_region_info *r = kvl_region_table_find(regions, n, e->peer[i].id);
-        if (!r)
-            continue;
-        if (!(r->rights & KVL_REMOTE_WRITE))
-            snprintf(note, note_len,
-                     "fault mover: region %llu, which the peer's region table does not open "
-                     "for remote writes: peer broken, in-stream",
-                     (unsigned long long)r->id);
-        else if (r->size != e->peer[i].size)
-            snprintf(note, note_len,
-                     "fault mover: region %llu is %llu bytes, the peer's region table says "
-                     "%llu: peer broken, in-stream",
-                     (unsigned long long)r->id, (unsigned long long)e->peer[i].size,
-                     (unsigned long long)r->size);
-        else
+        if (kvl_region_learnt_ok(regions, n, e->peer[i].id, e->peer[i].size, "fault mover",
+                                 note, note_len))
             continue;
         kvl_log(e->a, KVL_LOG_WARNING, NULL, -1, "%s", note);
         return -1;

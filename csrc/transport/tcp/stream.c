@@ -297,7 +297,7 @@ static int tcp_cancel(kvl_ep *ep, uint64_t xid, uint32_t chunk, uint32_t attempt
         kvl_out *o = *pp;
         if (!o->f.is_chunk || o->f.xid != xid || o->f.chunk != chunk || o->f.attempt != attempt)
             continue;
-        if (!o->in_job && o->head_sent == 0 && !o->posted) {
+        if (!o->in_job && o->head_sent == 0) {
             /* not started: it simply never goes out */
             *pp = o->next;
             ep->sq_len--;

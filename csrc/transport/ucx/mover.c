@@ -267,7 +267,6 @@ static kvl_err ucx_start(kvl_agent *a, kvl_ep *ep, const char *local, uint64_t d
     return KVL_OK;
 }
 
-
 static int ucx_check(kvl_mover *m, const kvl_region_info *regions, size_t n, char *note,
                      size_t note_len)
 {
@@ -279,23 +278,9 @@ static int ucx_check(kvl_mover *m, const kvl_region_info *regions, size_t n, cha
      * within (xfer.c), and a key smaller than the table's region would fail
      * a put with KVL_ERR_OUT_OF_BOUNDS, not place out of range. */
     for (uint32_t i = 0; i < u->n_keys; i++) {
-        const kvl_region_info *r = kvl_region_table_find(regions, n, u->keys[i].region);
-        if (!r)
-            continue;
-        uint64_t ksize = u->keys[i].size;
         char why[sizeof u->note];
-        if (!(r->rights & KVL_REMOTE_WRITE))
-            snprintf(why, sizeof why,
-                     "UCX key for region %llu, which the peer's region table does not open for "
-                     "remote writes: peer broken or hostile, running TCP",
-                     (unsigned long long)r->id);
-        else if (ksize != r->size)
-            snprintf(why, sizeof why,
-                     "UCX key of region %llu covers %llu bytes, the peer's region table says "
-                     "%llu: peer broken or hostile, running TCP",
-                     (unsigned long long)r->id, (unsigned long long)ksize,
-                     (unsigned long long)r->size);
-        else
+        if (kvl_region_learnt_ok(regions, n, u->keys[i].region, u->keys[i].size, "UCX", why,
+                                 sizeof why))
             continue;
         kvl_log(u->a, KVL_LOG_WARNING, NULL, -1, "%s", why);
         snprintf(note, note_len, "%s", why);

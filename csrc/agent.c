@@ -389,6 +389,7 @@ kvl_err kvl_agent_create(const kvl_config *cfg, kvl_agent **out)
     if (getrandom(&a->instance, sizeof a->instance, 0) != sizeof a->instance)
         a->instance = kvl_now_ns() ^ ((uint64_t)getpid() << 32);
     if (getrandom(&a->rx_seed, sizeof a->rx_seed, 0) != sizeof a->rx_seed ||
+        getrandom(&a->shares.seed, sizeof a->shares.seed, 0) != sizeof a->shares.seed ||
         getrandom(a->token_seed, sizeof a->token_seed, 0) != sizeof a->token_seed) {
         e = kvl_fail_errno("agent_create: getrandom");
         agent_free(a);
@@ -535,6 +536,7 @@ kvl_err kvl_agent_close(kvl_agent *a)
         free(ib);
     }
     kvl_notify_queue_free(a);
+    kvl_share_free_all(a);
     agent_free(a);
     return KVL_OK;
 }

@@ -18,8 +18,17 @@
  *    wait_layer / next_event.
  *
  * DATA for a transfer that was not announced is refused: every chunk index
- * is checked against the announced count, and a peer can only create
- * entries up to MAX_ENTRIES.
+ * is checked against the announced count.
+ *
+ * Fairness.  What a push holds here is charged to its sender's share
+ * (share.c): a sender over its quota is refused with the reason, and when
+ * the agent is out of room a new push takes room only from the sender
+ * holding the most of what is short, and only while that sender holds more
+ * than its fair part; never from one within it.  Each share keeps its live
+ * pushes in an LRU by progress (a newly verified chunk, not any frame: a
+ * sender keeping a push "alive" with 1-byte pieces into settled chunks is
+ * idle) and its tombstones oldest last, so eviction and expiry take tails;
+ * deadlines are in a heap.  Nothing on the engine thread walks every entry.
  *
  * The entry table is engine-thread only; a handle's progress is under its
  * own mutex; the queue of handles not yet taken is under a->inq_mu.
@@ -35,12 +44,8 @@
 #define ENDED_KEEP_NS (30ull * 1000000000ull) /* tombstones outlive any late copy */
 #define IDLE_KEEP_NS (300ull * 1000000000ull) /* a sender that vanished without END */
 #define END_GRACE_NS (2000ull * 1000000ull)   /* after the sender's deadline: its END is due */
-#define MAX_ENTRIES 16384                     /* transfers (live and tombstones) per agent */
-#define MAX_LIVE_CHUNKS (1u << 18)            /* chunks of all announced, unended pushes */
-#define MAX_LIVE_LAYERS (1u << 20)            /* their layers (5 bytes each per push) */
-#define EVICT_IDLE_NS (1000ull * 1000000ull)  /* out of room: an announced push this idle goes */
-#define EVICT_ENDED_NS (5000ull * 1000000ull) /* ...then a tombstone this old */
-#define QUEUE_MAX 1024                        /* handles waiting for kvl_inbound_next */
+#define EVICT_IDLE_NS (1000ull * 1000000ull)  /* over quota: its own push this idle goes */
+#define EVICT_ENDED_NS (5000ull * 1000000ull) /* out of room: a tombstone this old goes first */
 #define QUEUE_KEEP_NS (60ull * 1000000000ull) /* a finished handle nobody took is dropped */
 
 /* The receiver's handle: a push's progress here (progress.c) and what it
@@ -55,8 +60,12 @@ struct kvl_inxfer {
     uint64_t t_announce_ns;
     uint32_t tag_len;
     uint8_t *tag;              /* tag_len bytes */
-    uint64_t t_queued_ns;      /* inq_mu */
-    struct kvl_inxfer *qnext;  /* inq_mu */
+    /* inq_mu: the queue of handles nobody took yet */
+    int queued;
+    uint64_t t_queued_ns;
+    kvl_share *share;          /* whose queue count it is in (valid while queued) */
+    struct kvl_inxfer *qprev, *qnext;   /* a->inq_head: every queued handle, oldest first */
+    struct kvl_inxfer *sqprev, *sqnext; /* share->q_head: its sender's */
 };
 
 /* ---- handles ---- */
@@ -135,42 +144,76 @@ static void inx_fail(kvl_inxfer *t, kvl_err err, const char *fmt, ...)
     va_end(ap);
 }
 
-/* ---- the queue of handles not yet taken ---- */
+/* ---- the queue of handles not yet taken (inq_mu) ---- */
 
-static void queue_put(kvl_agent *a, kvl_inxfer *t, uint64_t now)
+static void queue_unlink(kvl_agent *a, kvl_inxfer *t)
+{
+    kvl_share *s = t->share;
+    *(t->qprev ? &t->qprev->qnext : &a->inq_head) = t->qnext;
+    *(t->qnext ? &t->qnext->qprev : &a->inq_tail) = t->qprev;
+    *(t->sqprev ? &t->sqprev->sqnext : &s->q_head) = t->sqnext;
+    *(t->sqnext ? &t->sqnext->sqprev : &s->q_tail) = t->sqprev;
+    t->qprev = t->qnext = t->sqprev = t->sqnext = NULL;
+    t->queued = 0;
+    t->share = NULL;
+    s->queued--;
+    a->shares.queued--;
+}
+
+/* The share holding the most queued handles (O(shares), only when the
+ * whole queue is full). */
+static kvl_share *queue_heaviest(kvl_agent *a)
+{
+    kvl_share *best = NULL;
+    for (kvl_share *s = a->shares.all; s; s = s->next)
+        if (s->queued && (!best || s->queued > best->queued))
+            best = s;
+    return best;
+}
+
+/* Queues t for kvl_inbound_next.  Nobody takes them: over its sender's
+ * KVL_SHARE_QUEUED the sender's oldest goes, and with the queue full the
+ * oldest of the sender queuing the most, so a flood of pushes nobody
+ * takes cannot push other senders' handles out. */
+static void queue_put(kvl_agent *a, kvl_share *s, kvl_inxfer *t, uint64_t now)
 {
     pthread_mutex_lock(&a->inq_mu);
-    t->t_queued_ns = now;
-    t->qnext = NULL;
-    kvl_inxfer **pp = &a->inq_head;
-    uint32_t n = 0;
-    while (*pp) {
-        pp = &(*pp)->qnext;
-        n++;
-    }
-    *pp = t;
     kvl_inxfer *drop = NULL;
-    if (n >= QUEUE_MAX) { /* nobody takes them: the oldest goes */
-        drop = a->inq_head;
-        a->inq_head = drop->qnext;
+    kvl_share *from = s->queued >= KVL_SHARE_QUEUED         ? s
+                      : a->shares.queued >= KVL_ROOM_QUEUED ? queue_heaviest(a)
+                                                             : NULL;
+    if (from) {
+        drop = from->q_head;
+        queue_unlink(a, drop);
     }
+    t->t_queued_ns = now;
+    t->queued = 1;
+    t->share = s;
+    t->qprev = a->inq_tail;
+    *(a->inq_tail ? &a->inq_tail->qnext : &a->inq_head) = t;
+    a->inq_tail = t;
+    t->sqprev = s->q_tail;
+    *(s->q_tail ? &s->q_tail->sqnext : &s->q_head) = t;
+    s->q_tail = t;
+    s->queued++;
+    a->shares.queued++;
     pthread_cond_broadcast(&a->inq_cv);
     pthread_mutex_unlock(&a->inq_mu);
     kvl_inxfer_release(drop);
 }
 
+/* Finished handles nobody took for QUEUE_KEEP_NS go: oldest first, so the
+ * walk stops at the first one queued more recently. */
 static void queue_expire(kvl_agent *a, uint64_t now)
 {
     kvl_inxfer *drop = NULL;
     pthread_mutex_lock(&a->inq_mu);
-    for (kvl_inxfer **pp = &a->inq_head; *pp;) {
-        kvl_inxfer *t = *pp;
-        if (kvl_progress_finished(&t->prog) && now - t->t_queued_ns > QUEUE_KEEP_NS) {
-            *pp = t->qnext;
+    for (kvl_inxfer *t = a->inq_head, *next; t && now - t->t_queued_ns > QUEUE_KEEP_NS; t = next) {
+        next = t->qnext;
+        if (kvl_progress_finished(&t->prog)) {
+            queue_unlink(a, t);
             t->qnext = drop;
             drop = t;
-        } else {
-            pp = &t->qnext;
         }
     }
     pthread_mutex_unlock(&a->inq_mu);
@@ -202,6 +245,112 @@ static kvl_rx_xfer *find(kvl_agent *a, uint64_t instance, uint64_t xfer)
     return NULL;
 }
 
+/* -- the deadline heap: the soonest announced deadline on top -- */
+
+static void heap_set(kvl_agent *a, uint32_t i, kvl_rx_xfer *r)
+{
+    a->rx_heap[i] = r;
+    r->heap_at = i;
+}
+
+static void heap_up(kvl_agent *a, uint32_t i)
+{
+    kvl_rx_xfer *r = a->rx_heap[i];
+    while (i > 0 && a->rx_heap[(i - 1) / 2]->deadline_ns > r->deadline_ns) {
+        heap_set(a, i, a->rx_heap[(i - 1) / 2]);
+        i = (i - 1) / 2;
+    }
+    heap_set(a, i, r);
+}
+
+static void heap_down(kvl_agent *a, uint32_t i)
+{
+    kvl_rx_xfer *r = a->rx_heap[i];
+    for (;;) {
+        uint32_t c = 2 * i + 1;
+        if (c >= a->rx_heap_n)
+            break;
+        if (c + 1 < a->rx_heap_n && a->rx_heap[c + 1]->deadline_ns < a->rx_heap[c]->deadline_ns)
+            c++;
+        if (a->rx_heap[c]->deadline_ns >= r->deadline_ns)
+            break;
+        heap_set(a, i, a->rx_heap[c]);
+        i = c;
+    }
+    heap_set(a, i, r);
+}
+
+static int heap_push(kvl_agent *a, kvl_rx_xfer *r)
+{
+    if (!a->rx_heap && !(a->rx_heap = malloc(KVL_ROOM_ENTRIES * sizeof *a->rx_heap)))
+        return -1;
+    a->rx_heap[a->rx_heap_n] = r; /* live pushes are at most KVL_ROOM_ENTRIES */
+    heap_up(a, a->rx_heap_n++);
+    return 0;
+}
+
+static void heap_remove(kvl_agent *a, kvl_rx_xfer *r)
+{
+    uint32_t i = r->heap_at;
+    if (i == KVL_RX_NO_HEAP)
+        return;
+    r->heap_at = KVL_RX_NO_HEAP;
+    kvl_rx_xfer *last = a->rx_heap[--a->rx_heap_n];
+    if (last == r)
+        return;
+    heap_set(a, i, last);
+    heap_up(a, i);
+    heap_down(a, last->heap_at);
+}
+
+/* -- a share's lists: live pushes by progress, tombstones by age -- */
+
+static kvl_rx_xfer **list_head(kvl_rx_xfer *r)
+{
+    return r->ended ? &r->share->tomb_head : &r->share->lru_head;
+}
+
+static kvl_rx_xfer **list_tail(kvl_rx_xfer *r)
+{
+    return r->ended ? &r->share->tomb_tail : &r->share->lru_tail;
+}
+
+static void list_unlink(kvl_rx_xfer *r)
+{
+    *(r->prev ? &r->prev->next : list_head(r)) = r->next;
+    *(r->next ? &r->next->prev : list_tail(r)) = r->prev;
+    r->prev = r->next = NULL;
+}
+
+static void list_push_head(kvl_rx_xfer *r)
+{
+    kvl_rx_xfer **head = list_head(r);
+    r->prev = NULL;
+    r->next = *head;
+    *(*head ? &(*head)->prev : list_tail(r)) = r;
+    *head = r;
+}
+
+/* -- what an entry holds, charged to its share and the room -- */
+
+static void charge_live(kvl_agent *a, kvl_rx_xfer *r, int sign)
+{
+    kvl_share *s = r->share;
+    uint32_t d = sign > 0 ? 1u : (uint32_t)-1;
+    s->live += d;
+    s->chunks += d * r->n;
+    a->shares.chunks += d * r->n;
+    s->layers += d * r->n_layers;
+    a->shares.layers += d * r->n_layers;
+}
+
+static void charge_tag(kvl_agent *a, kvl_rx_xfer *r, int sign)
+{
+    uint32_t d = sign > 0 ? r->tag_bytes : (uint32_t)-r->tag_bytes;
+    r->share->tag_bytes += d;
+    a->shares.tag_bytes += d;
+}
+
 static void unhash(kvl_agent *a, kvl_rx_xfer *r)
 {
     kvl_rx_xfer **pp = bucket(a, r->instance, r->xfer);
@@ -210,126 +359,283 @@ static void unhash(kvl_agent *a, kvl_rx_xfer *r)
     *pp = r->hnext;
 }
 
-static kvl_rx_xfer *entry_new(kvl_agent *a, uint64_t instance, uint64_t xfer)
+static kvl_rx_xfer *entry_new(kvl_agent *a, kvl_share *s, uint64_t xfer)
 {
-    if (a->n_rx_xfers >= MAX_ENTRIES)
-        return NULL;
     kvl_rx_xfer *r = calloc(1, sizeof *r);
     if (!r)
         return NULL;
-    r->instance = instance;
+    r->instance = s->sender;
     r->xfer = xfer;
-    r->next = a->rx_xfers;
-    a->rx_xfers = r;
-    kvl_rx_xfer **b = bucket(a, instance, xfer);
+    r->share = s;
+    r->heap_at = KVL_RX_NO_HEAP;
+    kvl_rx_xfer **b = bucket(a, r->instance, xfer);
     r->hnext = *b;
     *b = r;
-    a->n_rx_xfers++;
+    a->shares.entries++;
     return r;
 }
 
 /* A push that failed before the application took its handle keeps only
  * what reports the failure: its per-chunk and per-layer arrays go now, so
  * handles waiting in the queue cost their tag, not their push's size. */
-static void inx_shrink_if_queued(kvl_agent *a, kvl_inxfer *t)
-{
-    pthread_mutex_lock(&a->inq_mu);
-    int queued = 0;
-    for (kvl_inxfer *q = a->inq_head; q && !queued; q = q->qnext)
-        queued = q == t;
-    if (queued)
-        kvl_progress_shrink(&t->prog);
-    pthread_mutex_unlock(&a->inq_mu);
-}
-
 static void drop_handle(kvl_agent *a, kvl_rx_xfer *r)
 {
-    inx_shrink_if_queued(a, r->h);
+    pthread_mutex_lock(&a->inq_mu);
+    if (r->h->queued)
+        kvl_progress_shrink(&r->h->prog);
+    pthread_mutex_unlock(&a->inq_mu);
     kvl_inxfer_release(r->h);
     r->h = NULL;
+    charge_tag(a, r, -1);
 }
 
-/* Unlinks r (at *pp in a->rx_xfers) and frees it; a handle still held
- * fails with err and why. */
-static void entry_drop(kvl_agent *a, kvl_rx_xfer **pp, kvl_err err, const char *why)
+/* r is over (END, its deadline, or dropped): no copy lands any more, and
+ * what its chunks held goes back.  A handle still held fails with err and why. */
+static void end_live(kvl_agent *a, kvl_rx_xfer *r, kvl_err err, const char *why)
 {
-    kvl_rx_xfer *r = *pp;
-    *pp = r->next;
-    unhash(a, r);
     if (r->h) {
         inx_fail(r->h, err, "%s", why);
         drop_handle(a, r);
     }
-    if (r->chunks) {
-        a->rx_chunks_live -= r->n;
-        a->rx_layers_live -= r->n_layers;
-    }
+    if (r->ended || !r->chunks)
+        return; /* a tombstone, or an entry made a tombstone at once (kvl_rx_end) */
+    heap_remove(a, r);
+    list_unlink(r);
+    charge_live(a, r, -1);
     free(r->chunks);
-    free(r);
-    a->n_rx_xfers--;
+    r->chunks = NULL;
+    r->n = r->n_layers = 0;
 }
 
-static int fits(const kvl_agent *a, uint32_t n_chunks, uint32_t n_layers, int new_entry)
+/* Frees r, live or a tombstone. */
+static void entry_drop(kvl_agent *a, kvl_rx_xfer *r, kvl_err err, const char *why)
 {
-    return a->rx_chunks_live + n_chunks <= MAX_LIVE_CHUNKS &&
-           a->rx_layers_live + n_layers <= MAX_LIVE_LAYERS &&
-           (!new_entry || a->n_rx_xfers < MAX_ENTRIES);
-}
-
-/* Out of room for a new push: senders that announce and then go quiet
- * (a flood of ANNOUNCE frames, or a sender that died) must not lock out
- * the pushes that are moving.  Drops announced pushes that placed nothing
- * for EVICT_IDLE_NS, then tombstones older than EVICT_ENDED_NS, until the
- * new one fits.  Returns whether it does. */
-static int make_room(kvl_agent *a, const kvl_rx_xfer *keep, uint32_t n_chunks,
-                     uint32_t n_layers, int new_entry, uint64_t now)
-{
-    for (int pass = 0; pass < 2 && !fits(a, n_chunks, n_layers, new_entry); pass++) {
-        for (kvl_rx_xfer **pp = &a->rx_xfers; *pp && !fits(a, n_chunks, n_layers, new_entry);) {
-            kvl_rx_xfer *r = *pp;
-            uint64_t idle = now - r->t_last_ns;
-            int drop = r != keep && !r->refs &&
-                       (pass == 0 ? !r->ended && idle > EVICT_IDLE_NS
-                                  : r->ended && idle > EVICT_ENDED_NS);
-            if (drop)
-                entry_drop(a, pp, KVL_ERR_NOMEM,
-                           "dropped: nothing arrived for it while the agent ran out of room "
-                           "for inbound pushes");
-            else
-                pp = &r->next;
-        }
+    end_live(a, r, err, why);
+    if (r->ended) {
+        list_unlink(r);
+        r->share->tombs--;
     }
-    return fits(a, n_chunks, n_layers, new_entry);
+    unhash(a, r);
+    free(r);
+    a->shares.entries--;
+}
+
+/* No copy of r's chunks may land from now on (END, or the sender's
+ * deadline passed without one): r stays as a tombstone.  Beyond the
+ * sender's KVL_SHARE_TOMBS its oldest tombstone goes. */
+static void tombstone(kvl_agent *a, kvl_rx_xfer *r, uint64_t now)
+{
+    end_live(a, r, KVL_ERR_PROTOCOL, "over");
+    kvl_share *s = r->share;
+    if (s->tombs >= KVL_SHARE_TOMBS && s->tomb_tail)
+        entry_drop(a, s->tomb_tail, KVL_OK, "");
+    r->ended = 1;
+    r->t_progress_ns = now;
+    list_push_head(r);
+    s->tombs++;
+}
+
+/* One push always fits an empty share: eviction of the sender's own idle
+ * pushes can always make room for it. */
+_Static_assert(KVL_SHARE_CHUNKS >= KVL_MAX_XFER_CHUNKS && KVL_SHARE_LAYERS >= KVL_MAX_LAYERS &&
+                   KVL_SHARE_TAG_BYTES >= KVL_MAX_TAG,
+               "a share holds at least one push of every size");
+
+/* What a new push needs. */
+typedef struct need {
+    uint32_t chunks, layers, tag_bytes;
+} need;
+
+/* The first resource s's quota lacks for n (its name for the refusal and
+ * the quota), or NULL when n fits. */
+static const char *over_quota(const kvl_share *s, const need *n, uint32_t *quota)
+{
+    if (s->live >= KVL_SHARE_LIVE)
+        return *quota = KVL_SHARE_LIVE, "pushes";
+    if (s->chunks + n->chunks > KVL_SHARE_CHUNKS)
+        return *quota = KVL_SHARE_CHUNKS, "chunks";
+    if (s->layers + n->layers > KVL_SHARE_LAYERS)
+        return *quota = KVL_SHARE_LAYERS, "layers";
+    if (s->tag_bytes + n->tag_bytes > KVL_SHARE_TAG_BYTES)
+        return *quota = KVL_SHARE_TAG_BYTES, "tag bytes";
+    return NULL;
+}
+
+enum { RES_ENTRIES, RES_CHUNKS, RES_LAYERS, RES_TAGS, RES_NONE };
+
+static uint32_t used(const kvl_share *s, int res)
+{
+    return res == RES_ENTRIES ? s->live + s->tombs
+           : res == RES_CHUNKS ? s->chunks
+           : res == RES_LAYERS ? s->layers
+                               : s->tag_bytes;
+}
+
+static const uint32_t room_of[] = {KVL_ROOM_ENTRIES, KVL_ROOM_CHUNKS, KVL_ROOM_LAYERS,
+                                   KVL_ROOM_TAG_BYTES};
+
+/* The resource the room lacks for n (RES_NONE: it fits). */
+static int short_of(const kvl_agent *a, const need *n)
+{
+    if (a->shares.entries >= KVL_ROOM_ENTRIES)
+        return RES_ENTRIES;
+    if (a->shares.chunks + n->chunks > KVL_ROOM_CHUNKS)
+        return RES_CHUNKS;
+    if (a->shares.layers + n->layers > KVL_ROOM_LAYERS)
+        return RES_LAYERS;
+    if (a->shares.tag_bytes + n->tag_bytes > KVL_ROOM_TAG_BYTES)
+        return RES_TAGS;
+    return RES_NONE;
+}
+
+/* The oldest-progress live push of s that no copy is placing, idle for at
+ * least min_idle_ns; NULL if none.  Walks from the tail past copies in
+ * flight only (at most one per connection). */
+static kvl_rx_xfer *lru_victim(kvl_share *s, uint64_t now, uint64_t min_idle_ns)
+{
+    for (kvl_rx_xfer *r = s->lru_tail; r && now - r->t_progress_ns >= min_idle_ns; r = r->prev)
+        if (!r->refs)
+            return r;
+    return NULL;
+}
+
+/* The room lacks `res`: the sender holding the most of it, if that is more
+ * than its fair part (the room over the senders holding any, `asking`
+ * counted), gives up one entry: an old tombstone, else its least recently
+ * progressed push, else its newest tombstone.  0: nobody may be evicted. */
+static int evict_heaviest(kvl_agent *a, const kvl_share *asking, int res, uint64_t now)
+{
+    kvl_share *v = NULL;
+    uint32_t active = asking->live + asking->tombs ? 0 : 1;
+    for (kvl_share *s = a->shares.all; s; s = s->next) {
+        if (!s->live && !s->tombs)
+            continue;
+        active++;
+        if (!v || used(s, res) > used(v, res))
+            v = s;
+    }
+    if (!v || v == asking || used(v, res) <= room_of[res] / active)
+        return 0;
+    kvl_rx_xfer *r = NULL;
+    if (res == RES_ENTRIES && v->tomb_tail && now - v->tomb_tail->t_progress_ns >= EVICT_ENDED_NS)
+        r = v->tomb_tail;
+    if (!r)
+        r = lru_victim(v, now, 0);
+    if (!r && res == RES_ENTRIES)
+        r = v->tomb_tail;
+    if (!r)
+        return 0;
+    entry_drop(a, r, KVL_ERR_BUSY,
+               "dropped: the agent ran out of room for inbound pushes and this sender held more "
+               "than its part");
+    return 1;
+}
+
+static kvl_err refuse(kvl_agent *a, kvl_share *s, uint64_t xfer, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static kvl_err refuse(kvl_agent *a, kvl_share *s, uint64_t xfer, const char *fmt, ...)
+{
+    (void)a;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(s->refused_why, sizeof s->refused_why, fmt, ap);
+    va_end(ap);
+    if (s->n_refused == KVL_SHARE_REFUSED) {
+        memmove(s->refused, s->refused + 1, (KVL_SHARE_REFUSED - 1) * sizeof *s->refused);
+        s->n_refused--;
+    }
+    s->refused[s->n_refused++] = xfer;
+    return kvl_fail(KVL_ERR_BUSY, "%s", s->refused_why);
+}
+
+const char *kvl_rx_refusal(kvl_agent *a, uint64_t instance)
+{
+    kvl_share *s = kvl_share_find(a, instance);
+    return s && s->n_refused ? s->refused_why : "";
+}
+
+static int was_refused(const kvl_share *s, uint64_t xfer)
+{
+    for (uint32_t i = 0; s && i < s->n_refused; i++)
+        if (s->refused[i] == xfer)
+            return 1;
+    return 0;
+}
+
+/* Room for a push needing n from s: within s's quota (its own idle pushes
+ * make way), then within the agent's room (the heaviest sender over its
+ * part makes way).  KVL_OK, or the refusal (recorded for its DATA). */
+static kvl_err make_room(kvl_agent *a, kvl_share *s, uint64_t xfer, const need *n, uint64_t now)
+{
+    uint32_t quota = 0;
+    const char *what;
+    kvl_rx_xfer *v;
+    while ((what = over_quota(s, n, &quota)) && (v = lru_victim(s, now, EVICT_IDLE_NS)))
+        entry_drop(a, v, KVL_ERR_BUSY,
+                   "dropped: no chunk of it was verified for 1 s while its sender announced "
+                   "more than its share here");
+    if (what)
+        return refuse(a, s, xfer,
+                      "agent '%s': this peer's inbound share (%u %s) is in use by its pushes "
+                      "here; retry once they finish",
+                      a->name, quota, what);
+    int res;
+    while ((res = short_of(a, n)) != RES_NONE && evict_heaviest(a, s, res, now))
+        ;
+    if (res != RES_NONE)
+        return refuse(a, s, xfer,
+                      "agent '%s' is out of room for inbound pushes (%u of %u pushes, %u of %u "
+                      "chunks) and every sender holds at most its part; retry later",
+                      a->name, a->shares.entries, KVL_ROOM_ENTRIES, a->shares.chunks,
+                      KVL_ROOM_CHUNKS);
+    return KVL_OK;
 }
 
 kvl_err kvl_rx_announce(kvl_agent *a, uint64_t instance, const char *peer,
                         const kvl_msg_announce *m)
 {
-    kvl_rx_xfer *r = find(a, instance, m->xfer);
-    if (r && (r->chunks || r->ended))
+    if (find(a, instance, m->xfer))
         return KVL_OK; /* announced on another connection already, or over */
+    kvl_share *s = kvl_share_get(a, instance);
+    if (!s)
+        return kvl_fail(KVL_ERR_BUSY, "agent '%s' holds inbound state of %u sender sessions",
+                        a->name, KVL_SHARE_MAX);
+    if (was_refused(s, m->xfer))
+        return KVL_ERR_BUSY; /* its ANNOUNCE on another connection: the same answer */
     uint64_t now = kvl_now_ns();
-    if (!make_room(a, r, m->n_chunks, m->n_layers, !r, now))
-        return kvl_fail(KVL_ERR_NOMEM,
-                        "agent '%s' tracks %u inbound pushes (%u chunks, %u layers), all of "
-                        "them active",
-                        a->name, a->n_rx_xfers, a->rx_chunks_live, a->rx_layers_live);
-    if (!r && !(r = entry_new(a, instance, m->xfer)))
-        return kvl_fail(KVL_ERR_NOMEM, "out of memory for an inbound transfer");
-    r->t_last_ns = now;
-    r->chunks = calloc(m->n_chunks, sizeof *r->chunks);
-    r->h = r->chunks ? inx_new(peer, m, now) : NULL;
-    if (!r->h) {
-        free(r->chunks);
-        r->chunks = NULL;
+    need n = {m->n_chunks, m->n_layers, m->tag_len};
+    kvl_err e = make_room(a, s, m->xfer, &n, now);
+    if (e)
+        return e;
+    kvl_rx_chunk *chunks = calloc(m->n_chunks ? m->n_chunks : 1, sizeof *chunks);
+    kvl_inxfer *h = chunks ? inx_new(peer, m, now) : NULL;
+    kvl_rx_xfer *r = h ? entry_new(a, s, m->xfer) : NULL;
+    if (!r || (m->timeout_ms && heap_push(a, r) != 0)) {
+        if (r) {
+            unhash(a, r);
+            free(r);
+            a->shares.entries--;
+        }
+        free(chunks);
+        if (h) {
+            kvl_inxfer_release(h);
+            kvl_inxfer_release(h);
+        }
         return kvl_fail(KVL_ERR_NOMEM, "out of memory for an inbound transfer");
     }
+    r->chunks = chunks;
+    r->h = h;
     r->n = m->n_chunks;
     r->n_layers = m->n_layers;
-    a->rx_chunks_live += r->n;
-    a->rx_layers_live += r->n_layers;
+    r->tag_bytes = m->tag_len;
+    r->t_progress_ns = now;
     r->deadline_ns = m->timeout_ms ? now + (uint64_t)m->timeout_ms * 1000000ull : 0;
-    queue_put(a, r->h, now);
+    if (r->heap_at != KVL_RX_NO_HEAP)
+        heap_up(a, r->heap_at); /* pushed before its deadline was set */
+    charge_live(a, r, 1);
+    charge_tag(a, r, 1);
+    list_push_head(r);
+    queue_put(a, s, h, now);
     return KVL_OK;
 }
 
@@ -341,11 +647,14 @@ int kvl_rx_claim(kvl_agent *a, uint64_t instance, uint64_t xfer, uint32_t chunk,
         *drain_status = KVL_RX_SUPERSEDED;
         return 0;
     }
+    if (!r && was_refused(kvl_share_find(a, instance), xfer)) {
+        *drain_status = KVL_ERR_BUSY; /* kvl_rx_refusal says why */
+        return 0;
+    }
     if (!r || !r->chunks || chunk >= r->n) {
         *drain_status = KVL_ERR_PROTOCOL; /* not announced, or outside what was */
         return 0;
     }
-    r->t_last_ns = kvl_now_ns();
     kvl_rx_chunk *ch = &r->chunks[chunk];
     if (ch->settled) {
         *drain_status = KVL_OK; /* another copy is verified in place already */
@@ -370,35 +679,31 @@ int kvl_rx_owns(const kvl_rx_xfer *r, uint32_t chunk, uint32_t attempt)
 void kvl_rx_done(kvl_rx_xfer *r, uint32_t chunk, uint32_t attempt, int verified, uint32_t path,
                  uint64_t bytes)
 {
-    r->t_last_ns = kvl_now_ns(); /* a copy just ended: the push is moving */
     if (verified && kvl_rx_owns(r, chunk, attempt)) {
         r->chunks[chunk].settled = 1;
+        r->t_progress_ns = kvl_now_ns(); /* progress: to the head of its share's LRU */
+        list_unlink(r);
+        list_push_head(r);
         if (r->h)
-            kvl_progress_chunk_done(&r->h->prog, chunk, path, bytes, kvl_now_ns());
+            kvl_progress_chunk_done(&r->h->prog, chunk, path, bytes, r->t_progress_ns);
     }
     r->refs--;
-}
-
-/* No copy of r's chunks may land from now on (END, or the sender's
- * deadline passed without one). */
-static void tombstone(kvl_agent *a, kvl_rx_xfer *r)
-{
-    if (r->chunks) {
-        a->rx_chunks_live -= r->n;
-        a->rx_layers_live -= r->n_layers;
-    }
-    r->ended = 1;
-    free(r->chunks);
-    r->chunks = NULL;
-    r->n = 0;
-    r->t_last_ns = kvl_now_ns();
 }
 
 void kvl_rx_end(kvl_agent *a, uint64_t instance, const kvl_msg_status *m)
 {
     kvl_rx_xfer *r = find(a, instance, m->xfer);
-    if (!r && !(r = entry_new(a, instance, m->xfer)))
-        return; /* at the limit: a late copy then finds no entry and is refused */
+    if (r && r->ended)
+        return;
+    if (!r) {
+        /* a tombstone, so a late ANNOUNCE cannot start it again; none at
+         * the room's limit: a late copy then finds no entry and is refused */
+        kvl_share *s = a->shares.entries < KVL_ROOM_ENTRIES ? kvl_share_get(a, instance) : NULL;
+        if (!s || !(r = entry_new(a, s, m->xfer)))
+            return;
+        tombstone(a, r, kvl_now_ns());
+        return;
+    }
     /* nothing lands once the handle says it is over (END comes only once the
      * sender's one-sided writes are complete or fenced: transport.h) */
     a->revoke_rx(a, r, 0);
@@ -412,68 +717,83 @@ void kvl_rx_end(kvl_agent *a, uint64_t instance, const kvl_msg_status *m)
                      "the sender ended the push before every chunk was verified here");
         drop_handle(a, r);
     }
-    tombstone(a, r);
+    tombstone(a, r, kvl_now_ns());
+}
+
+/* Tails first: tombstones past ENDED_KEEP_NS, pushes with no progress for
+ * IDLE_KEEP_NS (a sender that vanished without END). */
+static void expire_share(kvl_agent *a, kvl_share *s, uint64_t now)
+{
+    while (s->tomb_tail && now - s->tomb_tail->t_progress_ns > ENDED_KEEP_NS)
+        entry_drop(a, s->tomb_tail, KVL_OK, "");
+    kvl_rx_xfer *r;
+    while ((r = lru_victim(s, now, IDLE_KEEP_NS + 1)))
+        entry_drop(a, r, KVL_ERR_CONN_LOST, "the sender went silent for 300 s");
 }
 
 void kvl_rx_expire(kvl_agent *a, uint64_t now)
 {
-    kvl_rx_xfer **pp = &a->rx_xfers;
-    while (*pp) {
-        kvl_rx_xfer *r = *pp;
-        if (!r->ended && r->deadline_ns && now > r->deadline_ns + END_GRACE_NS) {
-            /* the sender's END never came: the push is over here too, and
-             * no late copy may land once the handle says it failed, not
-             * even a write the sender posted on a one-sided path */
-            a->revoke_rx(a, r, 1);
-            if (r->h) {
-                inx_fail(r->h, KVL_ERR_DEADLINE,
-                         "push %llu from this sender passed its deadline without finishing",
-                         (unsigned long long)r->xfer);
-                drop_handle(a, r);
-            }
-            tombstone(a, r);
+    while (a->rx_heap_n && now > a->rx_heap[0]->deadline_ns + END_GRACE_NS) {
+        kvl_rx_xfer *r = a->rx_heap[0];
+        /* the sender's END never came: the push is over here too, and no
+         * late copy may land once the handle says it failed, not even a
+         * write the sender posted on a one-sided path */
+        a->revoke_rx(a, r, 1);
+        if (r->h) {
+            inx_fail(r->h, KVL_ERR_DEADLINE,
+                     "push %llu from this sender passed its deadline without finishing",
+                     (unsigned long long)r->xfer);
+            drop_handle(a, r);
         }
-        uint64_t keep = r->ended ? ENDED_KEEP_NS : IDLE_KEEP_NS;
-        if (!r->refs && now - r->t_last_ns > keep) {
-            entry_drop(a, pp, KVL_ERR_CONN_LOST, "the sender went silent for 300 s");
-        } else {
-            pp = &r->next;
-        }
+        tombstone(a, r, now); /* leaves the heap */
     }
+    for (kvl_share *s = a->shares.all; s; s = s->next)
+        expire_share(a, s, now);
     queue_expire(a, now);
+    kvl_share_sweep(a, now);
 }
 
 void kvl_rx_forget_sender(kvl_agent *a, uint64_t sender)
 {
-    kvl_rx_xfer **pp = &a->rx_xfers;
-    while (*pp) {
-        kvl_rx_xfer *r = *pp;
-        if (r->instance != sender || r->refs) /* a copy still placing keeps it */
-            pp = &r->next;
-        else
-            entry_drop(a, pp, KVL_ERR_CONN_LOST, "the sender's session ended: it reconnected anew");
+    kvl_share *s = kvl_share_find(a, sender);
+    if (!s)
+        return;
+    for (kvl_rx_xfer *r = s->lru_head, *next; r; r = next) {
+        next = r->next;
+        if (!r->refs) /* a copy still placing keeps it */
+            entry_drop(a, r, KVL_ERR_CONN_LOST, "the sender's session ended: it reconnected anew");
     }
+    while (s->tomb_head)
+        entry_drop(a, s->tomb_head, KVL_OK, "");
 }
 
 void kvl_rx_free_all(kvl_agent *a)
 {
-    while (a->rx_xfers) {
-        kvl_rx_xfer *r = a->rx_xfers;
-        a->rx_xfers = r->next;
-        if (r->h) {
-            inx_fail(r->h, KVL_ERR_CLOSED, "the agent was closed while the push arrived");
-            drop_handle(a, r);
+    for (kvl_share *s = a->shares.all; s; s = s->next) {
+        while (s->lru_head) {
+            kvl_rx_xfer *r = s->lru_head;
+            r->refs = 0;
+            entry_drop(a, r, KVL_ERR_CLOSED, "the agent was closed while the push arrived");
         }
-        free(r->chunks);
-        free(r);
+        while (s->tomb_head)
+            entry_drop(a, s->tomb_head, KVL_OK, "");
     }
     memset(a->rx_buckets, 0, sizeof a->rx_buckets);
-    a->n_rx_xfers = 0;
-    a->rx_chunks_live = 0;
-    a->rx_layers_live = 0;
+    free(a->rx_heap);
+    a->rx_heap = NULL;
+    a->rx_heap_n = 0;
+    pthread_mutex_lock(&a->inq_mu);
+    kvl_inxfer *drop = NULL;
     while (a->inq_head) {
         kvl_inxfer *t = a->inq_head;
-        a->inq_head = t->qnext;
+        queue_unlink(a, t);
+        t->qnext = drop;
+        drop = t;
+    }
+    pthread_mutex_unlock(&a->inq_mu);
+    while (drop) {
+        kvl_inxfer *t = drop;
+        drop = t->qnext;
         kvl_inxfer_release(t);
     }
 }
@@ -494,10 +814,10 @@ kvl_err kvl_inbound_next(kvl_agent *a, const void *tag, size_t tag_len, int any_
     kvl_inxfer *found = NULL;
     int rc = 0;
     for (;;) {
-        for (kvl_inxfer **pp = &a->inq_head; *pp; pp = &(*pp)->qnext) {
-            kvl_inxfer *t = *pp; /* tag and tag_len never change after creation */
+        for (kvl_inxfer *t = a->inq_head; t; t = t->qnext) {
+            /* tag and tag_len never change after creation */
             if (any_tag || (t->tag_len == tag_len && !memcmp(t->tag, tag, tag_len))) {
-                *pp = t->qnext;
+                queue_unlink(a, t);
                 found = t;
                 break;
             }

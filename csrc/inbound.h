@@ -6,6 +6,7 @@
 
 /* ---- inbound.c: which copy of a pushed chunk may write ---- */
 #define KVL_RX_SUPERSEDED 100 /* wire-only ACK status: a newer copy owns the chunk */
+#define KVL_RX_NO_HEAP UINT32_MAX
 typedef struct kvl_rx_chunk {
     uint32_t owner;   /* newest attempt seen: the only one allowed to place */
     uint8_t settled;  /* a copy was verified in place */
@@ -17,22 +18,32 @@ typedef struct kvl_rx_xfer {
     uint32_t n_layers;        /* announced layer count */
     int ended;                /* the sender said END: every late copy is drained */
     int refs;                 /* connections placing bytes for it right now */
-    uint64_t t_last_ns;
+    uint64_t t_progress_ns;   /* announced, or a chunk newly verified ("idle" counts from it);
+                                 a tombstone: when it ended */
     uint64_t deadline_ns;     /* the sender's deadline, as announced (0: none) */
+    uint32_t heap_at;         /* its place in the deadline heap (KVL_RX_NO_HEAP: none) */
+    uint32_t tag_bytes;       /* charged to its share while the engine holds h */
     kvl_inxfer *h;            /* the application's handle, until the push ends */
-    struct kvl_rx_xfer *next;  /* a->rx_xfers: every entry */
+    struct kvl_share *share;  /* its sender's (share.c) */
+    struct kvl_rx_xfer *prev, *next; /* the share's live LRU, or its tombstone FIFO */
     struct kvl_rx_xfer *hnext; /* a->rx_buckets: entries of one hash bucket */
 } kvl_rx_xfer;
 /* ANNOUNCE from sender `instance` (agent `peer`): creates the entry and
- * queues its handle for kvl_inbound_next.  A repeat is ignored. */
+ * queues its handle for kvl_inbound_next.  A repeat is ignored.  Over the
+ * sender's share, or out of room with every other sender within its part,
+ * the push is refused: its DATA frames are answered with the reason
+ * (kvl_rx_refusal). */
 kvl_err kvl_rx_announce(kvl_agent *a, uint64_t instance, const char *peer,
                         const kvl_msg_announce *m);
 /* 1: this copy owns the chunk and may place (*out referenced); 0: drain it
  * and answer *drain_status (KVL_OK if another copy is already verified,
+ * KVL_ERR_BUSY if its ANNOUNCE was refused (kvl_rx_refusal says why),
  * KVL_ERR_PROTOCOL if the transfer was not announced or the chunk is not
  * in it). */
 int kvl_rx_claim(kvl_agent *a, uint64_t instance, uint64_t xfer, uint32_t chunk,
                  uint32_t attempt, kvl_rx_xfer **out, uint32_t *drain_status);
+/* Why sender `instance`'s last pushes were refused at ANNOUNCE ("" if none). */
+const char *kvl_rx_refusal(kvl_agent *a, uint64_t instance);
 /* Still the owner?  Checked before every read into the destination. */
 int kvl_rx_owns(const kvl_rx_xfer *r, uint32_t chunk, uint32_t attempt);
 /* The copy finished (verified or not; path and bytes for the handle's

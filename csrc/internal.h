@@ -20,6 +20,8 @@
 
 #include "region.h"
 
+#include "share.h"
+
 /* ---- engine structures ---- */
 typedef struct kvl_conn kvl_conn;
 typedef struct kvl_out kvl_out;
@@ -122,7 +124,6 @@ typedef struct kvl_inbound {
 } kvl_inbound;
 
 typedef struct kvl_notif_node kvl_notif_node; /* notify.c */
-#define KVL_NOTIFY_SEEN_MAX 4096 /* transfer notifications remembered for de-duplication */
 
 typedef struct kvl_cmd {
     int type;
@@ -186,16 +187,15 @@ struct kvl_agent {
     uint64_t t_refused_log_ns; /* last "too many connections" log record */
     uint64_t loglim_t_ns;      /* kvl_log_limited's window (engine) */
     uint32_t loglim_n, loglim_dropped;
-    struct kvl_rx_xfer *rx_xfers; /* chunk ownership of inbound pushes (inbound.c) */
-    struct kvl_rx_xfer *rx_buckets[KVL_RX_BUCKETS]; /* the same entries by (instance, xfer) */
+    struct kvl_rx_xfer *rx_buckets[KVL_RX_BUCKETS]; /* inbound pushes by (instance, xfer) */
     uint64_t rx_seed;          /* secret hash seed: senders cannot aim at one bucket */
     uint8_t token_seed[16];    /* secret: our session token with each peer (peer.c) */
-    uint32_t n_rx_xfers;
-    uint32_t rx_chunks_live;   /* chunks of announced pushes not yet ended (bounded) */
-    uint32_t rx_layers_live;   /* and their layers (bounded) */
+    struct kvl_rx_xfer **rx_heap; /* live pushes with a deadline, soonest first (inbound.c) */
+    uint32_t rx_heap_n;
+    kvl_shares shares;         /* what each sender session holds here (share.c) */
     pthread_mutex_t inq_mu;    /* handles of inbound pushes nobody took yet */
     pthread_cond_t inq_cv;
-    kvl_inxfer *inq_head;
+    kvl_inxfer *inq_head, *inq_tail;
     uint64_t next_conn_serial; /* engine: kvl_conn serial numbers */
     uint8_t *scratch;          /* sink for payload bytes that must be drained */
     /* staging slots not in use (staging.c), under stage_mu */
@@ -209,12 +209,7 @@ struct kvl_agent {
     pthread_mutex_t notif_mu;
     pthread_cond_t notif_cv;
     kvl_notif_node *notif_head, *notif_tail;
-    uint32_t notif_count;
-    uint64_t notif_dropped;    /* engine: notifications refused by a full queue */
-    struct {
-        uint64_t instance, xfer;
-    } seen[KVL_NOTIFY_SEEN_MAX]; /* engine: notifications delivered, for de-duplication */
-    uint32_t seen_next;
+    uint64_t notif_dropped;    /* engine: notifications refused (not acknowledged) for room */
     /* local NICs behind our addresses, for competing-traffic counters */
     struct kvl_nic {
         char ifname[32];

@@ -6,13 +6,17 @@
  * connection to that peer, and a copy not acknowledged within RESEND_NS is
  * sent again on another one.  close() lingers until nothing is pending.
  *
- * Receiver side.  Every copy is acknowledged; the first is delivered and
- * remembered (sender instance, transfer id) in a ring of the last SEEN_MAX,
- * so a re-sent copy is not delivered twice.  A re-sent copy arrives within
- * seconds of the first, far inside what the ring remembers.
+ * Receiver side.  Every copy is acknowledged once queued; the first is
+ * delivered and remembered in its sender's share (share.c, the last
+ * KVL_SHARE_SEEN of that sender), so a re-sent copy is not delivered twice
+ * and a flood from another sender cannot make us forget it.  A re-sent copy
+ * arrives within seconds of the first, far inside what is remembered.
  *
- * The queue callers read is bounded (QUEUE_MAX): a peer cannot grow it
- * without limit while the application does not read.
+ * The queue callers read is bounded per sender (KVL_SHARE_NOTIFS
+ * notifications, KVL_SHARE_NOTIF_BYTES with their tags) and in all
+ * (KVL_ROOM_*): a notification over either is not acknowledged, so its
+ * sender sends it again a second later and nothing is lost; a sender within
+ * its share is never refused because another one floods.
  *
  * Pending lists and the ring are engine-thread only; the caller queue is
  * under notif_mu.
@@ -38,6 +42,8 @@ struct kvl_pnotify {
 
 struct kvl_notif_node {
     kvl_notif_node *next;
+    kvl_share *share;  /* whose count it is in (notif_mu) */
+    uint32_t cost;     /* bytes charged: the node and its tag */
     char peer[KVL_NAME_MAX];
     uint64_t xfer;
     uint32_t op, tag_len;
@@ -150,33 +156,42 @@ void kvl_notify_free_all(kvl_peer *p)
 
 /* ---- receiver ---- */
 
-/* 1 if (instance, xfer) was delivered before; otherwise records it. */
-static int seen_before(kvl_agent *a, uint64_t instance, uint64_t xfer)
+/* Room for one more notification of `cost` bytes from s (notif_mu held). */
+static int notif_fits(const kvl_agent *a, const kvl_share *s, uint32_t cost)
 {
-    for (uint32_t i = 0; i < KVL_NOTIFY_SEEN_MAX; i++)
-        if (a->seen[i].xfer == xfer && a->seen[i].instance == instance)
-            return 1;
-    a->seen[a->seen_next].instance = instance;
-    a->seen[a->seen_next].xfer = xfer;
-    a->seen_next = (a->seen_next + 1) % KVL_NOTIFY_SEEN_MAX;
-    return 0;
+    return s->notifs < KVL_SHARE_NOTIFS && s->notif_bytes + cost <= KVL_SHARE_NOTIF_BYTES &&
+           a->shares.notifs < KVL_ROOM_NOTIFS &&
+           a->shares.notif_bytes + cost <= KVL_ROOM_NOTIF_BYTES;
 }
 
 int kvl_notify_inbound(kvl_agent *a, const char *peer, uint64_t instance, const kvl_msg_notify *m)
 {
     /* transfer notifications (xfer != 0) are deduplicated; a pre-warm
      * request (PREPARE, xfer 0) is delivered as it comes */
-    if (m->xfer && seen_before(a, instance, m->xfer))
+    uint64_t now = kvl_now_ns();
+    kvl_share *s = kvl_share_get(a, instance);
+    if (s && m->xfer && kvl_share_seen(s, m->xfer, now, 0))
         return 1;
+    uint32_t cost = (uint32_t)sizeof(kvl_notif_node) + m->tag_len;
     pthread_mutex_lock(&a->notif_mu);
-    int full = a->notif_count >= QUEUE_MAX;
+    int fits = s && notif_fits(a, s, cost);
     pthread_mutex_unlock(&a->notif_mu);
-    kvl_notif_node *nd = full ? NULL : calloc(1, sizeof *nd + m->tag_len);
+    kvl_notif_node *nd = fits ? calloc(1, sizeof *nd + m->tag_len) : NULL;
     if (!nd) {
+        /* not acknowledged: the sender sends it again in a second, when the
+         * application may have read some */
         a->notif_dropped++;
-        return 1; /* acknowledged anyway: a copy would meet the same full queue */
+        kvl_log_limited(a, KVL_LOG_WARNING, peer,
+                        "notification from '%s' not queued: the application reads notifications "
+                        "slower than they come (%s's share: %u queued)",
+                        peer, peer, s ? s->notifs : 0);
+        return 0;
     }
+    if (m->xfer)
+        kvl_share_seen(s, m->xfer, now, 1);
     snprintf(nd->peer, sizeof nd->peer, "%s", peer);
+    nd->share = s;
+    nd->cost = cost;
     nd->xfer = m->xfer;
     nd->op = m->op;
     nd->tag_len = m->tag_len;
@@ -187,7 +202,10 @@ int kvl_notify_inbound(kvl_agent *a, const char *peer, uint64_t instance, const 
     else
         a->notif_head = nd;
     a->notif_tail = nd;
-    a->notif_count++;
+    s->notifs++;
+    s->notif_bytes += cost;
+    a->shares.notifs++;
+    a->shares.notif_bytes += cost;
     pthread_cond_broadcast(&a->notif_cv);
     pthread_mutex_unlock(&a->notif_mu);
     return 1;
@@ -206,7 +224,10 @@ kvl_err kvl_next_notification(kvl_agent *a, uint32_t timeout_ms, kvl_notificatio
         a->notif_head = nd->next;
         if (!a->notif_head)
             a->notif_tail = NULL;
-        a->notif_count--;
+        nd->share->notifs--;
+        nd->share->notif_bytes -= nd->cost;
+        a->shares.notifs--;
+        a->shares.notif_bytes -= nd->cost;
     }
     pthread_mutex_unlock(&a->notif_mu);
     if (!nd)
@@ -230,5 +251,5 @@ void kvl_notify_queue_free(kvl_agent *a)
         free(nd);
     }
     a->notif_head = a->notif_tail = NULL;
-    a->notif_count = 0;
+    a->shares.notifs = a->shares.notif_bytes = 0;
 }

@@ -89,10 +89,11 @@ static void on_data(kvl_conn *c)
             /* another copy owns or already verified this chunk: drain ours */
             kvl_place_release_prefs(c);
             c->pst.status = drain_status;
-            if (drain_status == KVL_ERR_PROTOCOL)
+            if (drain_status == KVL_ERR_BUSY) /* refused at its ANNOUNCE: say why */
+                snprintf(c->pst.msg, sizeof c->pst.msg, "%s", kvl_rx_refusal(c->a, instance));
+            else if (drain_status == KVL_ERR_PROTOCOL)
                 snprintf(c->pst.msg, sizeof c->pst.msg,
-                         "agent '%s': push %llu was not announced, or has no chunk %u (out of "
-                         "room for inbound transfers?)",
+                         "agent '%s': push %llu was not announced, or has no chunk %u",
                          c->a->name, (unsigned long long)m.xfer, m.chunk);
             c->rx = NULL;
             kvl_place_drain_all(c);
@@ -324,8 +325,8 @@ static void on_announce(kvl_conn *c)
         kvl_conn_fail(c, KVL_ERR_PROTOCOL, kvl_last_error());
         return;
     }
-    /* out of room: its DATA frames are then refused, which fails the push
-     * on the sender with that reason */
+    /* refused (over its sender's share, out of room): its DATA frames are
+     * then answered with the reason, which fails the push on the sender */
     kvl_rx_announce(c->a, c->ib ? c->ib->sender : 0, c->peer_name, &m);
 }
 

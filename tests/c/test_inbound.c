@@ -29,6 +29,7 @@ static kvl_agent *agent_new(void)
     a->revoke_rx = revoke_rx;
     pthread_mutex_init(&a->inq_mu, NULL);
     pthread_cond_init(&a->inq_cv, NULL);
+    pthread_mutex_init(&a->notif_mu, NULL);
     pthread_mutex_init(&a->log_mu, NULL);
     pthread_cond_init(&a->log_cv, NULL);
     return a;
@@ -37,6 +38,8 @@ static kvl_agent *agent_new(void)
 static void agent_free(kvl_agent *a)
 {
     kvl_rx_free_all(a);
+    kvl_share_free_all(a);
+    pthread_mutex_destroy(&a->notif_mu);
     pthread_mutex_destroy(&a->inq_mu);
     pthread_cond_destroy(&a->inq_cv);
     pthread_mutex_destroy(&a->log_mu);
@@ -176,38 +179,131 @@ static void test_bounds(void)
     kvl_enc_announce(&b, &w, wf, wl);
     CHECK(kvl_dec_announce(b.p, b.len, &d) == KVL_OK);
     kvl_buf_free(&b);
-    /* the entry table is bounded (a slow run may already make room by
-     * dropping the oldest quiet entries: the count holds either way) */
-    for (uint64_t x = 100; x < 100 + 20000; x++)
-        (void)announce(a, x, 1, "");
-    CHECK(a->n_rx_xfers == 16384);
-    /* every entry fresh: a new push is refused */
-    uint64_t now = kvl_now_ns();
-    for (kvl_rx_xfer *r = a->rx_xfers; r; r = r->next)
-        r->t_last_ns = now;
-    CHECK(announce(a, 40000, 1, "") == KVL_ERR_NOMEM && a->n_rx_xfers == 16384);
-    /* pushes announced and then quiet for over a second make room for a new
-     * one (an ANNOUNCE flood must not lock out pushes that move); the one
-     * dropped fails its handle */
-    uint64_t quiet = a->rx_xfers->xfer; /* by id: a freed entry's memory may come back */
-    kvl_rx_xfer *tail = a->rx_xfers;
-    while (tail->next)
-        tail = tail->next;
-    for (kvl_rx_xfer *r = a->rx_xfers; r; r = r->next)
-        r->t_last_ns = now - 2000000000ull;
-    kvl_rx_xfer *busy = NULL; /* one with a copy placing stays, however quiet */
+    agent_free(a);
+}
+
+/* Announces from sender `sender` a push of n chunks over n layers (ids and
+ * tags as announce()); maps of any size. */
+static kvl_err announce_from(kvl_agent *a, uint64_t sender, uint64_t xfer, uint32_t n,
+                             const char *tag)
+{
+    uint32_t *lf = calloc(n, sizeof *lf), *ll = calloc(n, sizeof *ll);
+    for (uint32_t i = 0; i < n; i++)
+        lf[i] = ll[i] = i;
+    kvl_msg_announce m = {.xfer = xfer, .bytes = n, .n_chunks = n, .n_layers = n,
+                          .tag_len = (uint32_t)strlen(tag), .tag = (const uint8_t *)tag};
+    kvl_buf b = {0};
+    kvl_enc_announce(&b, &m, lf, ll);
+    kvl_msg_announce d;
+    kvl_err e = kvl_dec_announce(b.p, b.len, &d);
+    if (!e)
+        e = kvl_rx_announce(a, sender, "sender", &d);
+    kvl_buf_free(&b);
+    free(lf);
+    free(ll);
+    return e;
+}
+
+static kvl_rx_xfer *entry(kvl_agent *a, uint64_t sender, uint64_t xfer)
+{
+    kvl_share *s = kvl_share_find(a, sender);
+    for (kvl_rx_xfer *r = s ? s->lru_head : NULL; r; r = r->next)
+        if (r->xfer == xfer)
+            return r;
+    return NULL;
+}
+
+static void age_all(kvl_share *s, uint64_t ns)
+{
+    for (kvl_rx_xfer *r = s->lru_head; r; r = r->next)
+        r->t_progress_ns -= ns;
+}
+
+/* One sender's quota: beyond KVL_SHARE_LIVE pushes it is refused with a
+ * reason its DATA gets; its own pushes idle (no newly verified chunk, not
+ * "no frame") for a second make way; one with a copy placing never. */
+static void test_sender_quota(void)
+{
+    kvl_agent *a = agent_new();
+    for (uint64_t x = 1; x <= KVL_SHARE_LIVE; x++)
+        CHECK(announce_from(a, 7, x, 1, "") == KVL_OK);
+    CHECK(announce_from(a, 7, 9999, 1, "") == KVL_ERR_BUSY);
+    CHECK(strstr(kvl_last_error(), "inbound share (2048 pushes) is in use") != NULL);
+    kvl_rx_xfer *r = NULL;
     uint32_t st = 0;
-    CHECK(kvl_rx_claim(a, 7, tail->xfer, 0, 1, &busy, &st) == 1 && busy == tail);
-    busy->t_last_ns = now - 2000000000ull;
-    CHECK(announce(a, 50000, 1, "") == KVL_OK);
-    CHECK(a->n_rx_xfers == 16384);
-    int busy_kept = 0, quiet_kept = 0;
-    for (kvl_rx_xfer *r = a->rx_xfers; r; r = r->next) {
-        busy_kept |= r == busy && r->xfer == tail->xfer;
-        quiet_kept |= r->xfer == quiet;
+    CHECK(!kvl_rx_claim(a, 7, 9999, 0, 1, &r, &st) && st == KVL_ERR_BUSY);
+    CHECK(strstr(kvl_rx_refusal(a, 7), "2048 pushes") != NULL);
+    /* another sender is not affected by 7's quota */
+    CHECK(announce_from(a, 8, 1, 1, "") == KVL_OK);
+    /* a claim and an unverified copy are no progress: 7's pushes stay idle */
+    kvl_share *s = kvl_share_find(a, 7);
+    age_all(s, 2000000000ull);
+    kvl_rx_xfer *busy = NULL;
+    CHECK(kvl_rx_claim(a, 7, 1, 0, 1, &busy, &st) && busy); /* the oldest, being placed */
+    kvl_rx_xfer *two = NULL;
+    CHECK(kvl_rx_claim(a, 7, 2, 0, 1, &two, &st) && two);
+    kvl_rx_done(two, 0, 1, 0, 0, 1); /* failed crc: not progress */
+    CHECK(announce_from(a, 7, 10000, 1, "") == KVL_OK);
+    CHECK(entry(a, 7, 1) == busy && !entry(a, 7, 2)); /* the oldest idle one without a copy */
+    CHECK(s->live == KVL_SHARE_LIVE);
+    kvl_rx_done(busy, 0, 1, 1, 0, 1);
+    kvl_inxfer *h;
+    while (kvl_inbound_next(a, NULL, 0, 1, 0, &h) == KVL_OK)
+        kvl_inxfer_release(h);
+    agent_free(a);
+}
+
+/* Four senders at their chunk quota fill the agent's room; a fifth still
+ * gets in, taking room from one of the heaviest (its push fails BUSY), and
+ * a sender within its part is never the one evicted, however idle. */
+static void test_room_taken_from_heaviest(void)
+{
+    kvl_agent *a = agent_new();
+    CHECK(announce_from(a, 50, 1, 16, "small") == KVL_OK); /* within any share */
+    kvl_share *small = kvl_share_find(a, 50);
+    age_all(small, 10000000000ull);
+    for (uint64_t s = 1; s <= 3; s++)
+        CHECK(announce_from(a, s, 1, KVL_SHARE_CHUNKS, "") == KVL_OK);
+    CHECK(announce_from(a, 4, 1, KVL_SHARE_CHUNKS - 16, "") == KVL_OK);
+    CHECK(a->shares.chunks == KVL_ROOM_CHUNKS);
+    CHECK(announce_from(a, 5, 1, 8, "newcomer") == KVL_OK);
+    CHECK(entry(a, 50, 1) != NULL);
+    int gone = 0;
+    for (uint64_t s = 1; s <= 3; s++)
+        gone += entry(a, s, 1) == NULL;
+    CHECK(gone == 1 && a->shares.chunks <= KVL_ROOM_CHUNKS);
+    /* the evicted push's handle says why */
+    kvl_inxfer *h;
+    int busy = 0;
+    while (kvl_inbound_next(a, NULL, 0, 1, 0, &h) == KVL_OK) {
+        busy += kvl_inxfer_wait(h, 0) == KVL_ERR_BUSY;
+        kvl_inxfer_release(h);
     }
-    CHECK(busy_kept && !quiet_kept);
-    kvl_rx_done(busy, 0, 1, 1, 0, 1000);
+    CHECK(busy == 1);
+    agent_free(a);
+}
+
+/* Handles nobody takes: one sender's flood keeps at most KVL_SHARE_QUEUED
+ * of them queued and cannot push another sender's handle out. */
+static void test_queue_share(void)
+{
+    kvl_agent *a = agent_new();
+    CHECK(announce_from(a, 2, 1, 1, "mine") == KVL_OK);
+    for (uint64_t x = 1; x <= 2 * KVL_ROOM_QUEUED; x++) {
+        uint64_t sender = 10 + x % 8; /* eight floods */
+        CHECK(announce_from(a, sender, x, 1, "flood") == KVL_OK);
+        kvl_msg_status end = {.xfer = x};
+        kvl_rx_end(a, sender, &end); /* ended: the flood stays within its live quota */
+    }
+    CHECK(a->shares.queued <= KVL_ROOM_QUEUED);
+    for (kvl_share *s = a->shares.all; s; s = s->next)
+        CHECK(s->queued <= KVL_SHARE_QUEUED);
+    kvl_inxfer *h = NULL;
+    CHECK(kvl_inbound_next(a, "mine", 4, 0, 0, &h) == KVL_OK && h);
+    kvl_inxfer_release(h);
+    while (kvl_inbound_next(a, NULL, 0, 1, 0, &h) == KVL_OK)
+        kvl_inxfer_release(h);
+    CHECK(a->shares.queued == 0);
     agent_free(a);
 }
 
@@ -234,7 +330,7 @@ static void test_deadline_without_end(void)
     CHECK(revoked == 1 && revoked_after_failure == 0);
     CHECK(kvl_inxfer_wait(h, 0) == KVL_ERR_DEADLINE);
     CHECK(!kvl_rx_claim(a, 7, 5, 0, 1, &r, &st) && st == KVL_RX_SUPERSEDED);
-    CHECK(a->rx_chunks_live == 0);
+    CHECK(a->shares.chunks == 0);
     kvl_inxfer_release(h);
     agent_free(a);
 }
@@ -245,38 +341,43 @@ static void test_full_table_lookup(void)
 {
     kvl_agent *a = agent_new();
     a->rx_seed = 0x1234;
-    enum { N = 16384 };
+    enum { N = KVL_ROOM_ENTRIES };
+#define SENDER(x) (1 + (x) % (KVL_ROOM_ENTRIES / KVL_SHARE_LIVE))
     for (uint64_t x = 1; x <= N; x++)
-        CHECK(announce(a, x * 977, 1, "") == KVL_OK);
+        CHECK(announce_from(a, SENDER(x), x * 977, 1, "") == KVL_OK);
+    CHECK(a->shares.entries == N);
     int owned = 0, found_ended = 0, gone = 0;
     for (uint64_t x = 1; x <= N; x++) {
         kvl_rx_xfer *r = NULL;
         uint32_t st = 0;
-        if (kvl_rx_claim(a, 7, x * 977, 0, 1, &r, &st) && r->xfer == x * 977) {
+        if (kvl_rx_claim(a, SENDER(x), x * 977, 0, 1, &r, &st) && r->xfer == x * 977) {
             kvl_rx_done(r, 0, 1, 1, 0, 1000);
             owned++;
         }
         kvl_msg_status end = {.xfer = x * 977};
-        kvl_rx_end(a, 7, &end);
+        kvl_rx_end(a, SENDER(x), &end);
     }
     CHECK(owned == N);
     for (uint64_t x = 1; x <= N; x++) {
         kvl_rx_xfer *r = NULL;
         uint32_t st = 0;
-        found_ended += !kvl_rx_claim(a, 7, x * 977, 0, 2, &r, &st) && st == KVL_RX_SUPERSEDED;
+        found_ended += !kvl_rx_claim(a, SENDER(x), x * 977, 0, 2, &r, &st) && st == KVL_RX_SUPERSEDED;
     }
     CHECK(found_ended == N);
     kvl_rx_expire(a, kvl_now_ns() + 400ull * 1000000000ull);
-    CHECK(a->n_rx_xfers == 0);
+    CHECK(a->shares.entries == 0);
     for (uint64_t x = 1; x <= N; x++) {
         kvl_rx_xfer *r = NULL;
         uint32_t st = 0;
-        gone += !kvl_rx_claim(a, 7, x * 977, 0, 3, &r, &st) && st == KVL_ERR_PROTOCOL;
+        gone += !kvl_rx_claim(a, SENDER(x), x * 977, 0, 3, &r, &st) && st == KVL_ERR_PROTOCOL;
     }
     CHECK(gone == N);
+#undef SENDER
     kvl_inxfer *h;
-    while (kvl_inbound_next(a, NULL, 0, 0, 0, &h) == KVL_OK)
+    while (kvl_inbound_next(a, NULL, 0, 1, 0, &h) == KVL_OK)
         kvl_inxfer_release(h);
+    kvl_share_sweep(a, kvl_now_ns());
+    CHECK(a->shares.n == 0); /* nothing held: no share left */
     agent_free(a);
 }
 
@@ -288,5 +389,8 @@ int main(void)
     test_bounds();
     test_deadline_without_end();
     test_full_table_lookup();
+    test_sender_quota();
+    test_room_taken_from_heaviest();
+    test_queue_share();
     return test_report("test_inbound", t0);
 }

@@ -1,0 +1,151 @@
+/* share.c: what one sender session holds on this agent.
+ *
+ * Everything a peer can make the receiver hold (inbound pushes, their
+ * chunks, layers and tags, tombstones, queued notifications, handles
+ * nobody took yet) is counted twice: against the sender's share (its
+ * quota, share.h) and against the agent's room.  inbound.c and notify.c
+ * refuse what is over the sender's quota, and when the room is full take
+ * room only from the sender holding the most, never from one within its
+ * fair part: one admitted peer cannot lock the others out.
+ *
+ * A share is keyed on the authenticated session (kvl_inbound.sender: name,
+ * instance and session token), never on a name a frame claims.  It lives
+ * while it holds something; shares that hold nothing are freed by the
+ * engine's sweep, so the table is bounded by what senders hold.
+ *
+ * The table and the engine counters are engine-thread only; the
+ * notification counters are under notif_mu, the queue counters under
+ * inq_mu (the application's threads decrement those).
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+#define SEEN_KEEP_NS (60ull * 1000000000ull) /* a re-sent NOTIFY comes within seconds */
+#define SEEN_END ((uint16_t)KVL_SHARE_SEEN)
+
+static uint32_t mix(uint64_t seed, uint64_t v, uint32_t mod)
+{
+    uint64_t h = (v ^ seed) * 0x9e3779b97f4a7c15ull; /* splitmix64's finaliser */
+    h = (h ^ (h >> 30)) * 0xbf58476d1ce4e5b9ull;
+    h = (h ^ (h >> 27)) * 0x94d049bb133111ebull;
+    return (uint32_t)((h ^ (h >> 31)) % mod);
+}
+
+kvl_share *kvl_share_find(kvl_agent *a, uint64_t sender)
+{
+    kvl_share *s = a->shares.buckets[mix(a->shares.seed, sender, KVL_SHARE_BUCKETS)];
+    while (s && s->sender != sender)
+        s = s->hnext;
+    return s;
+}
+
+kvl_share *kvl_share_get(kvl_agent *a, uint64_t sender)
+{
+    kvl_share *s = kvl_share_find(a, sender);
+    if (s)
+        return s;
+    if (a->shares.n >= KVL_SHARE_MAX) {
+        kvl_share_sweep(a, kvl_now_ns());
+        if (a->shares.n >= KVL_SHARE_MAX)
+            return NULL;
+    }
+    s = calloc(1, sizeof *s);
+    if (!s)
+        return NULL;
+    s->sender = sender;
+    kvl_share **b = &a->shares.buckets[mix(a->shares.seed, sender, KVL_SHARE_BUCKETS)];
+    s->hnext = *b;
+    *b = s;
+    s->next = a->shares.all;
+    a->shares.all = s;
+    a->shares.n++;
+    return s;
+}
+
+int kvl_share_seen(kvl_share *s, uint64_t xfer, uint64_t now, int record)
+{
+    kvl_seen_set *t = s->seen;
+    if (!t) {
+        t = s->seen = malloc(sizeof *t);
+        if (!t)
+            return 0;
+        t->n = t->head = 0;
+        for (uint32_t i = 0; i < 2 * KVL_SHARE_SEEN; i++)
+            t->bucket[i] = SEEN_END;
+    }
+    s->t_seen_ns = now;
+    uint16_t *b = &t->bucket[mix(0, xfer, 2 * KVL_SHARE_SEEN)];
+    for (uint16_t i = *b; i != SEEN_END; i = t->next[i])
+        if (t->xfer[i] == xfer)
+            return 1;
+    if (!record)
+        return 0;
+    uint16_t slot = (uint16_t)t->head;
+    if (t->n == KVL_SHARE_SEEN) { /* full: the oldest leaves its chain */
+        uint16_t *pp = &t->bucket[mix(0, t->xfer[slot], 2 * KVL_SHARE_SEEN)];
+        while (*pp != slot)
+            pp = &t->next[*pp];
+        *pp = t->next[slot];
+    } else {
+        t->n++;
+    }
+    t->xfer[slot] = xfer;
+    t->next[slot] = *b;
+    *b = slot;
+    t->head = (t->head + 1) % KVL_SHARE_SEEN;
+    return 0;
+}
+
+static int holds_nothing(kvl_agent *a, const kvl_share *s, uint64_t now)
+{
+    if (s->live || s->tombs || (s->seen && now - s->t_seen_ns < SEEN_KEEP_NS))
+        return 0;
+    pthread_mutex_lock(&a->notif_mu);
+    int empty = s->notifs == 0;
+    pthread_mutex_unlock(&a->notif_mu);
+    pthread_mutex_lock(&a->inq_mu);
+    empty = empty && s->queued == 0;
+    pthread_mutex_unlock(&a->inq_mu);
+    return empty;
+}
+
+static void unlink_share(kvl_agent *a, kvl_share *s)
+{
+    kvl_share **pp = &a->shares.buckets[mix(a->shares.seed, s->sender, KVL_SHARE_BUCKETS)];
+    while (*pp != s)
+        pp = &(*pp)->hnext;
+    *pp = s->hnext;
+    a->shares.n--;
+}
+
+void kvl_share_sweep(kvl_agent *a, uint64_t now)
+{
+    /* the application's threads only decrement the counters under the
+     * locks, so a share found empty there stays empty: no new reference
+     * to it is made but by this thread */
+    for (kvl_share **pp = &a->shares.all; *pp;) {
+        kvl_share *s = *pp;
+        if (holds_nothing(a, s, now)) {
+            *pp = s->next;
+            unlink_share(a, s);
+            free(s->seen);
+            free(s);
+        } else {
+            pp = &s->next;
+        }
+    }
+}
+
+void kvl_share_free_all(kvl_agent *a)
+{
+    while (a->shares.all) {
+        kvl_share *s = a->shares.all;
+        a->shares.all = s->next;
+        free(s->seen);
+        free(s);
+    }
+    memset(a->shares.buckets, 0, sizeof a->shares.buckets);
+    a->shares.n = 0;
+}

@@ -1,0 +1,100 @@
+/* share.h: what one sender session holds on this agent, against its quota (share.c). */
+#ifndef KVLINK_SHARE_H_
+#define KVLINK_SHARE_H_
+
+#include <pthread.h>
+
+#include "base.h"
+
+struct kvl_rx_xfer;
+struct kvl_inxfer;
+
+/* A sender session's quota: what one admitted peer may hold here at most.
+ * A legitimate sender never needs more (a push of 64 GiB in 1 MiB chunks
+ * is 65,536 chunks); an attacker at every quota holds ~20 MiB
+ * (docs/security.md adds it up). */
+#define KVL_SHARE_LIVE 2048                 /* announced, unended pushes */
+#define KVL_SHARE_TOMBS 2048                /* ended pushes remembered: late copies drained */
+#define KVL_SHARE_CHUNKS 65536              /* chunks of its live pushes */
+#define KVL_SHARE_LAYERS (1u << 18)         /* their layers */
+#define KVL_SHARE_TAG_BYTES (2u << 20)      /* tags of the handles the engine holds for it */
+#define KVL_SHARE_NOTIFS 8192               /* notifications queued for the application */
+#define KVL_SHARE_NOTIF_BYTES (8u << 20)    /* ...and their bytes (node and tag) */
+#define KVL_SHARE_QUEUED 256                /* handles waiting for kvl_inbound_next */
+#define KVL_SHARE_SEEN 1024                 /* notifications remembered for de-duplication */
+#define KVL_SHARE_REFUSED 8                 /* refused pushes whose DATA gets the reason */
+
+/* The agent's room: what every sender together may hold.  Four senders at
+ * their quota fill it; a fifth then takes room from the heaviest. */
+#define KVL_ROOM_ENTRIES 16384              /* live pushes and tombstones */
+#define KVL_ROOM_CHUNKS (1u << 18)
+#define KVL_ROOM_LAYERS (1u << 20)
+#define KVL_ROOM_TAG_BYTES (8u << 20)
+#define KVL_ROOM_NOTIFS 65536
+#define KVL_ROOM_NOTIF_BYTES (64u << 20)
+#define KVL_ROOM_QUEUED 1024
+#define KVL_SHARE_MAX 8192                  /* sender sessions with state here */
+#define KVL_SHARE_BUCKETS 4096
+
+/* Notifications one sender had delivered, for de-duplication: a ring (the
+ * oldest is forgotten first) indexed by a hash, so a lookup is O(1). */
+typedef struct kvl_seen_set {
+    uint64_t xfer[KVL_SHARE_SEEN];
+    uint16_t next[KVL_SHARE_SEEN];          /* chain within a bucket; KVL_SHARE_SEEN: end */
+    uint16_t bucket[2 * KVL_SHARE_SEEN];
+    uint32_t n, head;                       /* entries used; the ring's next slot */
+} kvl_seen_set;
+
+typedef struct kvl_share {
+    uint64_t sender;                        /* kvl_inbound.sender */
+    /* engine thread */
+    uint32_t live, tombs, chunks, layers;   /* what its entries hold (inbound.c) */
+    uint32_t tag_bytes;
+    struct kvl_rx_xfer *lru_head, *lru_tail;   /* live pushes, most recent progress first */
+    struct kvl_rx_xfer *tomb_head, *tomb_tail; /* tombstones, newest first */
+    kvl_seen_set *seen;                     /* NULL until its first notification */
+    uint64_t t_seen_ns;                     /* its last notification: seen[] is kept a while */
+    uint64_t refused[KVL_SHARE_REFUSED];    /* pushes refused at ANNOUNCE, newest last */
+    uint32_t n_refused;
+    uint32_t refused_err;
+    char refused_why[200];
+    struct kvl_share *hnext, *next;
+    /* under a->notif_mu */
+    uint32_t notifs;
+    uint32_t notif_bytes;
+    /* under a->inq_mu */
+    uint32_t queued;
+    struct kvl_inxfer *q_head, *q_tail;     /* its queued handles, oldest first */
+} kvl_share;
+
+typedef struct kvl_shares {
+    kvl_share *buckets[KVL_SHARE_BUCKETS];
+    kvl_share *all;
+    uint32_t n;
+    uint64_t seed;                          /* secret: senders cannot aim at one bucket */
+    /* engine thread: totals of every share's engine counters */
+    uint32_t entries, chunks, layers, tag_bytes;
+    /* under a->notif_mu */
+    uint32_t notifs, notif_bytes;
+    /* under a->inq_mu */
+    uint32_t queued;
+} kvl_shares;
+
+/* The share of sender `sender`, created if it has none; NULL when
+ * KVL_SHARE_MAX sessions hold state (nothing is created).  Engine thread. */
+kvl_share *kvl_share_get(kvl_agent *a, uint64_t sender);
+/* The share of `sender`, or NULL.  Engine thread. */
+kvl_share *kvl_share_find(kvl_agent *a, uint64_t sender);
+/* Notification de-duplication: 1 if s had transfer xfer's notification
+ * delivered before; 0 if not (then, with `record`, it is remembered; the
+ * oldest of KVL_SHARE_SEEN is forgotten).  Engine thread; NOMEM counts as
+ * unseen. */
+int kvl_share_seen(kvl_share *s, uint64_t xfer, uint64_t now, int record);
+/* Frees every share that holds nothing (and whose notification memory
+ * expired), so the table is bounded by what senders hold.  Engine thread;
+ * takes notif_mu and inq_mu. */
+void kvl_share_sweep(kvl_agent *a, uint64_t now);
+/* Teardown: frees every share (nothing may refer to them any more). */
+void kvl_share_free_all(kvl_agent *a);
+
+#endif

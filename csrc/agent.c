@@ -215,6 +215,7 @@ static void on_tick(kvl_agent *a, uint64_t now)
         kvl_notify_resend(p, now);
     kvl_conn_expire(a, now);
     kvl_engine_snapshot_paths(a);
+    kvl_engine_snapshot_inbound(a);
 }
 
 /* Dispatch, then free what this iteration retired: no handler ever sees a

@@ -525,6 +525,7 @@ static int evict_heaviest(kvl_agent *a, const kvl_share *asking, int res, uint64
         r = v->tomb_tail;
     if (!r)
         return 0;
+    a->shares.evicted += !r->ended;
     entry_drop(a, r, KVL_ERR_BUSY,
                "dropped: the agent ran out of room for inbound pushes and this sender held more "
                "than its part");
@@ -535,7 +536,7 @@ static kvl_err refuse(kvl_agent *a, kvl_share *s, uint64_t xfer, const char *fmt
     __attribute__((format(printf, 4, 5)));
 static kvl_err refuse(kvl_agent *a, kvl_share *s, uint64_t xfer, const char *fmt, ...)
 {
-    (void)a;
+    a->shares.refused++;
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(s->refused_why, sizeof s->refused_why, fmt, ap);
@@ -570,10 +571,12 @@ static kvl_err make_room(kvl_agent *a, kvl_share *s, uint64_t xfer, const need *
     uint32_t quota = 0;
     const char *what;
     kvl_rx_xfer *v;
-    while ((what = over_quota(s, n, &quota)) && (v = lru_victim(s, now, EVICT_IDLE_NS)))
+    while ((what = over_quota(s, n, &quota)) && (v = lru_victim(s, now, EVICT_IDLE_NS))) {
+        a->shares.evicted++;
         entry_drop(a, v, KVL_ERR_BUSY,
                    "dropped: no chunk of it was verified for 1 s while its sender announced "
                    "more than its share here");
+    }
     if (what)
         return refuse(a, s, xfer,
                       "agent '%s': this peer's inbound share (%u %s) is in use by its pushes "

@@ -237,6 +237,7 @@ struct kvl_agent {
     pthread_mutex_t stats_mu;
     kvl_path_info *snap;
     size_t n_snap, cap_snap;
+    kvl_inbound_stats inbound_snap; /* kvl_inbound_stats_get's copy, every tick */
     uint64_t paths_gen;        /* bumped when a snapshot's path set or a state differs */
     pthread_cond_t paths_cv;   /* ...and broadcast (kvl_paths_wait), under stats_mu */
 };

@@ -76,6 +76,7 @@ typedef struct kvl_shares {
     uint32_t entries, chunks, layers, tag_bytes;
     /* under a->notif_mu */
     uint32_t notifs, notif_bytes;
+    uint64_t refused, evicted;              /* pushes refused at ANNOUNCE, dropped for room */
     /* under a->inq_mu */
     uint32_t queued;
 } kvl_shares;

@@ -105,3 +105,42 @@ kvl_err kvl_paths_wait(kvl_agent *a, uint64_t seen, uint32_t timeout_ms, uint64_
     return KVL_OK;
 }
 
+
+void kvl_engine_snapshot_inbound(kvl_agent *a)
+{
+    kvl_inbound_stats st = {0};
+    uint32_t tombs = 0;
+    for (kvl_share *s = a->shares.all; s; s = s->next) {
+        st.senders++;
+        tombs += s->tombs;
+    }
+    st.tombstones = tombs;
+    st.pushes = a->shares.entries - tombs;
+    st.chunks = a->shares.chunks;
+    st.layers = a->shares.layers;
+    st.tag_bytes = a->shares.tag_bytes;
+    st.refused_pushes = a->shares.refused;
+    st.evicted_pushes = a->shares.evicted;
+    st.refused_notifications = a->notif_dropped;
+    pthread_mutex_lock(&a->notif_mu);
+    st.notifications = a->shares.notifs;
+    st.notification_bytes = a->shares.notif_bytes;
+    pthread_mutex_unlock(&a->notif_mu);
+    pthread_mutex_lock(&a->inq_mu);
+    st.queued_handles = a->shares.queued;
+    pthread_mutex_unlock(&a->inq_mu);
+    pthread_mutex_lock(&a->stats_mu);
+    a->inbound_snap = st;
+    pthread_mutex_unlock(&a->stats_mu);
+}
+
+kvl_err kvl_inbound_stats_get(kvl_agent *a, kvl_inbound_stats *out)
+{
+    kvl_clear_error();
+    if (!a || !out)
+        return kvl_fail(KVL_ERR_INVALID_ARG, "inbound_stats: NULL argument");
+    pthread_mutex_lock(&a->stats_mu);
+    *out = a->inbound_snap;
+    pthread_mutex_unlock(&a->stats_mu);
+    return KVL_OK;
+}

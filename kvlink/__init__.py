@@ -45,6 +45,7 @@ from ._transfer import Transfer
 from ._types import (
     ChunkEvent,
     InboundInfo,
+    InboundStats,
     MemoryType,
     Notification,
     Op,
@@ -76,6 +77,7 @@ __all__ = [
     "GiB",
     "HandshakeError",
     "InboundInfo",
+    "InboundStats",
     "InboundTransfer",
     "InvalidArgumentError",
     "KiB",

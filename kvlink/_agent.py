@@ -42,6 +42,7 @@ from ._regions import RegionTable
 from ._segments import SEGMENT_DTYPE, as_segment_array
 from ._transfer import Transfer
 from ._types import (
+    InboundStats,
     MemoryType,
     Notification,
     Op,
@@ -983,6 +984,17 @@ class Agent:
                 continue
             if out or time.monotonic() >= deadline:
                 return out
+
+    def inbound_stats(self) -> InboundStats:
+        """What peers' pushes and notifications hold on this agent: each sender
+        session's part is bounded (docs/security.md), refreshed every monitor
+        interval.
+
+        Raises:
+            ClosedError: the agent is closed.
+        """
+        with self._using() as a:
+            return _native.inbound_stats(a)
 
     def paths(self) -> list[PathInfo]:
         """Every path to every peer, with its live statistics.

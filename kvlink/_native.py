@@ -26,6 +26,7 @@ from ._errors import ErrorCode, error_for
 from ._types import (
     ChunkEvent,
     InboundInfo,
+    InboundStats,
     MemoryType,
     Notification,
     Op,
@@ -655,6 +656,26 @@ def paths_wait(
         return None
     check(rc)
     return int(gen[0])
+
+
+def inbound_stats(a: Handle) -> InboundStats:
+    """kvl_inbound_stats_get: what peers' pushes and notifications hold here."""
+    st = ffi.new("kvl_inbound_stats *")
+    check(lib.kvl_inbound_stats_get(a, st))
+    return InboundStats(
+        senders=int(st.senders),
+        pushes=int(st.pushes),
+        tombstones=int(st.tombstones),
+        chunks=int(st.chunks),
+        layers=int(st.layers),
+        tag_bytes=int(st.tag_bytes),
+        notifications=int(st.notifications),
+        notification_bytes=int(st.notification_bytes),
+        queued_handles=int(st.queued_handles),
+        refused_pushes=int(st.refused_pushes),
+        evicted_pushes=int(st.evicted_pushes),
+        refused_notifications=int(st.refused_notifications),
+    )
 
 
 def paths(a: Handle) -> list[PathInfo]:

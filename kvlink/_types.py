@@ -171,6 +171,25 @@ class Notification:
 
 
 @dataclass(frozen=True)
+class InboundStats:
+    """What peers' pushes and notifications hold on this agent (refreshed every
+    monitor interval).  Each sender session's part is bounded (docs/security.md)."""
+
+    senders: int  # sender sessions holding state here
+    pushes: int  # announced, unended inbound pushes
+    tombstones: int  # ended pushes remembered so late copies are drained
+    chunks: int  # chunks of the live pushes
+    layers: int
+    tag_bytes: int  # tags of handles the engine holds
+    notifications: int  # queued for next_notifications()
+    notification_bytes: int
+    queued_handles: int  # inbound pushes nobody took with inbound() yet
+    refused_pushes: int  # over a sender's share, or out of room
+    evicted_pushes: int  # dropped to make room (their handles failed)
+    refused_notifications: int  # not acknowledged for room: their senders send them again
+
+
+@dataclass(frozen=True)
 class PathInfo:
     """Live statistics of one path (refreshed every monitor interval).
 

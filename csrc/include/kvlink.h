@@ -565,6 +565,26 @@ void kvl_log_wake(kvl_agent *agent);
 kvl_err kvl_next_notification(kvl_agent *agent, uint32_t timeout_ms,
                               kvl_notification *out);
 
+/* What peers' pushes and notifications hold on this agent (share.c bounds
+ * each sender's part: docs/security.md). */
+typedef struct kvl_inbound_stats {
+    uint32_t senders;              /* sender sessions holding state here */
+    uint32_t pushes;               /* announced, unended inbound pushes */
+    uint32_t tombstones;           /* ended pushes remembered (late copies drained) */
+    uint32_t chunks, layers;       /* of the live pushes */
+    uint32_t tag_bytes;            /* tags of handles the engine holds */
+    uint32_t notifications;        /* queued for kvl_next_notification */
+    uint32_t notification_bytes;
+    uint32_t queued_handles;       /* waiting for kvl_inbound_next */
+    uint64_t refused_pushes;       /* ANNOUNCEs refused: over a sender's share or out of room */
+    uint64_t evicted_pushes;       /* pushes dropped to make room (their handles failed) */
+    uint64_t refused_notifications; /* NOTIFYs not acknowledged for room (sent again) */
+} kvl_inbound_stats;
+
+/* Copies the inbound counters (refreshed every monitor tick) into *out.
+ * Thread-safe, does not block. */
+kvl_err kvl_inbound_stats_get(kvl_agent *agent, kvl_inbound_stats *out);
+
 /* Copies up to cap path snapshots (refreshed every monitor tick, when a
  * transfer finishes and when a path changes state) into out; *n gets the
  * total.  Thread-safe, does not block. */

@@ -425,6 +425,7 @@ class AgentMetrics(Collector):
         for s in PathState:
             conns.add_metric([self.name, s.name], sum(p.state == s for p in paths))
         yield conns
+        yield from self._inbound_families(agent)
         d_ = agent.discovery
         if d_ is not None:
             r = CounterMetricFamily(
@@ -442,6 +443,41 @@ class AgentMetrics(Collector):
             )
             e.add_metric([self.name], d_.errors)
             yield e
+
+    def _inbound_families(self, agent: Agent) -> Iterator[Any]:
+        try:
+            st = agent.inbound_stats()
+        except KvlinkError:  # closed meanwhile
+            return
+        held = GaugeMetricFamily(
+            "kvlink_inbound_held",
+            "What peers' pushes and notifications hold on this agent (each sender's part is "
+            "bounded: docs/security.md)",
+            labels=["agent", "what"],
+        )
+        for what in (
+            "senders",
+            "pushes",
+            "tombstones",
+            "chunks",
+            "layers",
+            "tag_bytes",
+            "notifications",
+            "notification_bytes",
+            "queued_handles",
+        ):
+            held.add_metric([self.name, what], getattr(st, what))
+        yield held
+        refused = CounterMetricFamily(
+            "kvlink_inbound_refused",
+            "Inbound pushes refused (over their sender's share or out of room), evicted to make "
+            "room, and notifications not acknowledged for room (their senders send them again)",
+            labels=["agent", "what"],
+        )
+        refused.add_metric([self.name, "pushes"], st.refused_pushes)
+        refused.add_metric([self.name, "evicted_pushes"], st.evicted_pushes)
+        refused.add_metric([self.name, "notifications"], st.refused_notifications)
+        yield refused
 
 
 class MetricsServer:

@@ -26,7 +26,7 @@
 #define KVL_HANDSHAKE_BODY_MAX (4u << 20) /* HELLO_ACK's region table: 8192 x ~350 bytes */
 #define KVL_PREAUTH_BODY_MAX 256u /* a frame body before the handshake ends (HELLO, AUTH) */
 #define KVL_MAX_ANSWERS_QUEUED 4096 /* frames queued to a peer that does not read them */
-#define KVL_MAX_ANSWER_BYTES (16u << 20) /* ...or their headers and bodies */
+#define KVL_MAX_ANSWER_BYTES (16u << 20) /* ...or the memory they hold */
 #define KVL_PARTIAL_FRAME_TIMEOUTS 6 /* x connect_timeout: a started frame's bytes stop coming */
 #define KVL_MAX_CONNS_PER_PEER (4 * (KVL_MAX_PATHS + 1)) /* inbound, one peer name */
 #define KVL_MAX_PREAUTH 256       /* accepted connections still in their handshake */

@@ -141,11 +141,12 @@ typedef struct kvl_stream_ops {
     void (*drop_unstarted)(kvl_ep *ep);
     /* 1 while frames wait to go out. */
     int (*has_output)(const kvl_ep *ep);
-    /* Frames queued and not yet fully sent; *bytes: their headers and bodies. */
+    /* Frames queued and not yet fully sent; *bytes: the memory they hold
+     * (header, body, payload and destination arrays, references). */
     size_t (*queued)(const kvl_ep *ep, size_t *bytes);
     /* When the last byte of a frame that has started arriving came in
      * (CLOCK_MONOTONIC ns; bytes the kernel holds for us count); 0 between
-     * frames. */
+     * frames.  A frame body past its deadline fails ep here (on_error). */
     uint64_t (*rx_partial_since)(kvl_ep *ep, uint64_t now);
     /* Stops reading ep; it closes once its queued frames have left. */
     void (*refuse)(kvl_ep *ep);

@@ -44,6 +44,18 @@
  *     the hold goes at the close, after the mover was freed); revocation on
  *     the receiving end of puts fences its mover before it returns and
  *     fails the connection from the event loop.
+ *  7. stream budgets (issue 22): answers queued to a peer that does not
+ *     read them are counted at their true memory (a READ_RESP of 8192
+ *     pieces: its 128 KiB iovec array) and pause reading that connection
+ *     (never dropping an answer) until they drain; over the agent's budget
+ *     a connection holding little reads on; all of it back at the close.
+ *  8. one readiness event reads at most READ_FRAMES (32) frames.
+ *  9. a body buffer grows as the body arrives; a trickled body is cut at
+ *     its deadline (connect_timeout + length at 64 KiB/s), not before; a
+ *     full body pool cuts the body arriving longest, and the newer one
+ *     arrives whole.
+ * 10. a DATA frame of zero-length pieces (payload_len 0) ends its payload
+ *     at once, so the core answers it.
  */
 #include <errno.h>
 #include <pthread.h>
@@ -51,6 +63,7 @@
 #include <string.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
+#include <sys/ioctl.h>
 #include <unistd.h>
 
 #include "test_main.h"
@@ -94,6 +107,7 @@ struct kvl_conn {
     kvl_err err;
     char why[256];
     int n_version;
+    int answer_pieces;         /* answer each READ_REQ with a READ_RESP of this many 1-byte pieces */
     int in_call;               /* the test is inside ops->cancel or revoke: no upcall may come */
     int upcall_in_call;
     int closed;
@@ -144,9 +158,23 @@ kvl_conn *kvl_proto_accepted(kvl_agent *a, kvl_ep *ep)
 
 uint32_t kvl_proto_max_body(const kvl_conn *c) { return c->max_body; }
 
+static uint8_t answer_src[8192]; /* what the answers' pieces point into */
+static kvl_buf frame_bytes(uint8_t type, const void *body, size_t n, uint64_t payload_len);
+
 void kvl_proto_on_frame(kvl_conn *c, const kvl_frame_hdr *h, const uint8_t *body)
 {
     c->upcall_in_call |= c->in_call;
+    if (c->answer_pieces && h->type == KVL_F_READ_REQ) {
+        /* as the core answers a READ_REQ of many pieces: one iovec each */
+        int np = c->answer_pieces;
+        kvl_tp_frame f = {.head = frame_bytes(KVL_F_READ_RESP, "answer..", 8, (uint64_t)np),
+                          .payload = calloc((size_t)np, sizeof(struct iovec)),
+                          .n_payload = np,
+                          .payload_len = (uint64_t)np};
+        for (int k = 0; k < np; k++)
+            f.payload[k] = (struct iovec){answer_src + k, 1};
+        CHECK(kvl_tcp_stream.send(c->ep, &f) == 0);
+    }
     int i = c->n_frames++;
     if (i < MAX_FRAMES) {
         c->hdr[i] = *h;
@@ -789,7 +817,9 @@ static void case_frames(void)
     /* ...and the listener's answer through the stream, read with recv_all */
     CHECK(send_ctrl(p.rx, frame_token(KVL_F_PONG, 42)) == 0);
     size_t qb = 0;
-    CHECK(ops->queued(p.rx, &qb) == 1 && qb == KVL_HDR_BYTES + 8 && ops->has_output(p.rx));
+    /* what it holds: the head and the frame's own struct */
+    CHECK(ops->queued(p.rx, &qb) == 1 && qb > KVL_HDR_BYTES + 8 + 64 && qb < 4096 &&
+          ops->has_output(p.rx));
     CHECK(RUN_UNTIL(a, WAIT_MS, !ops->has_output(p.rx)));
     uint8_t hdr[KVL_HDR_BYTES], body[8];
     kvl_frame_hdr h;
@@ -1290,6 +1320,250 @@ out:
     agent_free(a);
 }
 
+/* 7. Answers a peer does not read: counted at their true memory, reading
+ * paused (never an answer dropped) until they drain; the agent's budget
+ * pauses only connections holding ANSWER_FLOOR. */
+
+/* Reads what tx has (it is detached and blocking: MSG_DONTWAIT); 1 once
+ * *got reached want. */
+static int drain_some(kvl_ep *tx, size_t *got, size_t want)
+{
+    static uint8_t buf[1 << 16];
+    for (;;) {
+        ssize_t n = recv(tx->fd, buf, sizeof buf, MSG_DONTWAIT);
+        if (n <= 0)
+            break;
+        *got += (size_t)n;
+    }
+    return *got >= want;
+}
+
+#define ANSWER_WIRE (KVL_HDR_BYTES + 8 + 8192 + 4) /* one READ_RESP of 8192 pieces, as sent */
+
+static int send_reqs(kvl_ep *tx, int n)
+{
+    kvl_buf one = frame_bytes(KVL_F_READ_REQ, "request.", 8, 0);
+    size_t len = one.len * (size_t)n;
+    uint8_t *all = malloc(len);
+    for (int i = 0; i < n; i++)
+        memcpy(all + (size_t)i * one.len, one.p, one.len);
+    int ok = ops->send_all(tx, all, len, deadline()) == KVL_OK;
+    free(all);
+    kvl_buf_free(&one);
+    return ok;
+}
+
+static void case_answers(uint32_t io_threads)
+{
+    /* small socket buffers: the kernel holds few answers, the queue the rest */
+    kvl_agent *a = agent_new(io_threads, 64 << 10);
+    kvl_tcp_budget *g = kvl_tcp_budget_of(a);
+    pair p;
+    if (!CHECK(g) || !pair_open(a, &p, 0))
+        goto out;
+    p.crx->answer_pieces = 8192;
+    const int n = 400; /* 400 answers: 51 MiB of iovec arrays if none paused */
+    CHECK(send_reqs(p.tx, n));
+    /* the peer reads nothing: the stream stops reading it once its queue
+     * holds 8 MiB (64 such answers), a few hundred KiB in the kernel */
+    CHECK(RUN_UNTIL(a, WAIT_MS, p.rx->ans_paused));
+    run_for(a, 300, NULL);
+    size_t qb = 0;
+    size_t qf = ops->queued(p.rx, &qb);
+    /* 64 answers read and queued, some gone into the kernel since: still
+     * paused above the low mark (2 MiB) */
+    CHECK(p.crx->n_frames < 100 && p.crx->n_errors == 0);
+    CHECK(qb >= (2u << 20) && qb < (8u << 20) + (256u << 10));
+    CHECK(g->answer_bytes == qb && g->pauses == 1);
+    /* each queued answer counts its 128 KiB of iovecs */
+    CHECK(qb / qf > 8192 * sizeof(struct iovec));
+    /* once it reads, everything is answered: nothing was dropped */
+    size_t got = 0, want = (size_t)n * ANSWER_WIRE;
+    CHECK(RUN_UNTIL(a, 4 * WAIT_MS, drain_some(p.tx, &got, want)));
+    CHECK(got == want && p.crx->n_frames == n && p.crx->n_errors == 0);
+    CHECK(RUN_UNTIL(a, WAIT_MS, !ops->has_output(p.rx)) && !p.rx->ans_paused);
+    CHECK(g->answer_bytes == 0);
+    /* queued at the close: their memory is back at once */
+    CHECK(send_reqs(p.tx, 100));
+    CHECK(RUN_UNTIL(a, WAIT_MS, p.rx->ans_paused));
+    CHECK(g->answer_bytes > 0);
+    ops->close(p.rx, 1);
+    p.crx->closed = 1;
+    CHECK(g->answer_bytes == 0 && g->paused == NULL);
+out:
+    pair_close(&p);
+    agent_free(a);
+}
+
+/* Over the agent's answer budget: the peer that reads nothing is paused, one
+ * that reads its answers goes on (its own answers decide), and the first
+ * reads again once it reads. */
+static void case_answers_global(void)
+{
+    kvl_agent *a = agent_new(0, 64 << 10);
+    kvl_tcp_budget *g = kvl_tcp_budget_of(a);
+    pair p, q;
+    memset(&q, 0, sizeof q);
+    if (!CHECK(g) || !pair_open(a, &p, 0))
+        goto out;
+    g->answer_cap = 1u << 20; /* 8 answers: below one connection's own budget */
+    p.crx->answer_pieces = 8192;
+    const int n = 100;
+    CHECK(send_reqs(p.tx, n));
+    CHECK(RUN_UNTIL(a, WAIT_MS, p.rx->ans_paused == 2));
+    run_for(a, 200, NULL);
+    size_t qb = 0;
+    ops->queued(p.rx, &qb);
+    CHECK(p.crx->n_frames < n && qb < (1u << 20) + (256u << 10) && g->paused == p.rx);
+    /* a second peer that reads: every answer comes although the agent is over */
+    if (!CHECK(pair_open(a, &q, 0)))
+        goto out;
+    q.crx->answer_pieces = 8192;
+    CHECK(send_reqs(q.tx, n));
+    size_t got = 0, want = (size_t)n * ANSWER_WIRE;
+    CHECK(RUN_UNTIL(a, 4 * WAIT_MS, drain_some(q.tx, &got, want)));
+    CHECK(got == want && q.crx->n_frames == n);
+    CHECK(p.crx->n_frames < n && p.rx->ans_paused == 2);
+    /* the first reads: it is read again and answered in full */
+    got = 0;
+    CHECK(RUN_UNTIL(a, 4 * WAIT_MS, drain_some(p.tx, &got, want)));
+    CHECK(got == want && p.crx->n_frames == n && p.crx->n_errors == 0);
+    CHECK(RUN_UNTIL(a, WAIT_MS, !ops->has_output(p.rx) && !ops->has_output(q.rx)));
+    CHECK(g->answer_bytes == 0 && g->paused == NULL);
+out:
+    if (q.a)
+        pair_close(&q);
+    pair_close(&p);
+    agent_free(a);
+}
+
+/* 8. One readiness event: at most 32 frames, the rest at the next. */
+static void case_frames_per_event(void)
+{
+    kvl_agent *a = agent_new(0, 0);
+    pair p;
+    if (!pair_open(a, &p, 0))
+        goto out;
+    const int n = 1000;
+    kvl_buf one = frame_token(KVL_F_PING, 5);
+    size_t len = one.len * (size_t)n;
+    uint8_t *all = malloc(len);
+    for (int i = 0; i < n; i++)
+        memcpy(all + (size_t)i * one.len, one.p, one.len);
+    CHECK(ops->send_all(p.tx, all, len, deadline()) == KVL_OK);
+    free(all);
+    kvl_buf_free(&one);
+    int inq = 0;
+    uint64_t d = deadline();
+    while (kvl_now_ns() < d && (ioctl(p.rx->fd, FIONREAD, &inq) != 0 || (size_t)inq < len))
+        usleep(1000);
+    CHECK((size_t)inq == len);
+    ops->on_event(p.rx, EPOLLIN);
+    CHECK(p.crx->n_frames == 32);
+    ops->on_event(p.rx, EPOLLIN);
+    CHECK(p.crx->n_frames == 64);
+    CHECK(RUN_UNTIL(a, WAIT_MS, p.crx->n_frames == n) && p.crx->n_errors == 0);
+out:
+    pair_close(&p);
+    agent_free(a);
+}
+
+/* 9. Body buffers: grown as bytes come, a deadline from the header, a pool. */
+static void case_bodies(void)
+{
+    kvl_agent *a = agent_new(0, 0);
+    kvl_tcp_budget *g = kvl_tcp_budget_of(a);
+    pair p, q;
+    memset(&q, 0, sizeof q);
+    if (!CHECK(g) || !pair_open(a, &p, 0))
+        goto out;
+    p.crx->max_body = 1u << 20;
+    /* announced 60000 bytes, 100 in: the buffer is small */
+    static uint8_t big[600u << 10];
+    test_rng r = {9};
+    rng_fill(&r, big, sizeof big);
+    kvl_buf f = frame_bytes(KVL_F_NOTIFY, big, 60000, 0);
+    CHECK(ops->send_all(p.tx, f.p, KVL_HDR_BYTES + 100, deadline()) == KVL_OK);
+    CHECK(RUN_UNTIL(a, WAIT_MS, p.rx->rs == RS_BODY && p.rx->body_got == 100));
+    CHECK(p.rx->body_cap <= 4096);
+    CHECK(ops->rx_partial_since(p.rx, kvl_now_ns()) != 0); /* in time: only a partial frame */
+    /* the rest: whole and in order, and the pool lent nothing past the frame */
+    CHECK(ops->send_all(p.tx, f.p + KVL_HDR_BYTES + 100, f.len - KVL_HDR_BYTES - 100,
+                        deadline()) == KVL_OK);
+    CHECK(RUN_UNTIL(a, WAIT_MS, p.crx->n_frames == 1));
+    CHECK(p.crx->hdr[0].body_len == 60000 && memcmp(p.crx->body[0], big, 60000) == 0);
+    CHECK(g->body_bytes == 0 && p.rx->body_cap <= 16384);
+    kvl_buf_free(&f);
+
+    /* trickled: a byte every 100 ms, cut at connect_timeout (2 s) + 60000
+     * bytes at 64 KiB/s, not before */
+    f = frame_bytes(KVL_F_NOTIFY, big, 60000, 0);
+    uint64_t t0 = kvl_now_ns();
+    CHECK(ops->send_all(p.tx, f.p, KVL_HDR_BYTES, deadline()) == KVL_OK);
+    uint64_t d = deadline(), next = 0;
+    size_t sent = KVL_HDR_BYTES;
+    while (!p.crx->closed && kvl_now_ns() < d) {
+        if (kvl_now_ns() >= next && sent < f.len) {
+            CHECK(ops->send_all(p.tx, f.p + sent++, 1, deadline()) == KVL_OK);
+            next = kvl_now_ns() + 100000000ull;
+        }
+        loop_once(a, 5, NULL);
+        if (!p.crx->closed)
+            ops->rx_partial_since(p.rx, kvl_now_ns());
+    }
+    uint64_t took = kvl_now_ns() - t0;
+    CHECK(p.crx->closed && p.crx->n_errors == 1 && strstr(p.crx->why, "not in within"));
+    CHECK(took >= 2000000000ull + 60000ull * 1000000000ull / (64u << 10));
+    CHECK(g->body_late == 1 && g->body_bytes == 0);
+    kvl_buf_free(&f);
+    pair_close(&p);
+
+    /* the pool (1 MiB here): a second body that needs more cuts the one
+     * arriving longest; the new one arrives whole */
+    if (!pair_open(a, &p, 0) || !pair_open(a, &q, 0))
+        goto out;
+    g->body_cap = 1u << 20;
+    p.crx->max_body = q.crx->max_body = 1u << 20;
+    f = frame_bytes(KVL_F_NOTIFY, big, sizeof big, 0);
+    CHECK(ops->send_all(p.tx, f.p, KVL_HDR_BYTES + (520u << 10), deadline()) == KVL_OK);
+    CHECK(RUN_UNTIL(a, WAIT_MS, p.rx->body_got == (520u << 10)));
+    CHECK(g->body_bytes == sizeof big && p.rx->body_listed);
+    CHECK(ops->send_all(q.tx, f.p, f.len, deadline()) == KVL_OK);
+    CHECK(RUN_UNTIL(a, WAIT_MS, q.crx->n_frames == 1));
+    CHECK(p.crx->closed && p.crx->n_errors == 1 && strstr(p.crx->why, "arriving longest"));
+    CHECK(q.crx->n_errors == 0 && q.crx->hdr[0].body_len == sizeof big &&
+          memcmp(q.crx->body[0], big, sizeof big) == 0);
+    CHECK(g->body_cut == 1 && g->body_bytes == 0 && g->body_head == NULL);
+    kvl_buf_free(&f);
+out:
+    if (q.a)
+        pair_close(&q);
+    pair_close(&p);
+    agent_free(a);
+}
+
+/* 10. DATA with zero-length pieces: no payload, no trailer, yet its end. */
+static void case_empty_data(uint32_t io_threads)
+{
+    kvl_agent *a = agent_new(io_threads, 0);
+    pair p;
+    if (!pair_open(a, &p, 0))
+        goto out;
+    kvl_buf f = frame_chunk(KVL_F_DATA, 3, 0, 0);
+    CHECK(ops->send_all(p.tx, f.p, f.len, deadline()) == KVL_OK);
+    kvl_buf_free(&f);
+    CHECK(RUN_UNTIL(a, WAIT_MS, p.crx->n_payloads == 1));
+    CHECK(p.crx->n_frames == 1 && p.crx->crc[0] == 0 && p.crx->trailer[0] == 0);
+    /* the stream is in step: the next frame arrives */
+    f = frame_token(KVL_F_PING, 1);
+    CHECK(ops->send_all(p.tx, f.p, f.len, deadline()) == KVL_OK);
+    kvl_buf_free(&f);
+    CHECK(RUN_UNTIL(a, WAIT_MS, p.crx->n_frames == 2) && p.crx->n_payloads == 1);
+out:
+    pair_close(&p);
+    agent_free(a);
+}
+
 int main(void)
 {
     double t0 = test_now_s();
@@ -1303,5 +1577,12 @@ int main(void)
     }
     case_one_sided();
     case_one_sided_revoke();
+    for (uint32_t io = 0; io <= 2; io += 2) {
+        case_answers(io);
+        case_empty_data(io);
+    }
+    case_answers_global();
+    case_frames_per_event();
+    case_bodies();
     return test_report("test_tcp_stream", t0);
 }

@@ -53,6 +53,7 @@ struct kvl_iothread {
 
 struct kvl_tcp_pool {
     kvl_agent *a;
+    kvl_tcp_budget budget;     /* the stream's, across the agent's connections (stream.c) */
     atomic_int stop;
     uint32_t n, next;
     kvl_iothread *t;
@@ -178,15 +179,21 @@ static void *io_main(void *arg)
 
 static kvl_tcp_pool *pool_of(kvl_agent *a) { return (kvl_tcp_pool *)a->tp_state; }
 
+kvl_tcp_budget *kvl_tcp_budget_of(kvl_agent *a)
+{
+    kvl_tcp_pool *pool = pool_of(a);
+    return pool ? &pool->budget : NULL;
+}
+
+/* The pool exists with no thread too: it holds the stream's budgets. */
 kvl_err kvl_tcp_pool_start(kvl_agent *a, uint32_t n)
 {
-    if (n == 0)
-        return KVL_OK;
     kvl_tcp_pool *pool = calloc(1, sizeof *pool);
-    if (!pool || !(pool->t = calloc(n, sizeof *pool->t))) {
+    if (!pool || (n && !(pool->t = calloc(n, sizeof *pool->t)))) {
         free(pool);
         return kvl_fail(KVL_ERR_NOMEM, "agent_create: out of memory for %u I/O threads", n);
     }
+    kvl_tcp_budget_init(&pool->budget);
     pool->a = a;
     pool->n = n;
     pthread_mutex_init(&pool->mu, NULL);
@@ -236,7 +243,7 @@ void kvl_tcp_pool_stop(kvl_agent *a)
 kvl_iothread *kvl_tcp_pool_pick(kvl_agent *a)
 {
     kvl_tcp_pool *pool = pool_of(a);
-    if (!pool)
+    if (!pool || !pool->n)
         return NULL;
     return &pool->t[pool->next++ % pool->n];
 }
@@ -338,7 +345,7 @@ void kvl_tcp_job_forget(kvl_ep *ep)
 kvl_ep *kvl_tcp_pool_next_done(kvl_agent *a)
 {
     kvl_tcp_pool *pool = pool_of(a);
-    if (!pool)
+    if (!pool || !pool->n)
         return NULL;
     pthread_mutex_lock(&pool->mu);
     kvl_ep *ep = pool->done_head;

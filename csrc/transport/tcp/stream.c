@@ -43,9 +43,38 @@
 #define IO_BUDGET (8u << 20) /* bytes per readiness event before serving others */
 #define MAX_IOV 64
 #define PULL_BATCH (512u << 10) /* bytes per mover pull (a same-host copy): crc from L2 */
-#define BODY_KEEP (64u << 10) /* a body buffer larger than this is freed after use */
+/* Frames per readiness event, each way: epoll is level-triggered, so a
+ * connection with more comes back in the next loop iteration, after every
+ * other ready one had its turn (one flooding peer cannot hold back the
+ * others' handshakes and PINGs for more than 32 of its frames). */
+#define READ_FRAMES 32
+#define WRITE_FRAMES 256
 
-enum { RS_HDR, RS_BODY, RS_COVER, RS_PAYLOAD, RS_TRAILER };
+/* Stream budgets (docs/security.md, "Stream budgets").
+ * Answers: what frames queued on an accepted connection really hold (out_cost).
+ * A connection over its budget is not read until its queue drains (the
+ * peer's own answers are what it waits for): an answer is never dropped. */
+#define ANSWER_CONN_HIGH (8u << 20) /* 64 READ_RESPs of 8192 pieces: many chunks of window */
+#define ANSWER_CONN_LOW (2u << 20)  /* ...read again below this (hysteresis) */
+#define ANSWER_FRAMES_HIGH 1024 /* small answers: paused well before the core's close (4096) */
+#define ANSWER_FRAMES_LOW 256
+#define ANSWER_GLOBAL (64u << 20) /* all accepted connections: issue 22's RSS target per peer */
+/* Over ANSWER_GLOBAL only connections holding this much pause: one holding
+ * less reads on, so whether a peer is read depends on its own answers, not
+ * on what another peer leaves unread. */
+#define ANSWER_FLOOR (256u << 10)
+/* Bodies: a buffer starts at BODY_START and doubles as bytes arrive (it
+ * never holds more than twice what came); up to BODY_FREE per connection is
+ * its own (handshakes, ACKs, NOTIFY tags, DATA of some 600 pieces) and kept
+ * between frames, anything larger is lent by the agent's pool of BODY_POOL
+ * bytes and freed once its frame's body is in. */
+#define BODY_START (4u << 10)
+#define BODY_FREE (16u << 10)
+#define BODY_POOL (64u << 20)
+/* A body is in by connect_timeout + body_len at this rate after its header,
+ * or its connection is cut (a byte every few seconds holds nothing long):
+ * 64 KiB/s is far below any data path, a 1 MiB body gets 16 s more. */
+#define BODY_MIN_RATE (64u << 10)
 
 typedef struct kvl_out kvl_out;
 struct kvl_out {
@@ -71,6 +100,7 @@ struct kvl_out {
     uint8_t *cov;          /* oob: u32 cover length + the cover, as it goes out */
     size_t cov_len, cov_sent;
     kvl_stage_buf *slot;   /* f.stage: the host slot the payload was gathered into (stage_out) */
+    size_t cost;           /* what it holds in memory (out_cost), counted in ep->sq_bytes */
 };
 
 /* Payload bytes per send or read syscall: one L2 cache's worth, so the crc32c
@@ -153,9 +183,113 @@ static void held_acked(kvl_ep *ep, const uint8_t *body, size_t len)
             o->acked = 1;
 }
 
+void kvl_tcp_budget_init(kvl_tcp_budget *b)
+{
+    memset(b, 0, sizeof *b);
+    b->answer_cap = ANSWER_GLOBAL;
+    b->body_cap = BODY_POOL;
+}
+
+/* The memory a queued frame holds until it has left: its struct, head
+ * buffer, payload and destination arrays (a READ_RESP of 8192 pieces: 128
+ * KiB of iovecs), region references and, by a receiver-pulled mover, the
+ * cover it will get (at most 16 + 16 bytes a piece; made on the I/O
+ * thread, so counted here).  Not the payload: registered memory. */
+static size_t out_cost(const kvl_out *o)
+{
+    size_t head = o->f.head.cap > o->f.head.len ? o->f.head.cap : o->f.head.len;
+    size_t c = sizeof *o + head + (size_t)o->f.n_payload * sizeof *o->f.payload +
+               (size_t)o->f.n_dst * sizeof *o->f.dst +
+               (size_t)o->f.hold.nrefs * sizeof *o->f.hold.refs;
+    if (o->oob)
+        c += 4 + 16 + 16 * (size_t)o->f.n_payload;
+    return c;
+}
+
+static void paused_unlist(kvl_tcp_budget *g, kvl_ep *ep)
+{
+    if (ep->ans_paused != 2)
+        return;
+    if (ep->pz_prev)
+        ep->pz_prev->pz_next = ep->pz_next;
+    else
+        g->paused = ep->pz_next;
+    if (ep->pz_next)
+        ep->pz_next->pz_prev = ep->pz_prev;
+    ep->pz_prev = ep->pz_next = NULL;
+}
+
+static void watch_update(kvl_ep *ep);
+
+/* Whether accepted ep is read, from what it and all connections hold in
+ * queued answers: 0 read; 1 not, its own queue is over its budget (until
+ * below the low mark); 2 not, the agent's is over and ep holds
+ * ANSWER_FLOOR (in g->paused: looked at again once the agent's drains).
+ * Only at a frame's end does the read stop (rx_gated). */
+static void answers_check(kvl_ep *ep)
+{
+    kvl_tcp_budget *g = kvl_tcp_budget_of(ep->a);
+    if (!ep->acct || ep->dead || !g)
+        return;
+    size_t own = ep->sq_bytes;
+    int was = ep->ans_paused;
+    int over_own = was == 1 ? own >= ANSWER_CONN_LOW || ep->sq_len >= ANSWER_FRAMES_LOW
+                            : own >= ANSWER_CONN_HIGH || ep->sq_len >= ANSWER_FRAMES_HIGH;
+    size_t gmark = was == 2 ? g->answer_cap - g->answer_cap / 4 : g->answer_cap;
+    int over_all = own >= ANSWER_FLOOR && g->answer_bytes >= gmark;
+    int now = over_own ? 1 : over_all ? 2 : 0;
+    if (now == was)
+        return;
+    paused_unlist(g, ep);
+    ep->ans_paused = now;
+    if (now == 2) {
+        ep->pz_prev = NULL;
+        ep->pz_next = g->paused;
+        if (g->paused)
+            g->paused->pz_prev = ep;
+        g->paused = ep;
+    }
+    if (now && !was) {
+        g->pauses++;
+        kvl_log_limited(ep->a, KVL_LOG_INFO, NULL,
+                        "a peer does not read its answers (%zu bytes in %zu frames queued to it, "
+                        "%zu on all connections): its connection is not read until they drain",
+                        own, ep->sq_len, g->answer_bytes);
+    }
+    if (!now != !was)
+        watch_update(ep);
+}
+
+/* o joins ep's queue: its cost counts for ep (and the agent's budget). */
+static void out_count(kvl_ep *ep, kvl_out *o)
+{
+    o->cost = out_cost(o);
+    ep->sq_bytes += o->cost;
+    kvl_tcp_budget *g = ep->acct ? kvl_tcp_budget_of(ep->a) : NULL;
+    if (g)
+        g->answer_bytes += o->cost;
+}
+
+static void out_uncount(kvl_ep *ep, kvl_out *o)
+{
+    ep->sq_bytes -= o->cost;
+    kvl_tcp_budget *g = ep->acct ? kvl_tcp_budget_of(ep->a) : NULL;
+    if (!g)
+        return;
+    g->answer_bytes -= o->cost;
+    answers_check(ep);
+    /* the agent's queue drained: connections paused for it alone read again */
+    while (g->paused && g->answer_bytes < g->answer_cap - g->answer_cap / 4) {
+        kvl_ep *p = g->paused;
+        answers_check(p);
+        if (g->paused == p) /* cannot: it holds the floor and the agent is below its mark */
+            break;
+    }
+}
+
 static void out_free(kvl_ep *ep, kvl_out *o)
 {
-    ep->sq_bytes -= o->f.head.len;
+    out_uncount(ep, o);
     int held = o->oob && (o->mv_caps & KVL_MV_RECEIVER_PULLED) && o->f.is_chunk &&
                !ep->dead && !o->acked && o->cov && o->cov_sent == o->cov_len &&
                (o->f.hold.xfer || o->f.hold.nrefs) && hold_until_ack(ep, o);
@@ -172,9 +306,16 @@ static void out_free(kvl_ep *ep, kvl_out *o)
 /* What the engine's epoll watches: reading unless refused (only its answer
  * goes out then) or a payload is coming in on the I/O thread; writing while
  * frames wait, unless one is going out on the I/O thread. */
+/* Not read for its queued answers, and between two frames (a frame is
+ * read whole first, so the partial-frame cut never sees a pause). */
+static int rx_gated(const kvl_ep *ep)
+{
+    return ep->ans_paused && ep->rs == RS_HDR && ep->hdr_got == 0;
+}
+
 static void watch_update(kvl_ep *ep)
 {
-    uint32_t ev = (ep->refused || ep->rx_busy ? 0 : EPOLLIN) |
+    uint32_t ev = (ep->refused || ep->rx_busy || rx_gated(ep) ? 0 : EPOLLIN) |
                   (ep->epout && !ep->tx_busy ? EPOLLOUT : 0);
     if (ev != ep->ev_mask && kvl_engine_rewatch(ep->a, ep->fd, ep, ev) == 0)
         ep->ev_mask = ev;
@@ -212,7 +353,7 @@ static int tcp_send(kvl_ep *ep, kvl_tp_frame *f)
     }
     o->dst_req = o->f.head.len >= KVL_HDR_BYTES && o->f.head.p[5] == KVL_F_READ_REQ &&
                  (o->f.head.p[6] & KVL_HF_DST);
-    ep->sq_bytes += o->f.head.len;
+    out_count(ep, o);
     if (ep->sq_tail)
         ep->sq_tail->next = o;
     else
@@ -220,6 +361,7 @@ static int tcp_send(kvl_ep *ep, kvl_tp_frame *f)
     ep->sq_tail = o;
     ep->sq_len++;
     watch(ep, 1);
+    answers_check(ep);
     return 0;
 }
 
@@ -231,10 +373,14 @@ static size_t tcp_queued(const kvl_ep *ep, size_t *bytes)
     return ep->sq_len;
 }
 
+static int body_late(kvl_ep *ep, uint64_t now);
+
 static uint64_t tcp_rx_partial_since(kvl_ep *ep, uint64_t now)
 {
     int partial = ep->rx_busy || ep->rs != RS_HDR || ep->hdr_got > 0;
     if (!partial || ep->dead || ep->refused)
+        return 0;
+    if (!ep->rx_busy && body_late(ep, now)) /* a body arriving too slowly: ep is closed */
         return 0;
     /* SO_RCVLOWAT holds our wakeup back while a slow sender's bytes gather
      * in the kernel: those bytes are progress too */
@@ -677,11 +823,12 @@ static void stage_out(kvl_ep *ep, kvl_out *o)
 static void ep_write(kvl_ep *ep)
 {
     size_t budget = IO_BUDGET;
+    int frames = 0;
     if (ep->mv_broken) {
         kvl_proto_on_error(ep->c, KVL_ERR_CONN_LOST, ep->mv_broken_why);
         return;
     }
-    while (ep->sq && budget && !ep->dead && !ep->tx_busy) {
+    while (ep->sq && budget && frames < WRITE_FRAMES && !ep->dead && !ep->tx_busy) {
         kvl_out *o = ep->sq;
         if (o->f.stage && !o->slot && !o->cancelled && o->f.payload_len && o->head_sent == 0)
             stage_out(ep, o);
@@ -711,6 +858,7 @@ static void ep_write(kvl_ep *ep)
         if (o->dst_req)
             ep->oob_reads++;
         out_free(ep, o);
+        frames++;
     }
     if (ep->sq && !ep->dead && !ep->tx_busy && !ep->epout)
         watch(ep, 1); /* out of budget after a mover resume: go on when writable */
@@ -997,6 +1145,117 @@ static int on_cover(kvl_ep *ep)
     return 0;
 }
 
+/* ---- body buffers ---- */
+
+static void body_unlist(kvl_ep *ep)
+{
+    kvl_tcp_budget *g = kvl_tcp_budget_of(ep->a);
+    if (!ep->body_listed || !g)
+        return;
+    if (ep->bl_prev)
+        ep->bl_prev->bl_next = ep->bl_next;
+    else
+        g->body_head = ep->bl_next;
+    if (ep->bl_next)
+        ep->bl_next->bl_prev = ep->bl_prev;
+    else
+        g->body_tail = ep->bl_prev;
+    ep->bl_prev = ep->bl_next = NULL;
+    ep->body_listed = 0;
+}
+
+/* Gives a pooled body buffer back (the frame's body is in, or the
+ * connection closed). */
+static void body_release(kvl_ep *ep)
+{
+    body_unlist(ep);
+    if (!ep->body_pooled)
+        return;
+    kvl_tcp_budget *g = kvl_tcp_budget_of(ep->a);
+    if (g)
+        g->body_bytes -= ep->body_pooled;
+    ep->body_pooled = 0;
+    free(ep->body);
+    ep->body = NULL;
+    ep->body_cap = 0;
+}
+
+/* Cuts ep's frame whose body is arriving (why: the pool or its deadline). */
+static void body_cut(kvl_ep *ep, const char *why)
+{
+    char msg[256];
+    snprintf(msg, sizeof msg, "a frame body of %u bytes (%zu in so far): %s; connection closed",
+             ep->h.body_len, ep->body_got, why);
+    kvl_log_limited(ep->a, KVL_LOG_WARNING, NULL, "%s", msg);
+    kvl_proto_on_error(ep->c, KVL_ERR_PROTOCOL, msg);
+    body_release(ep); /* the core closed ep (on_error): its pool bytes are back anyway */
+}
+
+/* ep's body buffer is full and more of the body is to come: twice as large
+ * (at most the body).  Above BODY_FREE an accepted connection's buffer is
+ * lent by the agent's pool; a full pool cuts the body that has been
+ * arriving longest (possibly ep's own), so a peer must keep sending to hold
+ * pool memory, and a body sent at any data-path rate is never the oldest
+ * for long.  0, or -1 when ep was failed. */
+static int body_grow(kvl_ep *ep)
+{
+    size_t want = ep->body_cap ? 2 * ep->body_cap : BODY_START;
+    if (want > ep->h.body_len)
+        want = ep->h.body_len;
+    kvl_tcp_budget *g = ep->acct ? kvl_tcp_budget_of(ep->a) : NULL;
+    size_t pooled = g && want > BODY_FREE ? want : 0;
+    while (pooled && g->body_bytes - ep->body_pooled + pooled > g->body_cap && g->body_head) {
+        kvl_ep *old = g->body_head;
+        char why[160];
+        snprintf(why, sizeof why,
+                 "bodies arriving on all connections hold %zu bytes (the pool is %zu) and this "
+                 "one has been arriving longest",
+                 g->body_bytes, g->body_cap);
+        g->body_cut++;
+        body_cut(old, why);
+        if (old == ep)
+            return -1;
+    }
+    uint8_t *nb = realloc(ep->body, want);
+    if (!nb) {
+        kvl_proto_on_error(ep->c, KVL_ERR_NOMEM, "out of memory for a frame body");
+        return -1;
+    }
+    ep->body = nb;
+    ep->body_cap = want;
+    if (g) {
+        g->body_bytes = g->body_bytes - ep->body_pooled + pooled;
+        ep->body_pooled = pooled;
+        if (pooled && !ep->body_listed) { /* the newest: at the tail */
+            ep->bl_next = NULL;
+            ep->bl_prev = g->body_tail;
+            if (g->body_tail)
+                g->body_tail->bl_next = ep;
+            else
+                g->body_head = ep;
+            g->body_tail = ep;
+            ep->body_listed = 1;
+        }
+    }
+    return 0;
+}
+
+/* A body still arriving past its deadline (set from its header) is cut. */
+static int body_late(kvl_ep *ep, uint64_t now)
+{
+    if (ep->rs != RS_BODY || now <= ep->body_deadline_ns || ep->dead)
+        return 0;
+    char why[160];
+    snprintf(why, sizeof why,
+             "not in within connect_timeout + its length at %u KiB/s of its header",
+             BODY_MIN_RATE >> 10);
+    kvl_tcp_budget *g = kvl_tcp_budget_of(ep->a);
+    if (g)
+        g->body_late++;
+    body_cut(ep, why);
+    return 1;
+}
+
 /* Header and body are in: the core routes the frame; a payload follows. */
 static void on_body(kvl_ep *ep)
 {
@@ -1008,6 +1267,8 @@ static void on_body(kvl_ep *ep)
     kvl_proto_on_frame(ep->c, &ep->h, ep->body);
     if (ep->dead || ep->refused)
         return;
+    if (ep->body_cap > BODY_FREE)
+        body_release(ep); /* the core is done with it: a large body does not stay held */
     int oob = ep->h.payload_len && (ep->h.flags & KVL_HF_OOB);
     if (ep->h.type == KVL_F_READ_RESP && !oob && ep->oob_reads)
         ep->oob_reads--; /* in-stream or a refusal: the peer puts nothing for it */
@@ -1036,6 +1297,11 @@ static void on_body(kvl_ep *ep)
     } else {
         ep->rs = RS_HDR;
         ep->hdr_got = 0;
+        /* a DATA frame of zero-length pieces: its payload (none, and no
+         * trailer) is over, and the core answers it (an ACK refusing the
+         * pieces, wire-protocol.md) as it answers every DATA at its end */
+        if (ep->h.type == KVL_F_DATA)
+            kvl_proto_on_payload(ep->c, 0, 0);
     }
 }
 
@@ -1062,21 +1328,11 @@ static int on_header(kvl_ep *ep)
         kvl_proto_on_error(ep->c, KVL_ERR_PROTOCOL, why);
         return -1;
     }
-    if (ep->body_cap > BODY_KEEP && ep->h.body_len <= BODY_KEEP) {
-        free(ep->body); /* one large body (a region table) does not stay held per connection */
-        ep->body = NULL;
-        ep->body_cap = 0;
-    }
-    if (ep->h.body_len > ep->body_cap) {
-        uint8_t *nb = realloc(ep->body, ep->h.body_len);
-        if (!nb) {
-            kvl_proto_on_error(ep->c, KVL_ERR_NOMEM, "out of memory for a frame body");
-            return -1;
-        }
-        ep->body = nb;
-        ep->body_cap = ep->h.body_len;
-    }
+    /* the buffer grows as the body arrives (body_grow), within a deadline */
     ep->body_got = 0;
+    ep->body_deadline_ns = kvl_now_ns() +
+                           (uint64_t)ep->a->cfg.connect_timeout_ms * 1000000ull +
+                           (uint64_t)ep->h.body_len * 1000000000ull / BODY_MIN_RATE;
     ep->rs = RS_BODY;
     if (ep->h.body_len == 0)
         on_body(ep);
@@ -1086,16 +1342,27 @@ static int on_header(kvl_ep *ep)
 static void ep_read(kvl_ep *ep)
 {
     size_t budget = IO_BUDGET;
+    int frames = 0;
     while (!ep->dead && budget && !ep->refused && !ep->rx_busy) {
+        if (ep->rs == RS_HDR && ep->hdr_got == 0 && (rx_gated(ep) || frames == READ_FRAMES)) {
+            /* between frames: paused, or the others' turn (level-triggered,
+             * ep comes back); woken by the next header's first byte */
+            set_lowat(ep, 0);
+            break;
+        }
         ssize_t n;
         switch (ep->rs) {
         case RS_HDR:
             n = recv(ep->fd, ep->hdr + ep->hdr_got, KVL_HDR_BYTES - ep->hdr_got, MSG_DONTWAIT);
             break;
-        case RS_BODY:
-            n = recv(ep->fd, ep->body + ep->body_got, ep->h.body_len - ep->body_got,
-                     MSG_DONTWAIT);
+        case RS_BODY: {
+            if (ep->body_got == ep->body_cap && body_grow(ep))
+                return;
+            size_t room = (ep->body_cap < ep->h.body_len ? ep->body_cap : ep->h.body_len) -
+                          ep->body_got;
+            n = recv(ep->fd, ep->body + ep->body_got, room, MSG_DONTWAIT);
             break;
+        }
         case RS_COVER:
             n = recv(ep->fd, ep->cov + ep->cov_got, ep->cov_need - ep->cov_got, MSG_DONTWAIT);
             break;
@@ -1126,17 +1393,23 @@ static void ep_read(kvl_ep *ep)
             return;
         }
         budget = (size_t)n >= budget ? 0 : budget - (size_t)n;
-        __atomic_store_n(&ep->t_rx_ns, kvl_now_ns(), __ATOMIC_RELAXED);
+        uint64_t now = kvl_now_ns();
+        __atomic_store_n(&ep->t_rx_ns, now, __ATOMIC_RELAXED);
         switch (ep->rs) {
         case RS_HDR:
             ep->hdr_got += (size_t)n;
-            if (ep->hdr_got == KVL_HDR_BYTES && on_header(ep))
+            if (ep->hdr_got < KVL_HDR_BYTES)
+                break;
+            frames++;
+            if (on_header(ep))
                 return;
             break;
         case RS_BODY:
             ep->body_got += (size_t)n;
             if (ep->body_got == ep->h.body_len)
                 on_body(ep);
+            else if (body_late(ep, now))
+                return;
             break;
         case RS_COVER:
             ep->cov_got += (size_t)n;
@@ -1367,6 +1640,7 @@ static void accept_all(kvl_ep *l)
         ep->watched = 1;
         ep->ev_mask = EPOLLIN;
         ep->io = kvl_tcp_pool_pick(a);
+        ep->acct = 1; /* a peer's answers and bodies: in the agent's budgets */
         if (!(ep->c = kvl_proto_accepted(a, ep))) {
             kvl_engine_unwatch(a, fd);
             ep->fd = -1;
@@ -1476,8 +1750,11 @@ static void tcp_on_event(kvl_ep *ep, uint32_t events)
         accept_all(ep);
         return;
     }
-    if (events & (EPOLLIN | EPOLLHUP | EPOLLERR))
+    if (events & (EPOLLIN | EPOLLHUP | EPOLLERR)) {
         ep_read(ep);
+        if (!ep->dead)
+            watch_update(ep); /* a pause for its answers starts at the frame's end */
+    }
     if (!ep->dead && (events & EPOLLOUT))
         ep_write(ep);
     if (!ep->dead && (events & EPOLLERR)) {
@@ -1493,6 +1770,11 @@ static void tcp_close(kvl_ep *ep, int abortive)
     if (ep->dead)
         return;
     ep->dead = 1;
+    kvl_tcp_budget *g = kvl_tcp_budget_of(ep->a);
+    if (g)
+        paused_unlist(g, ep);
+    ep->ans_paused = 0;
+    body_release(ep); /* the pool's bytes are back at once (the buffer is not read again) */
     kvl_tcp_job_kill(ep); /* before the descriptor goes: its I/O thread lets go of it */
     if (abortive)
         kvl_tcp_abort(ep->fd);
@@ -1525,6 +1807,11 @@ void kvl_tcp_ep_free(kvl_ep *ep)
 {
     if (!ep)
         return;
+    kvl_tcp_budget *g = kvl_tcp_budget_of(ep->a);
+    if (g)
+        paused_unlist(g, ep);
+    ep->ans_paused = 0;
+    ep->dead = 1; /* its frames' budget goes back, nothing looks at ep again */
     kvl_tcp_job_forget(ep);
     if (ep->mv) /* a detached endpoint's: no engine watch, nothing in flight */
         ep->mv_ops->free(ep->mv, 0);
@@ -1546,6 +1833,7 @@ void kvl_tcp_ep_free(kvl_ep *ep)
         memset(&o->f.hold, 0, sizeof o->f.hold);
         out_free(ep, o);
     }
+    body_release(ep);
     free(ep->body);
     free(ep->sink);
     free(ep->cov);

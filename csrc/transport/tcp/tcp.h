@@ -11,6 +11,29 @@
 struct kvl_out;
 struct kvl_iothread;
 
+/* The agent's budgets across its TCP connections (stream.c; engine thread
+ * only).  Answers: the true memory of frames queued on accepted connections
+ * (frame struct, head buffer, payload and dst arrays, region refs, cover),
+ * which pause reading from a connection that holds too much (backpressure,
+ * never a dropped answer).  Bodies: frame body buffers above each
+ * connection's free allowance, taken from one pool; when it is full the
+ * body that has been arriving longest is cut.  docs/security.md, "Stream
+ * budgets". */
+typedef struct kvl_tcp_budget {
+    size_t answer_bytes;       /* queued on accepted connections, all of them */
+    size_t answer_cap;         /* over it, a connection holding KVL_TCP_ANSWER_FLOOR pauses */
+    size_t body_bytes;         /* body buffers in the pool */
+    size_t body_cap;           /* the pool's size */
+    kvl_ep *body_head, *body_tail; /* connections with a pooled body arriving, oldest first */
+    kvl_ep *paused;            /* accepted connections not read for their queued answers */
+    uint64_t body_cut;         /* bodies cut for the pool (the oldest one) */
+    uint64_t body_late;        /* bodies cut at their deadline */
+    uint64_t pauses;           /* times a connection stopped being read for its answers */
+} kvl_tcp_budget;
+
+/* Where a connection's receive side is (kvl_ep.rs): a frame's parts in order. */
+enum { RS_HDR, RS_BODY, RS_COVER, RS_PAYLOAD, RS_TRAILER };
+
 /* One TCP connection (or listener) as a kvlink endpoint. */
 struct kvl_ep {
     kvl_agent *a;
@@ -28,7 +51,10 @@ struct kvl_ep {
     /* send */
     struct kvl_out *sq, *sq_tail;
     size_t sq_len;         /* frames in sq */
-    size_t sq_bytes;       /* their heads (header + body): what queued frames cost us */
+    size_t sq_bytes;       /* their true memory (out_cost): what queued frames cost us */
+    int acct;              /* accepted: in the agent's answer and body budgets */
+    int ans_paused;        /* not read until its queued answers drain (answers_check) */
+    kvl_ep *pz_prev, *pz_next; /* in the budget's paused list */
     uint64_t t_rx_ns;      /* the last byte received (a partial frame's progress) */
     int inq_seen;          /* bytes the kernel held for us at the last progress check */
     uint64_t tx_payload, rx_payload;
@@ -39,6 +65,10 @@ struct kvl_ep {
     kvl_frame_hdr h;
     uint8_t *body;
     size_t body_cap, body_got;
+    size_t body_pooled;    /* of body_cap, what the agent's body pool lent (0 or body_cap) */
+    int body_listed;       /* in the budget's body list (a pooled body arriving) */
+    kvl_ep *bl_prev, *bl_next;
+    uint64_t body_deadline_ns; /* the frame's header + body are in by then, or it is cut */
     int dst_idx;           /* cursor in the core's sink */
     size_t dst_off;
     uint64_t pay_got;
@@ -112,6 +142,11 @@ void kvl_tcp_job_kill(kvl_ep *ep);
 void kvl_tcp_job_forget(kvl_ep *ep);
 /* Engine: the next endpoint with a finished job, or NULL. */
 kvl_ep *kvl_tcp_pool_next_done(kvl_agent *a);
+/* The agent's stream budgets (allocated by kvl_tcp_pool_start, whatever the
+ * number of I/O threads); NULL before it and after kvl_tcp_pool_stop. */
+kvl_tcp_budget *kvl_tcp_budget_of(kvl_agent *a);
+/* Its defaults (stream.c). */
+void kvl_tcp_budget_init(kvl_tcp_budget *b);
 /* I/O thread, under ep->jmu: one step of ep's jobs (stream.c).  Return 1
  * when the job finished (its *_err set on failure), 0 when the socket
  * would block. */

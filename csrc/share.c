@@ -23,7 +23,6 @@
 #include "internal.h"
 
 #define SEEN_KEEP_NS (60ull * 1000000000ull) /* a re-sent NOTIFY comes within seconds */
-#define SEEN_END ((uint16_t)KVL_SHARE_SEEN)
 
 static uint32_t mix(uint64_t seed, uint64_t v, uint32_t mod)
 {
@@ -64,37 +63,76 @@ kvl_share *kvl_share_get(kvl_agent *a, uint64_t sender)
     return s;
 }
 
-int kvl_share_seen(kvl_share *s, uint64_t xfer, uint64_t now, int record)
+static void seen_free(kvl_seen_set *t)
 {
-    kvl_seen_set *t = s->seen;
-    if (!t) {
-        t = s->seen = malloc(sizeof *t);
-        if (!t)
-            return 0;
-        t->n = t->head = 0;
-        for (uint32_t i = 0; i < 2 * KVL_SHARE_SEEN; i++)
-            t->bucket[i] = SEEN_END;
+    if (t) {
+        free(t->xfer);
+        free(t);
     }
-    s->t_seen_ns = now;
-    uint16_t *b = &t->bucket[mix(0, xfer, 2 * KVL_SHARE_SEEN)];
-    for (uint16_t i = *b; i != SEEN_END; i = t->next[i])
-        if (t->xfer[i] == xfer)
-            return 1;
-    if (!record)
-        return 0;
+}
+
+/* Remembers xfer in t (the ring's next slot; the oldest leaves when full). */
+static void seen_put(kvl_seen_set *t, uint64_t xfer)
+{
     uint16_t slot = (uint16_t)t->head;
-    if (t->n == KVL_SHARE_SEEN) { /* full: the oldest leaves its chain */
-        uint16_t *pp = &t->bucket[mix(0, t->xfer[slot], 2 * KVL_SHARE_SEEN)];
+    if (t->n == t->cap) { /* full: the oldest leaves its chain */
+        uint16_t *pp = &t->bucket[mix(0, t->xfer[slot], 2 * t->cap)];
         while (*pp != slot)
             pp = &t->next[*pp];
         *pp = t->next[slot];
     } else {
         t->n++;
     }
+    uint16_t *b = &t->bucket[mix(0, xfer, 2 * t->cap)];
     t->xfer[slot] = xfer;
     t->next[slot] = *b;
     *b = slot;
-    t->head = (t->head + 1) % KVL_SHARE_SEEN;
+    t->head = (t->head + 1) % t->cap;
+}
+
+/* A set of cap slots holding old's entries, oldest first (NULL: no memory). */
+static kvl_seen_set *seen_new(uint32_t cap, const kvl_seen_set *old)
+{
+    kvl_seen_set *t = calloc(1, sizeof *t);
+    uint8_t *mem = malloc(cap * (sizeof(uint64_t) + 3 * sizeof(uint16_t)));
+    if (!t || !mem) {
+        free(t);
+        free(mem);
+        return NULL;
+    }
+    t->cap = cap;
+    t->xfer = (uint64_t *)mem;
+    t->next = (uint16_t *)(mem + cap * sizeof(uint64_t));
+    t->bucket = t->next + cap;
+    for (uint32_t i = 0; i < 2 * cap; i++)
+        t->bucket[i] = (uint16_t)cap;
+    if (old) /* a full ring: its oldest is at head */
+        for (uint32_t i = 0; i < old->n; i++)
+            seen_put(t, old->xfer[(old->head + i) % old->cap]);
+    return t;
+}
+
+int kvl_share_seen(kvl_share *s, uint64_t xfer, uint64_t now, int record)
+{
+    kvl_seen_set *t = s->seen;
+    if (t) {
+        for (uint16_t i = t->bucket[mix(0, xfer, 2 * t->cap)]; i != t->cap; i = t->next[i])
+            if (t->xfer[i] == xfer)
+                return 1;
+    }
+    if (!record)
+        return 0;
+    if (!t || (t->n == t->cap && t->cap < KVL_SHARE_SEEN)) {
+        kvl_seen_set *grown = seen_new(t ? 2 * t->cap : KVL_SHARE_SEEN_MIN, t);
+        if (!grown && !t)
+            return 0; /* no memory: unseen, delivered (a duplicate at worst) */
+        if (grown) {
+            seen_free(t);
+            s->seen = t = grown;
+        }
+    }
+    s->t_seen_ns = now;
+    seen_put(t, xfer);
     return 0;
 }
 
@@ -130,7 +168,7 @@ void kvl_share_sweep(kvl_agent *a, uint64_t now)
         if (holds_nothing(a, s, now)) {
             *pp = s->next;
             unlink_share(a, s);
-            free(s->seen);
+            seen_free(s->seen);
             free(s);
         } else {
             pp = &s->next;
@@ -143,7 +181,7 @@ void kvl_share_free_all(kvl_agent *a)
     while (a->shares.all) {
         kvl_share *s = a->shares.all;
         a->shares.all = s->next;
-        free(s->seen);
+        seen_free(s->seen);
         free(s);
     }
     memset(a->shares.buckets, 0, sizeof a->shares.buckets);

@@ -22,6 +22,7 @@ struct kvl_inxfer;
 #define KVL_SHARE_NOTIF_BYTES (8u << 20)    /* ...and their bytes (node and tag) */
 #define KVL_SHARE_QUEUED 256                /* handles waiting for kvl_inbound_next */
 #define KVL_SHARE_SEEN 1024                 /* notifications remembered for de-duplication */
+#define KVL_SHARE_SEEN_MIN 16
 #define KVL_SHARE_REFUSED 8                 /* refused pushes whose DATA gets the reason */
 
 /* The agent's room: what every sender together may hold.  Four senders at
@@ -37,12 +38,14 @@ struct kvl_inxfer;
 #define KVL_SHARE_BUCKETS 4096
 
 /* Notifications one sender had delivered, for de-duplication: a ring (the
- * oldest is forgotten first) indexed by a hash, so a lookup is O(1). */
+ * oldest is forgotten first) indexed by a hash, so a lookup is O(1).  It
+ * starts small and doubles up to KVL_SHARE_SEEN: a sender that sent one
+ * notification costs a few hundred bytes, not the whole ring. */
 typedef struct kvl_seen_set {
-    uint64_t xfer[KVL_SHARE_SEEN];
-    uint16_t next[KVL_SHARE_SEEN];          /* chain within a bucket; KVL_SHARE_SEEN: end */
-    uint16_t bucket[2 * KVL_SHARE_SEEN];
-    uint32_t n, head;                       /* entries used; the ring's next slot */
+    uint32_t cap, n, head;                  /* slots, used, the ring's next slot */
+    uint64_t *xfer;                         /* [cap] */
+    uint16_t *next;                         /* [cap] chain within a bucket; cap: end */
+    uint16_t *bucket;                       /* [2 * cap] */
 } kvl_seen_set;
 
 typedef struct kvl_share {

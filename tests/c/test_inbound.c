@@ -381,6 +381,34 @@ static void test_full_table_lookup(void)
     agent_free(a);
 }
 
+/* Notification de-duplication per sender: O(1) lookups in a ring that
+ * starts small, doubles while it fills and then forgets the oldest. */
+static void test_seen_set(void)
+{
+    kvl_agent *a = agent_new();
+    kvl_share *s = kvl_share_get(a, 42);
+    CHECK(s && !kvl_share_seen(s, 1, 1, 0) && !s->seen); /* a peek records nothing */
+    CHECK(!kvl_share_seen(s, 1, 1, 1) && s->seen->cap == KVL_SHARE_SEEN_MIN);
+    CHECK(kvl_share_seen(s, 1, 1, 1));
+    for (uint64_t x = 2; x <= 3000; x++)
+        CHECK(!kvl_share_seen(s, x * 7919, 1, 1));
+    CHECK(s->seen->cap == KVL_SHARE_SEEN && s->seen->n == KVL_SHARE_SEEN);
+    int kept = 0, forgotten = 0;
+    for (uint64_t x = 2; x <= 3000; x++) {
+        int seen = kvl_share_seen(s, x * 7919, 1, 0);
+        kept += x > 3000 - KVL_SHARE_SEEN && seen;
+        forgotten += x <= 3000 - KVL_SHARE_SEEN && !seen;
+    }
+    CHECK(kept == KVL_SHARE_SEEN && forgotten == 3000 - KVL_SHARE_SEEN - 1);
+    CHECK(kvl_share_find(a, 42) == s && !kvl_share_find(a, 43));
+    /* a share that holds nothing goes once its memory of notifications expires */
+    kvl_share_sweep(a, 2);
+    CHECK(kvl_share_find(a, 42) == s);
+    kvl_share_sweep(a, 61ull * 1000000000ull);
+    CHECK(!kvl_share_find(a, 42) && a->shares.n == 0);
+    agent_free(a);
+}
+
 int main(void)
 {
     double t0 = test_now_s();
@@ -392,5 +420,6 @@ int main(void)
     test_sender_quota();
     test_room_taken_from_heaviest();
     test_queue_share();
+    test_seen_set();
     return test_report("test_inbound", t0);
 }

@@ -98,7 +98,9 @@ uint64_t kvl_place_stage_cap(const kvl_agent *a);
 void kvl_place_drain_all(kvl_conn *c);
 /* Checks every piece of a DATA/READ_REQ body against our regions with the
  * rights `need`; on success the regions are referenced in c->prefs and the
- * pieces' addresses are in c->dst.  On failure *st carries the reason. */
+ * pieces' addresses are in c->dst.  On failure *st carries the status and
+ * a message; a refused region is KVL_REFUSED_REGION_ACCESS whatever the
+ * reason (the reason goes to the local log, rate-limited). */
 int kvl_place_resolve(kvl_conn *c, const kvl_msg_chunk *m, uint32_t need,
                           kvl_msg_status *st, uint64_t *total, int *stage);
 /* The payload about to arrive (total bytes) goes to memory the socket cannot

@@ -35,6 +35,8 @@ struct kvl_conn {
     const kvl_mover_ops *mover_due;
     uint64_t serial;       /* unique per agent: tells a reconnected path's connection apart */
     uint64_t t_open_ns;
+    uint64_t t_frame_ns;   /* inbound: when its last frame (or payload byte) came: the idle rule */
+    uint64_t idle_rx_bytes; /* inbound: payload bytes received when the idle rule last looked */
     int dead;
     /* the payload in progress: where it goes, and what it belongs to */
     const kvl_frame_hdr *h; /* the frame being handled (the transport's) */

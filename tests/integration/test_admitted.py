@@ -142,3 +142,130 @@ def test_idle_conn_timeout_is_validated():
     with pytest.raises(kvlink.ConfigError, match="idle_conn_timeout_s"):
         kvlink.Config(nics="loopback:1", idle_conn_timeout_s=-1)
     assert kvlink.Config(nics="loopback:1", idle_conn_timeout_s=0).idle_conn_timeout_s == 0
+
+
+# ---- names and connections ----
+
+
+def _hello(
+    addr: tuple[str, int], name: str, instance: int, source: str | None = None
+) -> tuple[socket.socket, int, str]:
+    """A connection that sent its HELLO: (socket, HELLO_ACK status, its message)."""
+    s = socket.create_connection(
+        addr, timeout=10, source_address=(source, 0) if source else None
+    )
+    s.sendall(wc.hello(name, instance, wc.DATA_CONN, 0))
+    t, body = wc.recv_frame(s)
+    assert t == wc.HELLO_ACK
+    status, _ = struct.unpack_from("<IQ", body)
+    (nlen,) = struct.unpack_from("<H", body, 12)
+    (mlen,) = struct.unpack_from("<H", body, 14 + nlen)
+    return s, status, body[16 + nlen : 16 + nlen + mlen].decode()
+
+
+def _close_all(socks: list[socket.socket]) -> None:
+    for s in socks:
+        s.close()
+
+
+def test_one_session_holds_at_most_its_share_of_connections(make_agent):
+    rx = make_agent("rx")
+    held: list[socket.socket] = []
+    try:
+        for _ in range(4 * (64 + 1)):  # KVL_MAX_CONNS_PER_PEER: 4 per path, 64 paths + control
+            s, status, msg = _hello(rx.addresses[0], "greedy", 7)
+            held.append(s)
+            assert status == 0, msg
+        s, status, msg = _hello(rx.addresses[0], "greedy", 7)
+        s.close()
+        assert status == kvlink.ErrorCode.BUSY
+        assert "the most one session may hold" in msg
+        s, status, msg = _hello(rx.addresses[0], "other", 8)  # another session gets in
+        s.close()
+        assert status == 0, msg
+    finally:
+        _close_all(held)
+
+
+def test_one_source_address_holds_at_most_64_live_names(make_agent):
+    rx = make_agent("rx")
+    held: list[socket.socket] = []
+    try:
+        for i in range(64):
+            s, status, msg = _hello(rx.addresses[0], f"n{i}", 100 + i)
+            held.append(s)
+            assert status == 0, msg
+        s, status, msg = _hello(rx.addresses[0], "n64", 164)
+        s.close()
+        assert status == kvlink.ErrorCode.BUSY
+        assert "64 peer names at 127.0.0.1" in msg
+        # another source address is not held back
+        s, status, msg = _hello(rx.addresses[0], "elsewhere", 999, source="127.0.0.2")
+        s.close()
+        assert status == 0, msg
+        # a name of the 64 may add connections to its session
+        s, status, msg = _hello(rx.addresses[0], "n0", 100)
+        held.append(s)
+        assert status == 0, msg
+        held.pop(1).close()  # n1 leaves: n64 gets in once that is seen
+
+        def admitted() -> bool:
+            s, status, _ = _hello(rx.addresses[0], "n64", 164)
+            held.append(s)
+            return status == 0
+
+        wait_for(admitted, 10, "a newcomer's name admitted once a name left")
+    finally:
+        _close_all(held)
+
+
+def test_one_source_address_holds_at_most_a_quarter_of_max_connections(make_agent):
+    rx = make_agent("rx", max_connections=4 * 260)  # a quarter: one session's share, 260
+    held: list[socket.socket] = []
+    try:
+        for i in range(260):
+            s, status, msg = _hello(rx.addresses[0], "a" if i < 200 else "b", 1 if i < 200 else 2)
+            held.append(s)
+            assert status == 0, msg
+        s, status, msg = _hello(rx.addresses[0], "c", 3)
+        s.close()
+        assert status == kvlink.ErrorCode.BUSY
+        assert "260 connections from 127.0.0.1" in msg
+        s, status, msg = _hello(rx.addresses[0], "d", 4, source="127.0.0.2")
+        s.close()
+        assert status == 0, msg
+    finally:
+        _close_all(held)
+
+
+def test_a_full_name_table_of_gone_names_takes_a_newcomer(make_agent):
+    """4096 names (KVL_MAX_PEER_NAMES) came and went: the table is full of names without
+    a live connection, and a new one still gets in (one of them makes room)."""
+    rx = make_agent("rx")
+    for i in range(4096):
+        while True:
+            s, status, msg = _hello(rx.addresses[0], f"gone{i}", 10_000 + i)
+            s.close()
+            if status == 0:
+                break
+            assert "peer names at" in msg, msg  # closes not seen yet: try again
+            time.sleep(0.01)
+    s, status, msg = _hello(rx.addresses[0], "newcomer", 1)
+    s.close()
+    assert status == 0, msg
+
+
+def test_a_refused_handshake_is_reported_by_the_peer(make_agent):
+    """A real agent refused for want of room reports the listener's reason."""
+    rx = make_agent("rx")
+    held = []
+    try:
+        for i in range(64):
+            s, status, msg = _hello(rx.addresses[0], f"n{i}", 100 + i)
+            held.append(s)
+            assert status == 0, msg
+        tx = make_agent("tx")
+        with pytest.raises(kvlink.HandshakeError, match="64 peer names at 127.0.0.1"):
+            tx.add_peer(rx.metadata())
+    finally:
+        _close_all(held)

@@ -34,9 +34,7 @@ def _closed_by_agent(s: socket.socket, within_s: float) -> bool:
 
 
 def _logged(caplog: pytest.LogCaptureFixture, text: str, timeout_s: float = 10) -> None:
-    wait_for(
-        lambda: any(text in r.getMessage() for r in caplog.records), timeout_s, f"log: {text}"
-    )
+    wait_for(lambda: any(text in r.getMessage() for r in caplog.records), timeout_s, f"log: {text}")
 
 
 # ---- REGIONS_REQ ----
@@ -137,7 +135,7 @@ def test_a_peer_whose_connections_went_idle_pushes_again(make_agent, caplog):
 
 
 def test_idle_conn_timeout_is_validated():
-    with pytest.raises(kvlink.ConfigError, match="idle_conn_timeout_s.*between their pings"):
+    with pytest.raises(kvlink.ConfigError, match=r"idle_conn_timeout_s.*between their pings"):
         kvlink.Config(nics="loopback:1", idle_conn_timeout_s=0.2)
     with pytest.raises(kvlink.ConfigError, match="idle_conn_timeout_s"):
         kvlink.Config(nics="loopback:1", idle_conn_timeout_s=-1)
@@ -151,9 +149,7 @@ def _hello(
     addr: tuple[str, int], name: str, instance: int, source: str | None = None
 ) -> tuple[socket.socket, int, str]:
     """A connection that sent its HELLO: (socket, HELLO_ACK status, its message)."""
-    s = socket.create_connection(
-        addr, timeout=10, source_address=(source, 0) if source else None
-    )
+    s = socket.create_connection(addr, timeout=10, source_address=(source, 0) if source else None)
     s.sendall(wc.hello(name, instance, wc.DATA_CONN, 0))
     t, body = wc.recv_frame(s)
     assert t == wc.HELLO_ACK
@@ -265,7 +261,7 @@ def test_a_refused_handshake_is_reported_by_the_peer(make_agent):
             held.append(s)
             assert status == 0, msg
         tx = make_agent("tx")
-        with pytest.raises(kvlink.HandshakeError, match="64 peer names at 127.0.0.1"):
+        with pytest.raises(kvlink.HandshakeError, match=r"64 peer names at 127\.0\.0\.1"):
             tx.add_peer(rx.metadata())
     finally:
         _close_all(held)

@@ -182,6 +182,6 @@ def test_a_refused_push_tells_the_sender_what_to_check(make_agent):
     meta = json.loads(rx.metadata())
     meta["keys"][str(region.id)] = bytes(16).hex()  # stale metadata: another key
     tx.add_peer(json.dumps(meta).encode())
-    with pytest.raises(kvlink.RemoteRefusedError, match="wrong or missing region key.*log"):
+    with pytest.raises(kvlink.RemoteRefusedError, match=r"wrong or missing region key.*log"):
         tx.push("rx", src=src, dst="kv").wait(timeout_s=30)
     assert not dst.any()

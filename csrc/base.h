@@ -31,6 +31,11 @@
 #define KVL_MAX_CONNS_PER_PEER (4 * (KVL_MAX_PATHS + 1)) /* inbound, one peer name */
 #define KVL_MAX_PREAUTH 256       /* accepted connections still in their handshake */
 #define KVL_MAX_PEER_NAMES 4096   /* inbound peer names remembered */
+/* Peer names with live connections from one source address: a host runs a
+ * few agents per GPU at most (TP 8 prefill + decode: 16), and every agent
+ * on loopback shares 127.0.0.1, so 64 leaves room; one admitted process
+ * cannot take the whole name table. */
+#define KVL_MAX_NAMES_PER_SOURCE 64
 #define KVL_LOG_MAX 1024         /* log records kept for the application (log.c) */
 #define KVL_MAX_CHUNK (1ull << 30)
 #define KVL_MAX_XFER_CHUNKS 65536 /* chunks per transfer: bounds ANNOUNCE to 512 KiB */

@@ -19,7 +19,7 @@ kvl_conn *kvl_conn_new(kvl_agent *a, kvl_ep *ep)
     c->ep = ep;
     c->path = -1;
     c->serial = ++a->next_conn_serial;
-    c->t_open_ns = kvl_now_ns();
+    c->t_open_ns = c->t_frame_ns = kvl_now_ns();
     c->next = a->conns;
     if (a->conns)
         a->conns->prev = c;
@@ -378,9 +378,28 @@ static void conn_free(kvl_conn *c)
     free(c);
 }
 
+/* Whether an admitted inbound connection is idle past idle_conn_timeout:
+ * no frame and no payload byte for that long, and nothing in flight (a
+ * payload being placed or drained, a frame half read, answers queued). */
+static int idle_past(kvl_conn *c, uint64_t since, uint64_t idle, uint64_t now)
+{
+    if (!idle || !c->accepted || !c->handshaken || !c->ib || c->dead)
+        return 0;
+    uint64_t rb = tp(c)->bytes_recv(c->ep);
+    if (rb != c->idle_rx_bytes) { /* a long payload is still coming: not idle */
+        c->idle_rx_bytes = rb;
+        c->t_frame_ns = now;
+        return 0;
+    }
+    if (since || c->rx || c->px || c->nprefs || kvl_conn_has_output(c))
+        return 0;
+    return now > c->t_frame_ns && now - c->t_frame_ns > idle;
+}
+
 void kvl_conn_expire(kvl_agent *a, uint64_t now)
 {
     uint64_t limit = (uint64_t)a->cfg.connect_timeout_ms * 1000000ull;
+    uint64_t idle = (uint64_t)a->cfg.idle_conn_timeout_ms * 1000000ull;
     for (kvl_conn *c = a->conns, *next; c; c = next) {
         next = c->next;
         uint64_t since = c->dead || !c->accepted ? 0 : tp(c)->rx_partial_since(c->ep, now);
@@ -390,6 +409,16 @@ void kvl_conn_expire(kvl_agent *a, uint64_t now)
             kvl_conn_fail(c, KVL_ERR_TIMEOUT,
                           "a frame started arriving and no more of it came for 6 x "
                           "connect_timeout");
+        else if (idle_past(c, since, idle, now)) {
+            /* a live agent pings every connection it holds (monitor.c): this
+             * one's peer stopped or forgot it; it reconnects when it needs to */
+            kvl_log_limited(a, KVL_LOG_INFO, c->peer_name,
+                            "closed a %s connection from '%s' that carried nothing for %u ms "
+                            "(idle_conn_timeout_s)",
+                            c->kind == KVL_CONN_CONTROL ? "control" : "data", c->peer_name,
+                            a->cfg.idle_conn_timeout_ms);
+            kvl_conn_fail(c, KVL_OK, "idle past idle_conn_timeout_s");
+        }
     }
 }
 

@@ -35,6 +35,8 @@ struct kvl_conn {
     const kvl_mover_ops *mover_due;
     uint64_t serial;       /* unique per agent: tells a reconnected path's connection apart */
     uint64_t t_open_ns;
+    uint64_t t_frame_ns;   /* inbound: when its last frame (or payload byte) came: the idle rule */
+    uint64_t idle_rx_bytes; /* inbound: payload bytes received when the idle rule last looked */
     int dead;
     /* the payload in progress: where it goes, and what it belongs to */
     const kvl_frame_hdr *h; /* the frame being handled (the transport's) */
@@ -98,7 +100,9 @@ uint64_t kvl_place_stage_cap(const kvl_agent *a);
 void kvl_place_drain_all(kvl_conn *c);
 /* Checks every piece of a DATA/READ_REQ body against our regions with the
  * rights `need`; on success the regions are referenced in c->prefs and the
- * pieces' addresses are in c->dst.  On failure *st carries the reason. */
+ * pieces' addresses are in c->dst.  On failure *st carries the status and
+ * a message; a refused region is KVL_REFUSED_REGION_ACCESS whatever the
+ * reason (the reason goes to the local log, rate-limited). */
 int kvl_place_resolve(kvl_conn *c, const kvl_msg_chunk *m, uint32_t need,
                           kvl_msg_status *st, uint64_t *total, int *stage);
 /* The payload about to arrive (total bytes) goes to memory the socket cannot

@@ -5,7 +5,9 @@
  * dials; plus the listener's side of a mover's set-up (MOVER_OFFER).
  * Nothing behind a HELLO is read before the handshake has ended.
  */
+#include <arpa/inet.h>
 #include <ctype.h>
+#include <netinet/in.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -138,6 +140,26 @@ static uint64_t sender_key(const char *name, uint64_t instance, const uint8_t *t
     return k ? k : 1; /* 0: no session */
 }
 
+/* The IPv4 source address of accepted connection c (network order), 0 if
+ * unknown. */
+static uint32_t source_of(kvl_conn *c)
+{
+    struct sockaddr_storage local, peer;
+    if (tp(c)->addrs(c->ep, &local, &peer) != 0 || peer.ss_family != AF_INET)
+        return 0;
+    return ((struct sockaddr_in *)(void *)&peer)->sin_addr.s_addr;
+}
+
+/* Accepted connections one source address may hold, from all its names
+ * together: a quarter of max_connections (4096 of the default 16384: 16
+ * agents with 64 paths each need 1040), and never less than one session's
+ * share, so one admitted host cannot fill max_connections. */
+static uint32_t conns_per_source(const kvl_agent *a)
+{
+    uint32_t q = a->cfg.max_connections / 4;
+    return q > KVL_MAX_CONNS_PER_PEER ? q : KVL_MAX_CONNS_PER_PEER;
+}
+
 /* A record for inbound peer `name`; at KVL_MAX_PEER_NAMES one whose
  * connections are all gone makes room.  NULL when none can. */
 static kvl_inbound *inbound_new(kvl_agent *a, const char *name)
@@ -175,10 +197,21 @@ static void admit(kvl_conn *c, const kvl_msg_hello *hello)
     kvl_agent *a = c->a;
     char msg[256] = "";
     uint32_t status = KVL_OK;
-    kvl_inbound *ib;
-    for (ib = a->inbound; ib; ib = ib->next)
-        if (strcmp(ib->name, m.name) == 0)
-            break;
+    kvl_inbound *ib = NULL;
+    /* one walk: the name's record, and what the sessions opened from this
+     * connection's source address hold (names live, their connections) */
+    uint32_t src = source_of(c), src_names = 0, src_conns = 0;
+    for (kvl_inbound *it = a->inbound; it; it = it->next) {
+        if (!ib && strcmp(it->name, m.name) == 0)
+            ib = it;
+        if (it->conns > 0 && src && it->src == src) {
+            src_names++;
+            src_conns += (uint32_t)it->conns;
+        }
+    }
+    int new_session = !ib || ib->conns == 0;
+    char where[INET_ADDRSTRLEN] = "?";
+    inet_ntop(AF_INET, &src, where, sizeof where);
     if (strcmp(m.name, a->name) == 0) {
         status = KVL_ERR_DUPLICATE_NAME;
         snprintf(msg, sizeof msg,
@@ -203,8 +236,22 @@ static void admit(kvl_conn *c, const kvl_msg_hello *hello)
                 m.name, msg);
     } else if (ib && ib->conns >= KVL_MAX_CONNS_PER_PEER) {
         status = KVL_ERR_BUSY;
-        snprintf(msg, sizeof msg, "agent '%s' holds %d connections from '%s' already", a->name,
-                 ib->conns, m.name);
+        snprintf(msg, sizeof msg,
+                 "agent '%s' holds %d connections from '%s' already, the most one session "
+                 "may hold (4 per path): is it reconnecting in a loop?",
+                 a->name, ib->conns, m.name);
+    } else if (new_session && src_names >= KVL_MAX_NAMES_PER_SOURCE) {
+        status = KVL_ERR_BUSY;
+        snprintf(msg, sizeof msg,
+                 "agent '%s' has live connections from %u peer names at %s, the most one "
+                 "source address may hold: no room for '%s'",
+                 a->name, src_names, where, m.name);
+    } else if ((new_session || ib->src == src) && src_conns >= conns_per_source(a)) {
+        status = KVL_ERR_BUSY;
+        snprintf(msg, sizeof msg,
+                 "agent '%s' holds %u connections from %s, the most one source address may "
+                 "hold (max_connections / 4): no room for '%s'",
+                 a->name, src_conns, where, m.name);
     } else if (!ib && !(ib = inbound_new(a, m.name))) {
         status = KVL_ERR_BUSY;
         snprintf(msg, sizeof msg,
@@ -219,6 +266,8 @@ static void admit(kvl_conn *c, const kvl_msg_hello *hello)
             memcpy(ib->token, m.token, KVL_TOKEN_BYTES);
             ib->sender = sender_key(m.name, m.instance, m.token);
         }
+        if (ib->conns == 0)
+            ib->src = src;
         ib->instance = m.instance;
         ib->conns++;
         c->ib = ib;
@@ -431,7 +480,10 @@ static kvl_err handshake(kvl_agent *a, kvl_peer *p, kvl_ep *ep, int kind, uint16
     }
     if (ack.status != KVL_OK) {
         free(body);
-        kvl_err st = ack.status <= KVL_ERR_MAX ? ack.status : KVL_ERR_HANDSHAKE;
+        /* BUSY: the listener has no room for us (its per-session or
+         * per-source limits): a refused handshake, not a busy region */
+        kvl_err st = ack.status <= KVL_ERR_MAX && ack.status != KVL_ERR_BUSY ? ack.status
+                                                                             : KVL_ERR_HANDSHAKE;
         return kvl_fail(st, "peer at %s refused the connection: %s", where, ack.msg);
     }
     if (proven && ack.instance != proven_instance) { /* HELLO_ACK itself is not proven */

@@ -119,6 +119,8 @@ typedef struct kvl_inbound {
     uint8_t token[KVL_TOKEN_BYTES]; /* the session its live connections belong to */
     uint64_t sender;           /* that session's key for inbound state: a hash of the name,
                                   instance and token (another name or token: other pushes) */
+    uint32_t src;              /* IPv4 source of the connection that opened this session
+                                  (network order): the per-source limits count it there */
     int conns;
     struct kvl_inbound *next;
 } kvl_inbound;

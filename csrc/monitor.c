@@ -123,6 +123,22 @@ static void send_ping(kvl_path *pa, uint64_t now)
         kvl_path_ping_sent(pa, now);
 }
 
+/* The control connection carries a PING as often as an idle data path
+ * does, so the peer's idle rule (idle_conn_timeout_s) never closes it: its
+ * PONG only keeps it alive (kvl_monitor_on_pong ignores it). */
+static void ping_ctrl(kvl_agent *a, kvl_peer *p, uint64_t now)
+{
+    uint64_t every = (uint64_t)a->cfg.monitor_interval_ms * 1000000ull * PING_EVERY_TICKS;
+    if (now - p->ctrl_path.t_last_ping_ns < every)
+        return;
+    kvl_buf b = {0};
+    kvl_frame_start(&b);
+    kvl_enc_token(&b, now);
+    kvl_frame_finish(&b, KVL_F_PING, 0);
+    if (kvl_conn_send_frame(p->ctrl, &b) == 0)
+        p->ctrl_path.t_last_ping_ns = now;
+}
+
 void kvl_monitor_probe_all(kvl_peer *p, uint64_t now)
 {
     for (uint32_t i = 0; i < p->n_paths; i++) {
@@ -306,6 +322,8 @@ void kvl_monitor_tick(kvl_agent *a, uint64_t now)
             if (p->ctrl_path.state == KVL_PATH_UP)
                 kvl_path_set_state(p, &p->ctrl_path, KVL_PATH_DOWN, "connection lost");
             schedule_probe(a, p, &p->ctrl_path, -1, now);
+        } else {
+            ping_ctrl(a, p, now);
         }
     }
 }

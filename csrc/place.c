@@ -134,13 +134,22 @@ int kvl_place_resolve(kvl_conn *c, const kvl_msg_chunk *m, uint32_t need,
                              what, (unsigned long long)p.region, r->name,
                              key ? "wrong" : "missing");
                 kvl_regions_release(&c->a->regions, r);
-                kvl_log_limited(c->a, KVL_LOG_WARNING, c->peer_name, "%s", kvl_last_error());
             }
-            if (e || prefs_push(c, r)) {
-                if (!e)
-                    kvl_regions_release(&c->a->regions, r);
-                st->status = e ? e : KVL_ERR_NOMEM;
-                snprintf(st->msg, sizeof st->msg, "%s", e ? kvl_last_error() : "out of memory");
+            if (e) {
+                /* the details (whether the region exists, its name, its size,
+                 * its rights) stay in our log: the peer gets one answer for
+                 * all of them, so a connection without the key learns nothing
+                 * (docs/security.md) */
+                kvl_log_limited(c->a, KVL_LOG_WARNING, c->peer_name, "%s", kvl_last_error());
+                st->status = KVL_ERR_ACCESS_DENIED;
+                snprintf(st->msg, sizeof st->msg, "%s", KVL_REFUSED_REGION_ACCESS);
+                kvl_place_release_prefs(c);
+                return -1;
+            }
+            if (prefs_push(c, r)) {
+                kvl_regions_release(&c->a->regions, r);
+                st->status = KVL_ERR_NOMEM;
+                snprintf(st->msg, sizeof st->msg, "out of memory");
                 kvl_place_release_prefs(c);
                 return -1;
             }

@@ -294,6 +294,17 @@ static void on_regions(kvl_conn *c)
     pthread_mutex_unlock(&p->mu);
 }
 
+/* REGIONS_REQ has an empty body (docs/wire-protocol.md): anything else is
+ * not an agent of ours, and gets no table. */
+static void on_regions_req(kvl_conn *c)
+{
+    if (c->h->body_len || c->h->payload_len) {
+        kvl_conn_fail(c, KVL_ERR_PROTOCOL, "REGIONS_REQ with a body (it has none)");
+        return;
+    }
+    kvl_conn_send_region_table(c, KVL_F_REGIONS, KVL_OK, "");
+}
+
 static void on_ping(kvl_conn *c)
 {
     uint64_t token;
@@ -346,6 +357,7 @@ void kvl_proto_on_frame(kvl_conn *c, const kvl_frame_hdr *h, const uint8_t *body
 {
     c->h = h;
     c->body = body;
+    c->t_frame_ns = kvl_now_ns(); /* the idle rule (conn.c) */
     uint8_t t = h->type;
     if (kvl_crc32c(0, c->body, c->h->body_len) != c->h->body_crc) {
         kvl_conn_fail(c, KVL_ERR_PROTOCOL, "frame body failed its crc32c check");
@@ -387,14 +399,14 @@ void kvl_proto_on_frame(kvl_conn *c, const kvl_frame_hdr *h, const uint8_t *body
     else if (t == KVL_F_NOTIFY && !c->outbound)
         on_notify(c);
     else if (t == KVL_F_REGIONS_REQ && in_ctrl)
-        kvl_conn_send_region_table(c, KVL_F_REGIONS, KVL_OK, "");
+        on_regions_req(c);
     else if (t == KVL_F_REGIONS && out_ctrl)
         on_regions(c);
     else if (t == KVL_F_PING && !c->outbound)
         on_ping(c);
     else if (t == KVL_F_END && !c->outbound)
         on_end(c);
-    else if (t == KVL_F_PONG && out_data)
+    else if (t == KVL_F_PONG && c->outbound) /* the control connection's: keep-alive only */
         on_pong(c);
     else if (t == KVL_F_NOTIFY_ACK && c->outbound)
         on_notify_ack(c);

@@ -151,6 +151,15 @@ typedef struct kvl_msg_chunk {
 #define KVL_WIRE_DST_BYTES 16
 
 /* ACK and READ_RESP */
+/* The one ACK / READ_RESP message (status ACCESS_DENIED) for every piece a
+ * receiver refuses to touch: unknown region, not exposed for the operation,
+ * wrong or missing access key, bytes outside it.  The same bytes whatever
+ * the reason, so a peer without the key learns nothing of the region; the
+ * reason goes to the receiver's log (place.c). */
+#define KVL_REFUSED_REGION_ACCESS                                                              \
+    "region access refused: wrong or missing region key, region not exposed for this "        \
+    "operation, or bytes outside it (stale metadata? add_peer again); see that agent's log"
+
 typedef struct kvl_msg_status {
     uint64_t xfer;
     uint32_t chunk, attempt, status;

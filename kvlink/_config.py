@@ -120,6 +120,12 @@ class Config:
     # peers with 8 paths each.  More are closed at accept (and logged); keep
     # it below the process's file-descriptor limit (ulimit -n).
     max_connections: int = 16384
+    # An admitted connection that carried no frame for this long, with nothing
+    # in flight, is closed (0: never): a live agent pings every connection it
+    # holds every 5 monitor ticks, so 5 minutes of silence is a peer that
+    # stopped or forgot it, holding a slot of max_connections; a live one
+    # reconnects on demand (docs/security.md).
+    idle_conn_timeout_s: float = 300.0
     # Threads that move payload bytes and compute their crc32c, beside the
     # engine thread that schedules (docs/architecture.md, threading model).
     # "auto": one per path up to half the usable cores (at most 16), and none
@@ -218,6 +224,14 @@ class Config:
         _float_range("transfer_timeout_s", self.transfer_timeout_s, 0.0, 7 * 86400.0)
         _float_range("close_linger_s", self.close_linger_s, 0.0, 60.0)
         _int_range("max_connections", self.max_connections, 1, 1 << 20)
+        _float_range("idle_conn_timeout_s", self.idle_conn_timeout_s, 0.0, 86400.0)
+        ping_s = 5 * self.monitor_interval_ms / 1000
+        if 0 < self.idle_conn_timeout_s < max(1.0, 2 * ping_s):
+            raise ConfigError(
+                f"idle_conn_timeout_s: {self.idle_conn_timeout_s} s would close live peers' "
+                f"connections between their pings (every {ping_s:g} s): give 0 (never) or at "
+                f"least {max(1.0, 2 * ping_s):g} s"
+            )
         io = self.io_threads
         if isinstance(io, str) and io.strip().isdigit():
             object.__setattr__(self, "io_threads", int(io))

@@ -156,6 +156,7 @@ def agent_create(name: str, addrs: Sequence[str], cfg: Config) -> Handle:
         c.secret_len = len(secret)
     c.allow_unauthenticated = int(cfg.allow_unauthenticated)
     c.max_connections = cfg.max_connections
+    c.idle_conn_timeout_ms = round(cfg.idle_conn_timeout_s * 1000)
     c.io_threads = cfg.resolved_io_threads(len(addrs))
     c.transport = _TRANSPORT_MODES[cfg.transport]
     c.fault_spec = cfg.fault_mover.encode()

@@ -113,6 +113,9 @@ typedef struct kvl_config {
     int32_t allow_unauthenticated; /* 1: listen on non-loopback addresses without a secret */
     uint32_t max_connections;    /* accepted connections alive at once, from all peers (each
                                     peer opens 1 + its paths); more are closed at accept */
+    uint32_t idle_conn_timeout_ms; /* an admitted connection that carried no frame this long,
+                                      with nothing in flight, is closed (0: never); agents
+                                      ping each of theirs every 5 monitor ticks */
     uint32_t io_threads;         /* threads that move payload bytes and their crc32c, 0..64;
                                     0: all I/O on the engine thread */
     uint32_t transport;          /* kvl_transport_mode: what carries data paths' payloads */

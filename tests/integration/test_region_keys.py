@@ -4,6 +4,7 @@ cannot touch it (docs/security.md)."""
 from __future__ import annotations
 
 import json
+import logging
 import struct
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 
 import kvlink
 from tests import wire_client as wc
+from tests.waits import wait_for
 
 MiB = 1 << 20
 
@@ -98,3 +100,88 @@ def test_pull_needs_the_key_too(make_agent):
         s.close()
     assert t == wc.READ_RESP
     assert struct.unpack_from("<QIII", resp)[3] == kvlink.ErrorCode.ACCESS_DENIED
+
+
+def _chunk_body(region: int, offset: int, n: int, key: bytes) -> bytes:
+    """DATA / READ_REQ body: push 1 chunk 0 attempt 1, one piece, one key (for region)."""
+    return (
+        struct.pack("<QIII", 1, 0, 1, 1)
+        + struct.pack("<QQQ", region, offset, n)
+        + struct.pack("<IQ", 1, region)
+        + key
+    )
+
+
+def test_a_refusal_says_nothing_about_the_region(make_agent, caplog):
+    """Without the right key a peer learns nothing of a region: whether it exists, is
+    exposed, how large it is. Every refusal is the same ACK / READ_RESP, byte for byte;
+    the reason is in the owner's log only."""
+    caplog.set_level(logging.WARNING, logger="kvlink")
+    rx = make_agent("rx")
+    w = rx.register(np.zeros(MiB, np.uint8), remote_write=True, remote_read=True)
+    ro = rx.register(np.zeros(MiB, np.uint8), remote_read=True)
+    hidden = rx.register(np.zeros(4096, np.uint8), name="secret-name")
+    meta = rx.metadata()
+    wkey, rokey = wc.key_of(meta, w.id), wc.key_of(meta, ro.id)
+    nowhere = max(w.id, ro.id, hidden.id) + 1000
+    wrong = bytes(16)
+    cases = {
+        "nonexistent": (nowhere, 0, wrong),
+        "unexposed": (hidden.id, 0, wrong),
+        "wrong key": (w.id, 0, wrong),
+        "out of bounds, wrong key": (w.id, MiB - 32, wrong),
+        "out of bounds, right key": (w.id, MiB - 32, wkey),
+        "far out of bounds": (w.id, 1 << 40, wrong),
+    }
+    n = 64
+    payload = b"\x07" * n
+    s = wc.connect(rx.addresses[0], wc.DATA_CONN, 0, "raw", 99)
+    acks, resps = {}, {}
+    try:
+        for what, (region, off, key) in cases.items():
+            s.sendall(wc.frame(wc.DATA, _chunk_body(region, off, n, key), n) + payload)
+            s.sendall(struct.pack("<I", wc.crc(payload)))
+            acks[what] = wc.recv_until(s, wc.ACK)
+        # a push into a region exposed for reading only, with its own right key
+        s.sendall(wc.frame(wc.DATA, _chunk_body(ro.id, 0, n, rokey), n) + payload)
+        s.sendall(struct.pack("<I", wc.crc(payload)))
+        acks["read-only for peers"] = wc.recv_until(s, wc.ACK)
+        for what, (region, off, key) in cases.items():
+            if region == w.id and key == wkey:
+                continue  # w is readable: the out-of-bounds read is in the list with wrong keys
+            s.sendall(wc.frame(wc.READ_REQ, _chunk_body(region, off, n, key)))
+            t, resps[what] = wc.recv_frame(s)
+            assert t == wc.READ_RESP
+        s.sendall(wc.frame(wc.READ_REQ, _chunk_body(w.id, MiB - 32, n, wkey)))
+        resps["out of bounds, right key"] = wc.recv_frame(s)[1]
+    finally:
+        s.close()
+    assert len(set(acks.values())) == 1, acks
+    assert len(set(resps.values())) == 1, resps
+    body = next(iter(acks.values()))
+    assert body == next(iter(resps.values()))
+    assert struct.unpack_from("<QIII", body)[3] == kvlink.ErrorCode.ACCESS_DENIED
+    assert b"secret-name" not in body and b"4096" not in body
+    assert b"region access refused" in body
+    wait_for(
+        lambda: any("'secret-name'" in r.getMessage() for r in caplog.records),
+        10,
+        "the owner's log to name the unexposed region",
+    )
+
+
+def test_a_refused_push_tells_the_sender_what_to_check(make_agent):
+    """The uniform answer still says what a legitimate sender should check; the owner's
+    log has the details."""
+    rx = make_agent("rx")
+    tx = make_agent("tx")
+    dst = np.zeros(MiB, np.uint8)
+    region = rx.register(dst, name="kv", remote_write=True)
+    src = np.full(MiB, 3, np.uint8)
+    tx.register(src)
+    meta = json.loads(rx.metadata())
+    meta["keys"][str(region.id)] = bytes(16).hex()  # stale metadata: another key
+    tx.add_peer(json.dumps(meta).encode())
+    with pytest.raises(kvlink.RemoteRefusedError, match=r"wrong or missing region key.*log"):
+        tx.push("rx", src=src, dst="kv").wait(timeout_s=30)
+    assert not dst.any()

@@ -645,10 +645,11 @@ class AttackProcess:
 
     def _read(self) -> None:
         assert self.p.stdout is not None
-        for line in self.p.stdout:
-            with self._got:
-                self._lines.append(json.loads(line))
-                self._got.notify_all()
+        with self.p.stdout:
+            for line in self.p.stdout:
+                with self._got:
+                    self._lines.append(json.loads(line))
+                    self._got.notify_all()
         with self._got:
             self._lines.append({"eof": True})
             self._got.notify_all()

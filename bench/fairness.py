@@ -318,14 +318,14 @@ def run_attack(kind: str, args: argparse.Namespace, cmd: list[str]) -> dict[str,
 
 
 def argv_of(argv: list[str]) -> list[str]:
-    """argv without its --attacks (each row names its own)."""
+    """argv without --attacks (each row names its own) and --json (where this run wrote)."""
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
-        elif a == "--attacks":
+        elif a in ("--attacks", "--json"):
             skip = True
-        elif not a.startswith("--attacks="):
+        elif not a.startswith(("--attacks=", "--json=")):
             out.append(a)
     return out
 

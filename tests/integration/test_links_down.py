@@ -148,7 +148,7 @@ def test_restarted_peer_fails_waiting_transfers_and_says_to_add_it_again(make_ag
         with pytest.raises(kvlink.ConnectionLostError, match="restarted") as ei:
             h.wait(timeout_s=30)
         assert "add it again" in str(ei.value), ei.value
-        with pytest.raises(kvlink.PeerUnreachableError, match="restarted.*add it again"):
+        with pytest.raises(kvlink.PeerUnreachableError, match=r"restarted.*add it again"):
             tx.push("rx", src=src, dst="kv")
         tx.add_peer(new.metadata())  # the new instance replaces it
         tx.push("rx", src=src, dst="kv").wait(timeout_s=30)

@@ -123,8 +123,8 @@ static void run_commands(kvl_agent *a, kvl_cmd *cmd)
             free(cmd->tag);
         } else if (cmd->type == KVL_CMD_SUBMIT) {
             append_active(p, cmd->xfer);
-            /* a path being re-probed may come back within the deadline:
-             * the transfer waits for it (the same rule as submit's) */
+            /* with every path down it waits for one to come back, up to
+             * its deadline (counted, and logged at the start of a wait) */
             kvl_sched_check_reachable(p);
         } else if (cmd->type == KVL_CMD_REMOVE_PEER) {
             retire_peer(a, p, cmd->error);

@@ -45,8 +45,9 @@ void kvl_place_slot_free(kvl_conn *c);
  * deadline, CLOCK_MONOTONIC ns): HELLO naming the mover this path wants, the
  * challenge-response when this agent holds a secret, HELLO_ACK checked
  * against p (its name; *instance: the one expected, 0 for any, then the one
- * met; a control connection's region table copied into p), then the
- * mover's set-up from local.  On an error the caller discards ep. */
+ * met, also when it is not the one expected; a control connection's region
+ * table copied into p), then the mover's set-up from local.  On an error the
+ * caller discards ep. */
 kvl_err kvl_handshake_initiate(kvl_agent *a, kvl_peer *p, kvl_ep *ep, int kind, uint16_t path,
                                const char *local, const char *where, uint64_t deadline,
                                uint64_t *instance);

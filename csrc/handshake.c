@@ -509,11 +509,13 @@ static kvl_err handshake(kvl_agent *a, kvl_peer *p, kvl_ep *ep, int kind, uint16
     }
     if (*instance && ack.instance != *instance) {
         free(body);
-        return kvl_fail(KVL_ERR_HANDSHAKE,
-                        "the agent '%s' at %s is instance %016llx, the metadata names %016llx: "
-                        "the peer restarted; fetch its metadata again",
-                        p->name, where, (unsigned long long)ack.instance,
-                        (unsigned long long)*instance);
+        kvl_err e2 = kvl_fail(KVL_ERR_HANDSHAKE,
+                              "the agent '%s' at %s is instance %016llx, the metadata names "
+                              "%016llx: the peer restarted; fetch its metadata again",
+                              p->name, where, (unsigned long long)ack.instance,
+                              (unsigned long long)*instance);
+        *instance = ack.instance; /* the one met: the prober gives the peer up */
+        return e2;
     }
     *instance = ack.instance;
     if (kind == KVL_CONN_CONTROL) {

@@ -43,7 +43,16 @@ struct kvl_peer {
     atomic_int replaced;       /* removed, or a newer peer of the same name took over:
                                   out of the callers' list */
     atomic_int may_work;       /* some path is up or may come back (kvl_path_may_work):
-                                  the engine keeps it, submit reads it as a hint */
+                                  the engine keeps it, add_peer reads it as a hint */
+    atomic_int gone;           /* a reconnect met another instance of the name (it
+                                  restarted): no path comes back, submit refuses */
+    char gone_why[192];        /* why, written once before gone is set (engine) */
+    uint64_t wait_since_ns;    /* engine: every path down while transfers run, since
+                                  (0: no transfer waits for a path) */
+    uint32_t n_waiting;        /* engine: those transfers, as of the last check (paths()) */
+    uint64_t wait_log_ns;      /* engine: the last "wait for a path" record (1 a second) */
+    uint32_t wait_unlogged;    /* engine: waits not logged since; wait_logged: this one was */
+    int wait_logged;
     int retiring;              /* engine: being removed; freed once nothing refers to it */
     uint64_t retire_by_ns;     /* engine: stop waiting for its queues to drain */
     uint32_t probes;           /* engine: reconnects in flight on the prober thread */
@@ -134,6 +143,7 @@ typedef struct kvl_cmd {
     int path;                  /* PROBED: path index, -1 for the control connection */
     kvl_ep *ep;                /* PROBED: the new endpoint, or NULL */
     char error[160];           /* PROBED: why it failed */
+    uint64_t met;              /* PROBED: the instance that answered, not the peer's (0: none) */
     uint8_t *tag;              /* PREPARE: owned */
     uint32_t tag_len;
     struct kvl_cmd *next;

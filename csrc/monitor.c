@@ -284,7 +284,8 @@ static void watch_path(kvl_agent *a, kvl_path *pa, uint64_t now)
  * backoff; success brings it back UP (probe.c), failure doubles the wait. */
 static void schedule_probe(kvl_agent *a, kvl_peer *p, kvl_path *pa, int index, uint64_t now)
 {
-    if (pa->state != KVL_PATH_DOWN || now < pa->next_probe_ns || !pa->rhost[0])
+    if (pa->state != KVL_PATH_DOWN || now < pa->next_probe_ns || !pa->rhost[0] ||
+        atomic_load(&p->gone)) /* the peer restarted: its instance never answers again */
         return;
     kvl_path_set_state(p, pa, KVL_PATH_PROBING, "reconnecting");
     kvl_prober_request(a, p, index);

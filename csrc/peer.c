@@ -48,10 +48,12 @@ static kvl_err open_conn(kvl_agent *a, kvl_peer *p, const char *local, const cha
 }
 
 kvl_err kvl_peer_open_conn(kvl_agent *a, kvl_peer *p, const char *local, const char *host,
-                           uint16_t port, int kind, uint16_t path, kvl_ep **ep)
+                           uint16_t port, int kind, uint16_t path, kvl_ep **ep, uint64_t *met)
 {
     uint64_t instance = p->instance; /* fixed once the peer is adopted */
-    return open_conn(a, p, local, host, port, kind, path, &instance, ep);
+    kvl_err e = open_conn(a, p, local, host, port, kind, path, &instance, ep);
+    *met = instance != p->instance ? instance : 0;
+    return e;
 }
 
 /* One connection being opened by its own thread: add_peer connects every
@@ -146,7 +148,8 @@ kvl_err kvl_peer_remove(kvl_agent *a, const char *name)
 
 static int any_path_up(kvl_peer *p)
 {
-    return atomic_load(&p->may_work); /* the engine's hint: caller threads read no path state */
+    /* the engine's hints: caller threads read no path state */
+    return atomic_load(&p->may_work) && !atomic_load(&p->gone);
 }
 
 /* Whether the agent behind old may still run, asked of the kernel rather

@@ -42,7 +42,7 @@ static void *prober_main(void *arg)
         int kind = job->path < 0 ? KVL_CONN_CONTROL : KVL_CONN_DATA;
         uint16_t idx = job->path < 0 ? 0 : (uint16_t)job->path;
         kvl_err e = kvl_peer_open_conn(a, job->peer, job->local, job->host, job->port, kind,
-                                       idx, &ep);
+                                       idx, &ep, &cmd->met);
         cmd->type = KVL_CMD_PROBED;
         cmd->peer = job->peer;
         cmd->path = job->path;
@@ -146,17 +146,19 @@ void kvl_prober_done(kvl_agent *a, kvl_cmd *cmd)
         snprintf(why, sizeof why, "%s; down since: %s", err,
                  pa->down_cause[0] ? pa->down_cause : "?");
         kvl_path_failed(p, pa, now, why);
-        if (cmd->path >= 0) {
-            kvl_path_reconnect_failed(p, pa);
-            kvl_sched_check_reachable(p); /* known dead now: fail what waits for it */
-        } else {
+        if (cmd->path >= 0)
+            kvl_path_reconnect_failed(p, pa); /* known dead: add_peer may replace p */
+        else
             ctrl_next_route(p);
-        }
+        if (cmd->met) /* another instance answers: p restarted, none of it comes back */
+            kvl_sched_peer_gone(p, pa, cmd->met);
+        kvl_sched_check_reachable(p); /* still down: what runs waits for a path */
         return;
     }
     kvl_conn_bind_outbound(c, p, cmd->path);
     if (cmd->path < 0)
         p->ctrl = c;
     kvl_path_reconnected(p, pa, c, now);
+    kvl_sched_check_reachable(p); /* transfers that waited for a path go on */
     kvl_engine_snapshot_paths(a);
 }

@@ -20,8 +20,9 @@ void kvl_prober_request(kvl_agent *a, kvl_peer *p, int path);
 void kvl_prober_done(kvl_agent *a, kvl_cmd *cmd);
 /* peer.c: frees a peer nothing refers to any more (its lists, its memory). */
 void kvl_peer_free(kvl_peer *p);
-/* peer.c: blocking connect + handshake, shared by add_peer and the prober */
+/* peer.c: blocking connect + handshake, shared by add_peer and the prober;
+ * *met: the instance that answered when it is not p's (the peer restarted), else 0 */
 kvl_err kvl_peer_open_conn(kvl_agent *a, kvl_peer *p, const char *local, const char *host,
-                           uint16_t port, int kind, uint16_t path, kvl_ep **ep);
+                           uint16_t port, int kind, uint16_t path, kvl_ep **ep, uint64_t *met);
 
 #endif

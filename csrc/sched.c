@@ -386,47 +386,148 @@ void kvl_sched_path_stalled(kvl_peer *p, uint32_t path, const char *why)
     kvl_engine_snapshot_paths(p->agent);
 }
 
-void kvl_sched_check_reachable(kvl_peer *p)
+/* Every path of p out of service with no connection (DOWN or PROBING):
+ * nothing moves until a reconnect works.  A stalled path keeps its
+ * connection and may move again. */
+static int every_path_down(const kvl_peer *p)
 {
     for (uint32_t i = 0; i < p->n_paths; i++)
-        if (kvl_path_may_work(&p->paths[i]))
-            return;
-    /* every path is down and failed to reconnect: fail what is running,
-     * naming each path's error */
-    char msg[512];
-    size_t off = (size_t)snprintf(msg, sizeof msg, "peer '%s': all %u path(s) are down", p->name,
-                                  p->n_paths);
+        if (p->paths[i].state != KVL_PATH_DOWN && p->paths[i].state != KVL_PATH_PROBING)
+            return 0;
+    return 1;
+}
+
+/* "all N path(s) are down; path i local->remote: its last error; ..."; with
+ * states (some path is stalled): "no path is in service; path i local->remote:
+ * STATE: its last error; ..." */
+static void paths_msg(const kvl_peer *p, int states, char *msg, size_t cap)
+{
+    size_t off = states ? (size_t)snprintf(msg, cap, "no path is in service")
+                        : (size_t)snprintf(msg, cap, "all %u path(s) are down", p->n_paths);
     /* every path gets its share of the message, so none is cut off the end */
-    size_t share = off < sizeof msg ? (sizeof msg - off) / p->n_paths : 0;
-    for (uint32_t i = 0; i < p->n_paths && share > 1 && off < sizeof msg; i++) {
+    size_t share = off < cap ? (cap - off) / p->n_paths : 0;
+    for (uint32_t i = 0; i < p->n_paths && share > 1 && off < cap; i++) {
         const char *why = p->paths[i].last_error;
         size_t plen = strlen(p->name);
         if (!strncmp(why, "peer '", 6) && !strncmp(why + 6, p->name, plen) &&
             !strncmp(why + 6 + plen, "': ", 3))
-            why += 9 + plen; /* the peer is named once, above */
-        int n = snprintf(msg + off, share, "; path %u %s->%s: %s", i, p->paths[i].local,
-                         p->paths[i].remote, why);
+            why += 9 + plen; /* the peer is named once, before */
+        int n = snprintf(msg + off, share, "; path %u %s->%s: %s%s%s", i, p->paths[i].local,
+                         p->paths[i].remote, states ? kvl_path_state_name(p->paths[i].state) : "",
+                         states ? ": " : "", why);
         off += n < 0 ? 0 : (size_t)n < share ? (size_t)n : share - 1;
     }
-    for (kvl_xfer *x = p->active, *next; x; x = next) {
-        next = x->next_active;
-        if (kvl_xfer_running(x))
-            kvl_sched_fail(x, KVL_ERR_CONN_LOST, "%s", msg);
+}
+
+static uint32_t n_running(kvl_peer *p)
+{
+    uint32_t n = 0;
+    for (kvl_xfer *x = p->active; x; x = x->next_active)
+        n += kvl_xfer_running(x) ? 1 : 0;
+    return n;
+}
+
+#define WAIT_LOG_NS 1000000000ull /* one "wait for a path" record a second per peer */
+
+void kvl_sched_check_reachable(kvl_peer *p)
+{
+    if (p->retiring)
+        return; /* its transfers failed with the reason already */
+    if (atomic_load(&p->gone)) {
+        for (kvl_xfer *x = p->active, *next; x; x = next) {
+            next = x->next_active;
+            if (kvl_xfer_running(x))
+                kvl_sched_fail(x, KVL_ERR_CONN_LOST, "peer '%s' %s", p->name, p->gone_why);
+        }
+        p->wait_since_ns = 0;
+        p->n_waiting = 0;
+        return;
     }
+    int down = every_path_down(p);
+    if (!down && !p->wait_since_ns)
+        return; /* the usual case: nothing waits, nothing to count */
+    uint32_t running = n_running(p), n = down ? running : 0;
+    uint64_t now = kvl_now_ns();
+    kvl_agent *a = p->agent;
+    if (n && !p->wait_since_ns) {
+        p->wait_since_ns = now;
+        p->wait_logged = !p->wait_log_ns || now - p->wait_log_ns >= WAIT_LOG_NS;
+        if (p->wait_logged) {
+            char more[64] = "";
+            if (p->wait_unlogged)
+                snprintf(more, sizeof more, " (%u more such waits since the last record)",
+                         p->wait_unlogged);
+            kvl_log(a, KVL_LOG_WARNING, p->name, -1,
+                    "every path is down: %u transfer(s) wait for a path to come back, each "
+                    "until its deadline; the paths are re-probed (at least every %u ms)%s",
+                    n, a->cfg.probe_backoff_max_ms, more);
+            p->wait_log_ns = now;
+            p->wait_unlogged = 0;
+        } else {
+            p->wait_unlogged++;
+        }
+    } else if (!n && p->wait_since_ns) {
+        if (p->wait_logged && !down)
+            kvl_log(a, KVL_LOG_INFO, p->name, -1,
+                    "a path is back after %.1f s with every path down: %u waiting "
+                    "transfer(s) go on",
+                    (double)(now - p->wait_since_ns) / 1e9, running);
+        p->wait_since_ns = 0;
+    }
+    p->n_waiting = n;
+}
+
+void kvl_sched_peer_gone(kvl_peer *p, const kvl_path *pa, uint64_t met)
+{
+    if (atomic_load(&p->gone))
+        return;
+    snprintf(p->gone_why, sizeof p->gone_why,
+             "restarted: the agent at %s:%u is instance %016llx now, not %016llx, and what it "
+             "held is gone; add it again with its new metadata",
+             pa->rhost, pa->rport, (unsigned long long)met, (unsigned long long)p->instance);
+    atomic_store(&p->gone, 1); /* after gone_why: submit reads it once gone is set */
+    kvl_log(p->agent, KVL_LOG_WARNING, p->name, -1, "peer %s", p->gone_why);
+    kvl_sched_check_reachable(p);
 }
 
 void kvl_sched_expire(kvl_agent *a, uint64_t now)
 {
     for (kvl_peer *p = a->eng_peers; p; p = p->eng_next) {
+        int down = every_path_down(p), in_service = 0;
+        for (uint32_t i = 0; i < p->n_paths; i++)
+            in_service |= path_usable(&p->paths[i]);
         for (kvl_xfer *x = p->active, *next; x; x = next) {
             next = x->next_active;
-            if (kvl_xfer_running(x) && x->deadline_ns && now > x->deadline_ns)
-                kvl_sched_fail(x, KVL_ERR_DEADLINE,
-                               "transfer %llu to peer '%s' missed its deadline "
-                               "(%u of %u chunks verified)",
-                               (unsigned long long)x->id, p->name, x->prog.chunks_done,
-                               x->prog.chunks_total);
+            if (!kvl_xfer_running(x) || !x->deadline_ns || now <= x->deadline_ns)
+                continue;
+            if (!down) { /* slow, or stalled (the peer may be paused): the deadline's */
+                char msg[512];
+                int off = snprintf(msg, sizeof msg,
+                                   "transfer %llu to peer '%s' missed its deadline "
+                                   "(%u of %u chunks verified)",
+                                   (unsigned long long)x->id, p->name, x->prog.chunks_done,
+                                   x->prog.chunks_total);
+                if (!in_service && off > 0 && (size_t)off + 2 < sizeof msg) {
+                    memcpy(msg + off, ": ", 3);
+                    paths_msg(p, 1, msg + off + 2, sizeof msg - (size_t)off - 2);
+                }
+                kvl_sched_fail(x, KVL_ERR_DEADLINE, "%s", msg);
+                continue;
+            }
+            /* it waited for a path to the end: the peer stayed unreachable */
+            uint64_t since = p->wait_since_ns > x->t_submit_ns ? p->wait_since_ns : x->t_submit_ns;
+            char msg[512];
+            int off = snprintf(msg, sizeof msg,
+                               "transfer %llu to peer '%s' missed its deadline waiting %.1f s "
+                               "for a path (%u of %u chunks verified): ",
+                               (unsigned long long)x->id, p->name,
+                               since && now > since ? (double)(now - since) / 1e9 : 0.0,
+                               x->prog.chunks_done, x->prog.chunks_total);
+            if (off > 0 && (size_t)off < sizeof msg)
+                paths_msg(p, 0, msg + off, sizeof msg - (size_t)off);
+            kvl_sched_fail(x, KVL_ERR_CONN_LOST, "%s", msg);
         }
+        kvl_sched_check_reachable(p); /* what finished no longer waits */
     }
 }
 

@@ -21,14 +21,23 @@ void kvl_sched_superseded(kvl_peer *p, kvl_xfer *x, uint32_t ci, uint32_t path,
  * re-queued (not counted as failures); the connection stays, the path gets
  * no chunks until it moves again (monitor.c). */
 void kvl_sched_path_stalled(kvl_peer *p, uint32_t path, const char *why);
-/* Fails p's running transfers if every path is known dead (a reconnect
- * failed since it went down); a path still being re-probed, or stalled,
- * may come back within the deadline. */
+/* After a path of p changed or a transfer joined it: with every path down
+ * (DOWN or PROBING) its running transfers wait for one to come back, each
+ * until its deadline (kvl_sched_expire fails it then, naming each path's
+ * reason); the start of such a wait is logged (at most once a second per
+ * peer) and so is its end when a path is back; p->n_waiting counts them for
+ * paths().  A peer that is gone (kvl_sched_peer_gone) fails them now. */
 void kvl_sched_check_reachable(kvl_peer *p);
+/* A reconnect of pa met instance met of p's name, not p's: the peer
+ * restarted and nothing of p comes back.  Its transfers fail, submit
+ * refuses, and both say to add the peer again (once; engine thread). */
+void kvl_sched_peer_gone(kvl_peer *p, const kvl_path *pa, uint64_t met);
 /* Fails a running transfer from the engine: drops its chunks' in-flight
  * accounting, records the error and wakes waiters. */
 void kvl_sched_fail(kvl_xfer *x, kvl_err err, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+/* Every tick: transfers past their deadline fail (CONN_LOST with each
+ * path's reason when every path is down, else DEADLINE). */
 void kvl_sched_expire(kvl_agent *a, uint64_t now);
 /* Releases finished transfers' resources once no I/O touches them.  Runs at
  * the end of each engine iteration, so handlers never see a freed transfer. */

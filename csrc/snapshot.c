@@ -63,6 +63,8 @@ void kvl_engine_snapshot_paths(kvl_agent *a)
             snprintf(o->transport, sizeof o->transport, "%s",
                      mv ? mv->name : a->stream->name);
             snprintf(o->transport_note, sizeof o->transport_note, "%s", pa->tnote);
+            o->reconnect_fails = pa->probe_fails;
+            o->waiting = p->n_waiting;
         }
     }
     a->n_snap = k;

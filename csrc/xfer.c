@@ -288,11 +288,10 @@ kvl_err kvl_xfer_submit(kvl_agent *a, kvl_peer *p, int op, const kvl_segment *se
         if (segs[i].layer >= MAX_LAYERS)
             return kvl_fail(KVL_ERR_INVALID_ARG, "segments[%zu].layer %u exceeds the %d limit",
                             i, segs[i].layer, MAX_LAYERS - 1);
-    if (!atomic_load(&p->may_work)) /* a hint: the engine decides */
-        return kvl_fail(KVL_ERR_UNREACHABLE,
-                        "peer '%s': every path is down and failed to reconnect (paths() shows "
-                        "each path's error); add the peer again once it is back",
-                        p->name);
+    /* every path down is no refusal: the transfer waits in the engine for
+     * one to come back, until its deadline (kvl_sched_check_reachable) */
+    if (atomic_load(&p->gone))
+        return kvl_fail(KVL_ERR_UNREACHABLE, "peer '%s' %s", p->name, p->gone_why);
 
     kvl_xfer *x = calloc(1, sizeof *x);
     if (!x)

@@ -679,11 +679,13 @@ class Agent:
             UnknownRegionError, OutOfBoundsError, RemoteAccessError: a segment
                 does not fit or lacks ``remote_write`` (nothing is sent).
             UnknownPeerError: ``peer`` was not added.
-            PeerUnreachableError: every path to ``peer`` is down; or ``instance``
-                is given and ``peer`` is another instance now (it restarted: the
-                regions and contents the caller knew are gone), nothing sent; or
-                the peer did not send its region table within
-                ``connect_timeout_s``.
+            PeerUnreachableError: ``peer`` restarted (a reconnect met a new
+                instance: add it again), or ``instance`` is given and ``peer`` is
+                another instance now (the regions and contents the caller knew are
+                gone), nothing sent; or the peer did not send its region table
+                within ``connect_timeout_s``.  Every path being down is no error
+                here: the transfer waits for one until its deadline (docs/api.md,
+                "Every path down").
         """
         return self._submit(
             Op.PUSH, peer, src, dst, nbytes, src_offset, dst_offset, segments, notify, timeout_s,

@@ -709,6 +709,8 @@ def paths(a: Handle) -> list[PathInfo]:
             transport_note=cstr(p.transport_note),
             bytes_put=int(p.bytes_put),
             last_error=cstr(p.last_error),
+            reconnect_fails=int(p.reconnect_fails),
+            waiting=int(p.waiting),
         )
         for p in arr[0 : min(n[0], cap)]
     ]

@@ -219,6 +219,10 @@ class PathInfo:
     transport_note: str = ""  # why this transport (e.g. why the peer refused UCX)
     bytes_put: int = 0  # payload a one-sided mover (UCX, fault) placed: pushed or pulled
     numa_node: int = -1  # NUMA node of the local NIC (sysfs); -1: unknown (loopback, virtual)
+    reconnect_fails: int = 0  # reconnects that failed since the path was last up
+    # transfers to this peer waiting for a path (every path DOWN or PROBING): each goes on
+    # once one is back, or fails at its deadline naming each path's last_error
+    waiting: int = 0
 
 
 @dataclass(frozen=True)

@@ -385,9 +385,14 @@ class _FrontProxy:
                 c, _ = srv.accept()
             except OSError:
                 return
+            to = self._upstream(target)
             try:
-                u = socket.create_connection(target)
-            except OSError:  # the agent is gone: so is this connection
+                if to is None:
+                    raise OSError("the link is down")
+                u = socket.create_connection(to)
+            except OSError:  # the agent is gone (or the link is down): so is this connection
+                with contextlib.suppress(OSError):
+                    c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 c.close()
                 continue
             with self._lock:
@@ -404,6 +409,10 @@ class _FrontProxy:
             pass
         with contextlib.suppress(OSError):
             b.shutdown(socket.SHUT_WR)
+
+    def _upstream(self, target: tuple[str, int]) -> tuple[str, int] | None:
+        """Where a connection accepted for ``target`` goes (None: reset it)."""
+        return target
 
     def _answers(self, up: socket.socket, down: socket.socket) -> None:
         raise NotImplementedError
@@ -531,3 +540,37 @@ class RewritingProxy(_FrontProxy):
         for s in socks:
             with contextlib.suppress(OSError):
                 s.close()
+
+
+class LinkProxy(RewritingProxy):
+    """Every link to an agent, through a proxy that can take them all down at once:
+    :meth:`down` resets every proxied connection and every new one until :meth:`up`
+    (a reconnect fails, as over a cut link), :meth:`retarget` sends new connections to
+    another agent's addresses (the same name restarted behind the old addresses)."""
+
+    def __init__(self, metadata: bytes) -> None:
+        self._down = False  # under _lock, as _to
+        self._to: dict[tuple[str, int], tuple[str, int]] = {}
+        self._agent_addrs = [(h, p) for h, p in json.loads(metadata)["addrs"]]
+        super().__init__(metadata, lambda body: body)
+
+    def _upstream(self, target: tuple[str, int]) -> tuple[str, int] | None:
+        with self._lock:
+            return None if self._down else self._to.get(target, target)
+
+    def down(self) -> None:
+        with self._lock:
+            self._down = True
+        self.cut()
+
+    def up(self) -> None:
+        with self._lock:
+            self._down = False
+
+    def retarget(self, metadata: bytes) -> None:
+        """New connections go to the agent of ``metadata``, address by address."""
+        new = json.loads(metadata)["addrs"]
+        with self._lock:
+            self._to = {
+                old: (h, p) for old, (h, p) in zip(self._agent_addrs, new, strict=True)
+            }

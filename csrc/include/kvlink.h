@@ -230,6 +230,10 @@ typedef struct kvl_path_info {
     uint64_t bytes_put;    /* payload bytes moved by UCX put, across connections: pushed
                               (part of bytes_sent, flushed) or pulled (part of bytes_recv);
                               the rest went in-stream over TCP (docs/ucx.md) */
+    uint32_t reconnect_fails; /* reconnects that failed since the path was last up */
+    uint32_t waiting;      /* transfers to this peer that wait for a path (every path is
+                              DOWN or PROBING): each goes on when one is back, or fails at
+                              its deadline */
 } kvl_path_info;
 
 typedef struct kvl_notification {

@@ -180,12 +180,17 @@ class Agents:
         nbytes: int | None = None,
         notify: str | None = None,
         wait: float | None = None,
+        timeout_s: float | None = None,
     ) -> dict[str, Any]:
         """``op`` is "push" or "pull": of ``segments`` (rows of kvlink.Segment), or between
         buffer ``local`` and the remote region ``remote``; ``notify`` is hex; waits ``wait``
-        seconds if given. Answers the transfer's id."""
+        seconds if given; ``timeout_s``: the transfer's deadline (None: the config's).
+        Answers the transfer's id."""
         name, a = self._agent(agent)
-        kw: dict[str, Any] = {"notify": bytes.fromhex(notify) if notify else None}
+        kw: dict[str, Any] = {
+            "notify": bytes.fromhex(notify) if notify else None,
+            "timeout_s": timeout_s,
+        }
         if segments is not None:
             kw["segments"] = [kvlink.Segment(*s) for s in segments]
         else:

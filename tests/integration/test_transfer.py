@@ -157,8 +157,9 @@ def test_sixteen_concurrent_transfers(make_agent, spawn_peer):
     assert digest(sink) == peer.call("digest", key="out")["digest"]
 
 
-@pytest.mark.timing
 def test_peer_killed_before_push_gives_clear_error(make_agent, spawn_peer):
+    # a dead peer looks like every link cut: the push waits for a path until its deadline
+    # (test_links_down.py), then names each path and its reason
     rx = spawn_peer("rx", nics="loopback:2")
     rx.call("alloc", key="kv", nbytes=MiB, remote_write=True, name="kv")
     tx = make_agent("tx", nics="loopback:2")
@@ -166,16 +167,13 @@ def test_peer_killed_before_push_gives_clear_error(make_agent, spawn_peer):
     tx.register(src)
     tx.add_peer(rx.metadata)
     rx.kill()
-    t0 = time.monotonic()
-    with pytest.raises((kvlink.ConnectionLostError, kvlink.PeerUnreachableError)) as ei:
-        # the loss may be noticed at submit or while running
-        tx.push("rx", src=src, dst="kv").wait(timeout_s=5)
-    assert time.monotonic() - t0 < 5
-    assert "rx" in str(ei.value)
+    with pytest.raises(kvlink.ConnectionLostError, match=r"all 2 path\(s\) are down") as ei:
+        tx.push("rx", src=src, dst="kv", timeout_s=1.0).wait(timeout_s=30)
+    msg = str(ei.value)
+    assert "peer 'rx'" in msg and "path 0 " in msg and "path 1 " in msg, msg
 
 
-@pytest.mark.timing
-def test_peer_killed_mid_transfer_fails_within_timeout(make_agent, scripted_receiver):
+def test_peer_killed_mid_transfer_fails_at_its_deadline(make_agent, scripted_receiver):
     # The receiver withholds every ACK, so the push is still running when it dies, however
     # fast the machine: the kill always lands mid-transfer.
     rx = scripted_receiver("rx", paths=2, region="kv", nbytes=BIG)
@@ -183,14 +181,12 @@ def test_peer_killed_mid_transfer_fails_within_timeout(make_agent, scripted_rece
     src = np.ones(BIG, np.uint8)
     region = tx.register(src)
     tx.add_peer(rx.metadata)
-    h = tx.push("rx", src=src, dst="kv")
+    h = tx.push("rx", src=src, dst="kv", timeout_s=5)
     assert rx.data_seen.wait(10), "the push sent no DATA"
     assert not h.done
     rx.kill()
-    t0 = time.monotonic()
-    with pytest.raises(kvlink.ConnectionLostError, match=r"all 2 path\(s\) are down"):
-        h.wait(timeout_s=5)
-    assert time.monotonic() - t0 < 2
+    with pytest.raises(kvlink.ConnectionLostError, match=r"deadline.*all 2 path\(s\) are down"):
+        h.wait(timeout_s=30)
     assert not h.ok
     # the agent is still usable and frees the transfer's regions
     assert tx.paths()[0].state in (kvlink.PathState.DOWN, kvlink.PathState.PROBING)

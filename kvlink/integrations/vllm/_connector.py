@@ -435,7 +435,7 @@ class ConnectorStats:
     push_failures: int = 0  # prefill: pushes given up (blocks then wait for a pull or the lease)
     fallbacks_sent: int = 0  # prefill: offers answered with "pull these blocks instead"
     pull_fallbacks: int = 0  # decode: push loads that became pulls on prefill's fallback
-    source_down_failures: int = 0  # decode: push loads failed early, prefill's paths all down
+    source_down_failures: int = 0  # decode: loads failed early, prefill's paths all down
     last_load_failure: str = ""  # decode: why the last failed load failed (for operators, tests)
     handed_off: int = 0  # prefill: held requests freed because decode has their KV
     leases_expired: int = 0  # prefill: held requests freed by their lease
@@ -728,7 +728,7 @@ class _WorkerSide:
                         if i == 0:
                             self.stats.layer0_ready_t.append(time.monotonic())
                 if load.pull is not None:
-                    load.pull.wait_layer(i, timeout_s=max(0.0, load.deadline - time.monotonic()))
+                    self._wait_pulled_layer(load, load.pull, i)
                 load.layers_waited.add(i)
             except (kvlink.KvlinkError, ValueError) as exc:
                 self._fail(load, f"layer {i}: {exc}")
@@ -780,19 +780,38 @@ class _WorkerSide:
                     raise
                 self._check_source(load)
 
+    def _wait_pulled_layer(self, load: _Load, pull: kvlink.Transfer, i: int) -> None:
+        """Waits for layer ``i`` of a pull, in short waits with prefill's paths checked
+        between them: kvlink keeps a pull whose paths are all down waiting for one until its
+        deadline (a link flap is no failure), which for a prefill that died is load_timeout_s.
+
+        Raises:
+            kvlink.KvlinkError: the pull failed, or as :meth:`_check_source`.
+        """
+        while True:
+            remaining = load.deadline - time.monotonic()
+            try:
+                pull.wait_layer(i, timeout_s=max(0.0, min(remaining, _FALLBACK_POLL_S)))
+                return
+            except kvlink.TransferTimeoutError:
+                if pull.done:  # it ended meanwhile: its outcome (returns, or raises why)
+                    pull.wait_layer(i, timeout_s=0)
+                    return
+                if remaining <= _FALLBACK_POLL_S:
+                    raise
+                self._check_source(load)
+
     def _check_source(self, load: _Load) -> None:
-        """Push load: fails it once every path to the pushing prefill has been DOWN for
-        connect_timeout_s (prefill killed, or every link cut), instead of holding decode's
-        forward pass, and every request in it, until load_timeout_s. A shorter outage (a link
-        flap) is waited out: kvlink reconnects and the pushes go on.
+        """Fails a load once every path to its prefill (pushing, or pulled from) has been
+        DOWN for connect_timeout_s (prefill killed, or every link cut), instead of holding
+        decode's forward pass, and every request in it, until load_timeout_s. A shorter
+        outage (a link flap) is waited out: kvlink reconnects and the transfers go on.
 
         Raises:
             kvlink.PeerUnreachableError: prefill has been unreachable for connect_timeout_s.
         """
         assert self.agent is not None
-        src = load.job.source
-        assert isinstance(src, proto.PushSource)
-        name = src.card.agent
+        name = load.job.source.card.agent
         states = [p.state for p in self.agent.paths() if p.peer == name]
         now = time.monotonic()
         down = (kvlink.PathState.DOWN, kvlink.PathState.PROBING)  # PROBING: reconnecting

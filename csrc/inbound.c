@@ -407,7 +407,9 @@ static void end_live(kvl_agent *a, kvl_rx_xfer *r, kvl_err err, const char *why)
     r->n = r->n_layers = 0;
 }
 
-/* Frees r, live or a tombstone. */
+/* Frees r, live or a tombstone.  A copy still placing (refs) keeps its
+ * memory: r leaves every table and count now, as an orphan that places
+ * nothing more, and kvl_rx_done frees it when the last copy ends. */
 static void entry_drop(kvl_agent *a, kvl_rx_xfer *r, kvl_err err, const char *why)
 {
     end_live(a, r, err, why);
@@ -416,8 +418,14 @@ static void entry_drop(kvl_agent *a, kvl_rx_xfer *r, kvl_err err, const char *wh
         r->share->tombs--;
     }
     unhash(a, r);
-    free(r);
     a->shares.entries--;
+    if (r->refs) {
+        r->ended = 1; /* kvl_rx_owns: no copy owns a chunk of it any more */
+        r->orphan = 1;
+        r->share = NULL;
+        return;
+    }
+    free(r);
 }
 
 /* No copy of r's chunks may land from now on (END, or the sender's
@@ -499,23 +507,40 @@ static kvl_rx_xfer *lru_victim(kvl_share *s, uint64_t now, uint64_t min_idle_ns)
     return NULL;
 }
 
-/* The room lacks `res`: the sender holding the most of it, if that is more
- * than its fair part (the room over the senders holding any, `asking`
- * counted), gives up one entry: an old tombstone, else its least recently
- * progressed push, else its newest tombstone.  0: nobody may be evicted. */
-static int evict_heaviest(kvl_agent *a, const kvl_share *asking, int res, uint64_t now)
+static uint32_t room_used(const kvl_agent *a, int res)
 {
-    kvl_share *v = NULL;
+    return res == RES_ENTRIES ? a->shares.entries
+           : res == RES_CHUNKS ? a->shares.chunks
+           : res == RES_LAYERS ? a->shares.layers
+                               : a->shares.tag_bytes;
+}
+
+/* A sender's fair part of `res`: the room over the senders holding any
+ * (`asking` counted). */
+static uint32_t fair_part(const kvl_agent *a, const kvl_share *asking, int res)
+{
     uint32_t active = asking->live + asking->tombs ? 0 : 1;
-    for (kvl_share *s = a->shares.all; s; s = s->next) {
-        if (!s->live && !s->tombs)
-            continue;
-        active++;
-        if (!v || used(s, res) > used(v, res))
-            v = s;
-    }
-    if (!v || v == asking || used(v, res) <= room_of[res] / active)
-        return 0;
+    for (const kvl_share *s = a->shares.all; s; s = s->next)
+        active += s->live + s->tombs ? 1 : 0;
+    return room_of[res] / active;
+}
+
+/* Whether evicting what other senders hold beyond their fair part can make
+ * room for `need` of `res`: if not, nobody is evicted in vain. */
+static int can_make_room(const kvl_agent *a, const kvl_share *asking, int res, uint32_t need)
+{
+    uint32_t fair = fair_part(a, asking, res);
+    uint64_t room = (uint64_t)room_of[res] - room_used(a, res);
+    for (const kvl_share *s = a->shares.all; s; s = s->next)
+        if (s != asking && used(s, res) > fair)
+            room += used(s, res) - fair;
+    return room >= need;
+}
+
+/* What v gives up for `res`: an old tombstone, else its least recently
+ * progressed push (a copy placing keeps it), else its oldest tombstone. */
+static kvl_rx_xfer *victim_of(kvl_share *v, int res, uint64_t now)
+{
     kvl_rx_xfer *r = NULL;
     if (res == RES_ENTRIES && v->tomb_tail && now - v->tomb_tail->t_progress_ns >= EVICT_ENDED_NS)
         r = v->tomb_tail;
@@ -523,6 +548,26 @@ static int evict_heaviest(kvl_agent *a, const kvl_share *asking, int res, uint64
         r = lru_victim(v, now, 0);
     if (!r && res == RES_ENTRIES)
         r = v->tomb_tail;
+    return r;
+}
+
+/* The room lacks `res`: of the senders holding more of it than their fair
+ * part, the one holding the most that has something to give gives up one
+ * entry (never `asking`).  0: nobody may be evicted. */
+static int evict_heaviest(kvl_agent *a, const kvl_share *asking, int res, uint64_t now)
+{
+    uint32_t fair = fair_part(a, asking, res);
+    kvl_share *v = NULL;
+    kvl_rx_xfer *r = NULL;
+    for (kvl_share *s = a->shares.all; s; s = s->next) {
+        if (s == asking || used(s, res) <= fair || (v && used(s, res) <= used(v, res)))
+            continue;
+        kvl_rx_xfer *c = victim_of(s, res, now);
+        if (c) {
+            v = s;
+            r = c;
+        }
+    }
     if (!r)
         return 0;
     a->shares.evicted += !r->ended;
@@ -530,6 +575,14 @@ static int evict_heaviest(kvl_agent *a, const kvl_share *asking, int res, uint64
                "dropped: the agent ran out of room for inbound pushes and this sender held more "
                "than its part");
     return 1;
+}
+
+static uint32_t need_of(const need *n, int res)
+{
+    return res == RES_ENTRIES ? 1
+           : res == RES_CHUNKS ? n->chunks
+           : res == RES_LAYERS ? n->layers
+                               : n->tag_bytes;
 }
 
 static kvl_err refuse(kvl_agent *a, kvl_share *s, uint64_t xfer, const char *fmt, ...)
@@ -546,6 +599,7 @@ static kvl_err refuse(kvl_agent *a, kvl_share *s, uint64_t xfer, const char *fmt
         s->n_refused--;
     }
     s->refused[s->n_refused++] = xfer;
+    s->t_refused_ns = kvl_now_ns();
     return kvl_fail(KVL_ERR_BUSY, "%s", s->refused_why);
 }
 
@@ -583,6 +637,15 @@ static kvl_err make_room(kvl_agent *a, kvl_share *s, uint64_t xfer, const need *
                       "here; retry once they finish",
                       a->name, quota, what);
     int res;
+    for (int r = RES_ENTRIES; r < RES_NONE; r++)
+        if ((r == RES_ENTRIES ? room_used(a, r) >= room_of[r]
+                              : room_used(a, r) + need_of(n, r) > room_of[r]) &&
+            !can_make_room(a, s, r, need_of(n, r)))
+            return refuse(a, s, xfer,
+                          "agent '%s' is out of room for inbound pushes (%u of %u pushes, %u of "
+                          "%u chunks) and every sender holds at most its part; retry later",
+                          a->name, a->shares.entries, KVL_ROOM_ENTRIES, a->shares.chunks,
+                          KVL_ROOM_CHUNKS);
     while ((res = short_of(a, n)) != RES_NONE && evict_heaviest(a, s, res, now))
         ;
     if (res != RES_NONE)
@@ -613,7 +676,9 @@ kvl_err kvl_rx_announce(kvl_agent *a, uint64_t instance, const char *peer,
     kvl_rx_chunk *chunks = calloc(m->n_chunks ? m->n_chunks : 1, sizeof *chunks);
     kvl_inxfer *h = chunks ? inx_new(peer, m, now) : NULL;
     kvl_rx_xfer *r = h ? entry_new(a, s, m->xfer) : NULL;
-    if (!r || (m->timeout_ms && heap_push(a, r) != 0)) {
+    if (r)
+        r->deadline_ns = m->timeout_ms ? now + (uint64_t)m->timeout_ms * 1000000ull : 0;
+    if (!r || (r->deadline_ns && heap_push(a, r) != 0)) {
         if (r) {
             unhash(a, r);
             free(r);
@@ -632,9 +697,6 @@ kvl_err kvl_rx_announce(kvl_agent *a, uint64_t instance, const char *peer,
     r->n_layers = m->n_layers;
     r->tag_bytes = m->tag_len;
     r->t_progress_ns = now;
-    r->deadline_ns = m->timeout_ms ? now + (uint64_t)m->timeout_ms * 1000000ull : 0;
-    if (r->heap_at != KVL_RX_NO_HEAP)
-        heap_up(a, r->heap_at); /* pushed before its deadline was set */
     charge_live(a, r, 1);
     charge_tag(a, r, 1);
     list_push_head(r);
@@ -690,7 +752,8 @@ void kvl_rx_done(kvl_rx_xfer *r, uint32_t chunk, uint32_t attempt, int verified,
         if (r->h)
             kvl_progress_chunk_done(&r->h->prog, chunk, path, bytes, r->t_progress_ns);
     }
-    r->refs--;
+    if (--r->refs == 0 && r->orphan)
+        free(r); /* dropped while this copy placed (entry_drop) */
 }
 
 void kvl_rx_end(kvl_agent *a, uint64_t instance, const kvl_msg_status *m)

@@ -18,6 +18,7 @@ typedef struct kvl_rx_xfer {
     uint32_t n_layers;        /* announced layer count */
     int ended;                /* the sender said END: every late copy is drained */
     int refs;                 /* connections placing bytes for it right now */
+    int orphan;               /* dropped while refs: freed by the last kvl_rx_done */
     uint64_t t_progress_ns;   /* announced, or a chunk newly verified ("idle" counts from it);
                                  a tombstone: when it ended */
     uint64_t deadline_ns;     /* the sender's deadline, as announced (0: none) */

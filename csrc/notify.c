@@ -183,8 +183,9 @@ int kvl_notify_inbound(kvl_agent *a, const char *peer, uint64_t instance, const 
         a->notif_dropped++;
         kvl_log_limited(a, KVL_LOG_WARNING, peer,
                         "notification from '%s' not queued: the application reads notifications "
-                        "slower than they come (%s's share: %u queued)",
-                        peer, peer, s ? s->notifs : 0);
+                        "slower than they come (it is sent again; docs/security.md, each sender's "
+                        "share)",
+                        peer);
         return 0;
     }
     if (m->xfer)

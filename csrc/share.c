@@ -54,6 +54,7 @@ kvl_share *kvl_share_get(kvl_agent *a, uint64_t sender)
     if (!s)
         return NULL;
     s->sender = sender;
+    s->salt = a->shares.seed ^ (sender * 0x9e3779b97f4a7c15ull);
     kvl_share **b = &a->shares.buckets[mix(a->shares.seed, sender, KVL_SHARE_BUCKETS)];
     s->hnext = *b;
     *b = s;
@@ -72,18 +73,18 @@ static void seen_free(kvl_seen_set *t)
 }
 
 /* Remembers xfer in t (the ring's next slot; the oldest leaves when full). */
-static void seen_put(kvl_seen_set *t, uint64_t xfer)
+static void seen_put(kvl_seen_set *t, uint64_t salt, uint64_t xfer)
 {
     uint16_t slot = (uint16_t)t->head;
     if (t->n == t->cap) { /* full: the oldest leaves its chain */
-        uint16_t *pp = &t->bucket[mix(0, t->xfer[slot], 2 * t->cap)];
+        uint16_t *pp = &t->bucket[mix(salt, t->xfer[slot], 2 * t->cap)];
         while (*pp != slot)
             pp = &t->next[*pp];
         *pp = t->next[slot];
     } else {
         t->n++;
     }
-    uint16_t *b = &t->bucket[mix(0, xfer, 2 * t->cap)];
+    uint16_t *b = &t->bucket[mix(salt, xfer, 2 * t->cap)];
     t->xfer[slot] = xfer;
     t->next[slot] = *b;
     *b = slot;
@@ -91,7 +92,7 @@ static void seen_put(kvl_seen_set *t, uint64_t xfer)
 }
 
 /* A set of cap slots holding old's entries, oldest first (NULL: no memory). */
-static kvl_seen_set *seen_new(uint32_t cap, const kvl_seen_set *old)
+static kvl_seen_set *seen_new(uint32_t cap, uint64_t salt, const kvl_seen_set *old)
 {
     kvl_seen_set *t = calloc(1, sizeof *t);
     uint8_t *mem = malloc(cap * (sizeof(uint64_t) + 3 * sizeof(uint16_t)));
@@ -108,7 +109,7 @@ static kvl_seen_set *seen_new(uint32_t cap, const kvl_seen_set *old)
         t->bucket[i] = (uint16_t)cap;
     if (old) /* a full ring: its oldest is at head */
         for (uint32_t i = 0; i < old->n; i++)
-            seen_put(t, old->xfer[(old->head + i) % old->cap]);
+            seen_put(t, salt, old->xfer[(old->head + i) % old->cap]);
     return t;
 }
 
@@ -116,14 +117,14 @@ int kvl_share_seen(kvl_share *s, uint64_t xfer, uint64_t now, int record)
 {
     kvl_seen_set *t = s->seen;
     if (t) {
-        for (uint16_t i = t->bucket[mix(0, xfer, 2 * t->cap)]; i != t->cap; i = t->next[i])
+        for (uint16_t i = t->bucket[mix(s->salt, xfer, 2 * t->cap)]; i != t->cap; i = t->next[i])
             if (t->xfer[i] == xfer)
                 return 1;
     }
     if (!record)
         return 0;
     if (!t || (t->n == t->cap && t->cap < KVL_SHARE_SEEN)) {
-        kvl_seen_set *grown = seen_new(t ? 2 * t->cap : KVL_SHARE_SEEN_MIN, t);
+        kvl_seen_set *grown = seen_new(t ? 2 * t->cap : KVL_SHARE_SEEN_MIN, s->salt, t);
         if (!grown && !t)
             return 0; /* no memory: unseen, delivered (a duplicate at worst) */
         if (grown) {
@@ -132,13 +133,14 @@ int kvl_share_seen(kvl_share *s, uint64_t xfer, uint64_t now, int record)
         }
     }
     s->t_seen_ns = now;
-    seen_put(t, xfer);
+    seen_put(t, s->salt, xfer);
     return 0;
 }
 
 static int holds_nothing(kvl_agent *a, const kvl_share *s, uint64_t now)
 {
-    if (s->live || s->tombs || (s->seen && now - s->t_seen_ns < SEEN_KEEP_NS))
+    if (s->live || s->tombs || (s->seen && now - s->t_seen_ns < SEEN_KEEP_NS) ||
+        (s->n_refused && now - s->t_refused_ns < SEEN_KEEP_NS))
         return 0;
     pthread_mutex_lock(&a->notif_mu);
     int empty = s->notifs == 0;

@@ -59,7 +59,8 @@ typedef struct kvl_share {
     uint64_t t_seen_ns;                     /* its last notification: seen[] is kept a while */
     uint64_t refused[KVL_SHARE_REFUSED];    /* pushes refused at ANNOUNCE, newest last */
     uint32_t n_refused;
-    uint32_t refused_err;
+    uint64_t t_refused_ns;                  /* the last refusal: its reason is kept a while */
+    uint64_t salt;                          /* seeds seen[]'s hash: ids the sender picks */
     char refused_why[200];
     struct kvl_share *hnext, *next;
     /* under a->notif_mu */

@@ -184,14 +184,24 @@ static void test_bounds(void)
 
 /* Announces from sender `sender` a push of n chunks over n layers (ids and
  * tags as announce()); maps of any size. */
+static kvl_err announce_timed(kvl_agent *a, uint64_t sender, uint64_t xfer, uint32_t n,
+                              const char *tag, uint32_t timeout_ms);
+
 static kvl_err announce_from(kvl_agent *a, uint64_t sender, uint64_t xfer, uint32_t n,
                              const char *tag)
+{
+    return announce_timed(a, sender, xfer, n, tag, 0);
+}
+
+static kvl_err announce_timed(kvl_agent *a, uint64_t sender, uint64_t xfer, uint32_t n,
+                              const char *tag, uint32_t timeout_ms)
 {
     uint32_t *lf = calloc(n, sizeof *lf), *ll = calloc(n, sizeof *ll);
     for (uint32_t i = 0; i < n; i++)
         lf[i] = ll[i] = i;
     kvl_msg_announce m = {.xfer = xfer, .bytes = n, .n_chunks = n, .n_layers = n,
-                          .tag_len = (uint32_t)strlen(tag), .tag = (const uint8_t *)tag};
+                          .timeout_ms = timeout_ms, .tag_len = (uint32_t)strlen(tag),
+                          .tag = (const uint8_t *)tag};
     kvl_buf b = {0};
     kvl_enc_announce(&b, &m, lf, ll);
     kvl_msg_announce d;
@@ -409,6 +419,79 @@ static void test_seen_set(void)
     agent_free(a);
 }
 
+/* Deadlines in announce order other than their own: the soonest expires
+ * first (the heap was once ordered by announce, the newest on top). */
+static void test_deadline_heap_order(void)
+{
+    kvl_agent *a = agent_new();
+    CHECK(announce_timed(a, 7, 1, 1, "soon", 1) == KVL_OK);
+    CHECK(announce_timed(a, 7, 2, 1, "late", 3600000) == KVL_OK);
+    CHECK(announce_timed(a, 7, 3, 1, "mid", 60000) == KVL_OK);
+    kvl_inxfer *soon = NULL, *late = NULL, *mid = NULL;
+    CHECK(kvl_inbound_next(a, "soon", 4, 0, 0, &soon) == KVL_OK);
+    CHECK(kvl_inbound_next(a, "late", 4, 0, 0, &late) == KVL_OK);
+    CHECK(kvl_inbound_next(a, "mid", 3, 0, 0, &mid) == KVL_OK);
+    kvl_rx_expire(a, kvl_now_ns() + 10ull * 1000000000ull);
+    CHECK(kvl_inxfer_wait(soon, 0) == KVL_ERR_DEADLINE);
+    CHECK(kvl_inxfer_wait(mid, 0) == KVL_ERR_TIMEOUT && kvl_inxfer_wait(late, 0) == KVL_ERR_TIMEOUT);
+    kvl_rx_expire(a, kvl_now_ns() + 70ull * 1000000000ull);
+    CHECK(kvl_inxfer_wait(mid, 0) == KVL_ERR_DEADLINE && kvl_inxfer_wait(late, 0) == KVL_ERR_TIMEOUT);
+    kvl_inxfer_release(soon);
+    kvl_inxfer_release(late);
+    kvl_inxfer_release(mid);
+    agent_free(a);
+}
+
+/* A tombstone a copy still places into is dropped (over the sender's
+ * tombstone quota): it waits for that copy's end, then goes (ASan: no use
+ * after free), and the copy settles nothing. */
+static void test_dropped_tombstone_outlives_its_copy(void)
+{
+    kvl_agent *a = agent_new();
+    CHECK(announce_from(a, 7, 1, 1, "") == KVL_OK);
+    kvl_rx_xfer *r = NULL;
+    uint32_t st = 0;
+    CHECK(kvl_rx_claim(a, 7, 1, 0, 1, &r, &st) && r);
+    kvl_msg_status end = {.xfer = 1};
+    kvl_rx_end(a, 7, &end);
+    for (uint64_t x = 2; x <= KVL_SHARE_TOMBS + 1; x++) {
+        kvl_msg_status e2 = {.xfer = x};
+        kvl_rx_end(a, 7, &e2);
+    }
+    CHECK(kvl_share_find(a, 7)->tombs == KVL_SHARE_TOMBS);
+    kvl_rx_xfer *again = NULL;
+    CHECK(!kvl_rx_claim(a, 7, 1, 0, 2, &again, &st) && st == KVL_ERR_PROTOCOL); /* gone */
+    CHECK(!kvl_rx_owns(r, 0, 1));
+    kvl_rx_done(r, 0, 1, 1, 0, 1); /* frees it */
+    kvl_inxfer *h;
+    while (kvl_inbound_next(a, NULL, 0, 1, 0, &h) == KVL_OK)
+        kvl_inxfer_release(h);
+    agent_free(a);
+}
+
+/* Room that eviction cannot make is not made: a push larger than what the
+ * other senders hold beyond their parts is refused, and nobody is evicted
+ * for it. */
+static void test_no_eviction_in_vain(void)
+{
+    kvl_agent *a = agent_new();
+    for (uint64_t s = 1; s <= 4; s++)
+        for (uint64_t x = 1; x <= 64; x++)
+            CHECK(announce_from(a, s, x, 1024, "") == KVL_OK);
+    CHECK(a->shares.chunks == KVL_ROOM_CHUNKS);
+    uint64_t evicted = a->shares.evicted;
+    CHECK(announce_from(a, 5, 1, KVL_MAX_XFER_CHUNKS, "") == KVL_ERR_BUSY);
+    CHECK(a->shares.evicted == evicted && a->shares.chunks == KVL_ROOM_CHUNKS);
+    CHECK(strstr(kvl_last_error(), "out of room") != NULL);
+    /* one that eviction can make room for gets in */
+    CHECK(announce_from(a, 5, 2, 4096, "") == KVL_OK);
+    CHECK(a->shares.evicted == evicted + 4);
+    kvl_inxfer *h;
+    while (kvl_inbound_next(a, NULL, 0, 1, 0, &h) == KVL_OK)
+        kvl_inxfer_release(h);
+    agent_free(a);
+}
+
 int main(void)
 {
     double t0 = test_now_s();
@@ -421,5 +504,8 @@ int main(void)
     test_room_taken_from_heaviest();
     test_queue_share();
     test_seen_set();
+    test_deadline_heap_order();
+    test_dropped_tombstone_outlives_its_copy();
+    test_no_eviction_in_vain();
     return test_report("test_inbound", t0);
 }

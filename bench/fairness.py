@@ -212,6 +212,10 @@ def run_attack(kind: str, args: argparse.Namespace, cmd: list[str]) -> dict[str,
     try:
         target.call("alloc", key="kv", nbytes=size, remote_read=True, remote_write=True,
                     name="kv")  # fmt: skip
+        # the attacker's writes and reads go here (tests/attacks.py picks "attack"), not
+        # into "kv", whose bytes the legitimate peers compare
+        target.call("alloc", key="attack", nbytes=1 << 20, remote_read=True, remote_write=True,
+                    name="attack")  # fmt: skip
         md = target.metadata
         tgt = attacks.Target.from_metadata(md, secret)
         src = np.frombuffer(np.random.default_rng(7).bytes(size), np.uint8).copy()

@@ -136,7 +136,7 @@ static void ping_ctrl(kvl_agent *a, kvl_peer *p, uint64_t now)
     kvl_enc_token(&b, now);
     kvl_frame_finish(&b, KVL_F_PING, 0);
     if (kvl_conn_send_frame(p->ctrl, &b) == 0)
-        p->ctrl_path.t_last_ping_ns = now;
+        kvl_path_keepalive_sent(&p->ctrl_path, now);
 }
 
 void kvl_monitor_probe_all(kvl_peer *p, uint64_t now)

@@ -189,6 +189,11 @@ void kvl_path_ping_sent(kvl_path *pa, uint64_t now)
     pa->t_last_ping_ns = now;
 }
 
+void kvl_path_keepalive_sent(kvl_path *pa, uint64_t now)
+{
+    pa->t_last_ping_ns = now;
+}
+
 void kvl_path_pong(kvl_path *pa, uint64_t sent_ns, uint64_t now)
 {
     if (sent_ns == pa->ping_sent_ns && now > sent_ns) {

@@ -115,6 +115,9 @@ void kvl_path_noted(kvl_path *pa, const char *note);
 /* ---- the monitor ---- */
 /* A PING went out on pa at now. */
 void kvl_path_ping_sent(kvl_path *pa, uint64_t now);
+/* A keep-alive PING went out on pa (the control connection) at now: no
+ * probe is outstanding for it. */
+void kvl_path_keepalive_sent(kvl_path *pa, uint64_t now);
 /* A PONG for the PING sent at sent_ns came back: the RTT estimate follows
  * it if it answers the outstanding probe; either way the path moved. */
 void kvl_path_pong(kvl_path *pa, uint64_t sent_ns, uint64_t now);

@@ -149,7 +149,9 @@ class Peer:
                 for rid, size, rights, name in region_table(body)]  # fmt: skip
 
     def region(self, rights: int) -> RemoteRegion:
-        """The largest region with ``rights`` whose key the metadata carries.
+        """The region named "attack" with ``rights`` (a target that keeps the attacker's
+        writes out of what its legitimate peers compare), else the largest one with them,
+        whose key the metadata carries.
 
         Raises:
             LookupError: there is none.
@@ -158,7 +160,8 @@ class Peer:
         if not fit:
             raise LookupError(f"target {self.target.name!r} exposes no region with rights "
                               f"{rights} whose key its metadata carries")  # fmt: skip
-        return max(fit, key=lambda r: r.nbytes)
+        named = [r for r in fit if r.name == "attack"]
+        return named[0] if named else max(fit, key=lambda r: r.nbytes)
 
 
 def data_frame(xfer: int, chunk: int, attempt: int, region: RemoteRegion, offset: int,

@@ -87,6 +87,10 @@ class Scene:
         self.target = make_agent("target", secret=SECRET)
         self.kv = np.zeros(SIZE, np.uint8)
         self.target.register(self.kv, name="kv", remote_read=True, remote_write=True)
+        # what the attacker writes into and reads (an admitted peer with the keys may):
+        # not "kv", whose bytes the legitimate peer compares
+        self.attack_buf = np.zeros(1 << 20, np.uint8)
+        self.target.register(self.attack_buf, name="attack", remote_read=True, remote_write=True)
         self.src = np.frombuffer(np.random.default_rng(22).bytes(SIZE), np.uint8).copy()
         self.back = np.zeros(SIZE, np.uint8)
         self.rounds = 0

@@ -202,6 +202,17 @@ static void queue_put(kvl_agent *a, kvl_share *s, kvl_inxfer *t, uint64_t now)
     kvl_inxfer_release(drop);
 }
 
+/* Releases handles unlinked from the queue and chained by qnext (outside
+ * inq_mu: the last reference frees). */
+static void release_chain(kvl_inxfer *drop)
+{
+    while (drop) {
+        kvl_inxfer *t = drop;
+        drop = t->qnext;
+        kvl_inxfer_release(t);
+    }
+}
+
 /* Finished handles nobody took for QUEUE_KEEP_NS go: oldest first, so the
  * walk stops at the first one queued more recently. */
 static void queue_expire(kvl_agent *a, uint64_t now)
@@ -217,11 +228,7 @@ static void queue_expire(kvl_agent *a, uint64_t now)
         }
     }
     pthread_mutex_unlock(&a->inq_mu);
-    while (drop) {
-        kvl_inxfer *t = drop;
-        drop = t->qnext;
-        kvl_inxfer_release(t);
-    }
+    release_chain(drop);
 }
 
 /* ---- entries (engine thread) ---- */
@@ -857,11 +864,7 @@ void kvl_rx_free_all(kvl_agent *a)
         drop = t;
     }
     pthread_mutex_unlock(&a->inq_mu);
-    while (drop) {
-        kvl_inxfer *t = drop;
-        drop = t->qnext;
-        kvl_inxfer_release(t);
-    }
+    release_chain(drop);
 }
 
 /* ---- the application's side (any thread) ---- */

@@ -217,6 +217,20 @@ def connect(
     return s
 
 
+def closed_by_peer(s: socket.socket, within_s: float) -> bool:
+    """True once the agent has closed s (EOF or reset) within ``within_s``; frames it sent
+    before are read and dropped."""
+    s.settimeout(within_s)
+    try:
+        while s.recv(65536):
+            pass
+    except (ConnectionResetError, BrokenPipeError):
+        pass
+    except TimeoutError:
+        return False
+    return True
+
+
 def skip_exact(s: socket.socket, n: int) -> None:
     """Reads and drops n bytes (a payload) without holding them."""
     while n:

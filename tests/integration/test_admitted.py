@@ -19,18 +19,6 @@ from tests.waits import wait_for, wait_paths
 MiB = 1 << 20
 
 
-def _closed_by_agent(s: socket.socket, within_s: float) -> bool:
-    """True once the agent has closed s (EOF or reset) within ``within_s``; frames it sent
-    before are read and dropped."""
-    s.settimeout(within_s)
-    try:
-        while s.recv(65536):
-            pass
-    except (ConnectionResetError, BrokenPipeError):
-        pass
-    except TimeoutError:
-        return False
-    return True
 
 
 def _logged(caplog: pytest.LogCaptureFixture, text: str, timeout_s: float = 10) -> None:
@@ -72,7 +60,7 @@ def test_an_idle_admitted_connection_is_closed(make_agent, caplog):
             chatty.sendall(wc.frame(wc.PING, struct.pack("<Q", 1)))
             assert wc.recv_until(chatty, wc.PONG)
             time.sleep(0.3)
-        assert _closed_by_agent(quiet, within_s=0.1)
+        assert wc.closed_by_peer(quiet, within_s=0.1)
         chatty.sendall(wc.frame(wc.PING, struct.pack("<Q", 2)))
         chatty.settimeout(5)
         assert wc.recv_until(chatty, wc.PONG)  # still open

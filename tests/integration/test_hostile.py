@@ -73,17 +73,6 @@ def _tcp_state(s: socket.socket) -> int:
     return s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0]
 
 
-def _closed_by_agent(s: socket.socket, within_s: float) -> bool:
-    """True once the agent has closed s (EOF or reset) within ``within_s``."""
-    s.settimeout(within_s)
-    try:
-        while s.recv(65536):
-            pass
-    except (ConnectionResetError, BrokenPipeError):
-        pass
-    except TimeoutError:
-        return False
-    return True
 
 
 def test_a_body_over_the_preauth_limit_is_refused_unread(make_agent):
@@ -92,7 +81,7 @@ def test_a_body_over_the_preauth_limit_is_refused_unread(make_agent):
     victim = make_agent("victim", connect_timeout_s=10)
     with socket.create_connection(victim.addresses[0], timeout=5) as s:
         s.sendall(struct.pack("<IBBHIIQ", wc.MAGIC, wc.VERSION, wc.HELLO, 0, 65536, 0, 0))
-        assert _closed_by_agent(s, within_s=5)
+        assert wc.closed_by_peer(s, within_s=5)
 
 
 def test_a_peer_that_does_not_read_its_answers_is_cut(make_agent, caplog):
@@ -124,7 +113,7 @@ def test_connections_over_max_connections_are_closed_at_accept(make_agent, caplo
     held = [wc.connect(victim.addresses[0], wc.DATA_CONN, 0, "many", 8) for _ in range(6)]
     try:
         extra = socket.create_connection(victim.addresses[0], timeout=5)
-        assert _closed_by_agent(extra, within_s=3)
+        assert wc.closed_by_peer(extra, within_s=3)
         extra.close()
     finally:
         for s in held:
@@ -141,7 +130,7 @@ def test_silent_connections_cannot_keep_a_peer_out(make_agent):
     silent = [socket.create_connection(victim.addresses[0], timeout=5) for _ in range(6)]
     try:
         _still_serves(make_agent, victim)  # control + 1 data connection of a real peer
-        assert _closed_by_agent(silent[0], within_s=5)  # the oldest silent ones made room
+        assert wc.closed_by_peer(silent[0], within_s=5)  # the oldest silent ones made room
     finally:
         for s in silent:
             s.close()
@@ -168,7 +157,7 @@ def test_a_frame_that_stops_arriving_is_cut(make_agent):
     try:
         body = struct.pack("<QIII", 1, 0, 1, 1)
         s.sendall(wc.frame(wc.DATA, body + bytes(48), 64)[:40])  # header and a bit of body
-        assert _closed_by_agent(s, within_s=10)  # 6 x connect_timeout_s, checked each tick
+        assert wc.closed_by_peer(s, within_s=10)  # 6 x connect_timeout_s, checked each tick
     finally:
         s.close()
 

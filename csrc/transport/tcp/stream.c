@@ -33,6 +33,7 @@
 #include <string.h>
 #include <sys/epoll.h>
 #include <sys/ioctl.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -48,6 +49,7 @@
  * other ready one had its turn (one flooding peer cannot hold back the
  * others' handshakes and PINGs for more than 32 of its frames). */
 #define READ_FRAMES 32
+#define FRAME_BODY_UNIT (4u << 10) /* ...where every 4 KiB of a body counts as one more frame */
 #define WRITE_FRAMES 256
 
 /* Stream budgets (docs/security.md, "Stream budgets").
@@ -70,7 +72,7 @@
  * bytes and freed once its frame's body is in. */
 #define BODY_START (4u << 10)
 #define BODY_FREE (16u << 10)
-#define BODY_POOL (64u << 20)
+#define BODY_POOL (32u << 20)
 /* A body is in by connect_timeout + body_len at this rate after its header,
  * or its connection is cut (a byte every few seconds holds nothing long):
  * 64 KiB/s is far below any data path, a 1 MiB body gets 16 s more. */
@@ -1174,8 +1176,8 @@ static void body_release(kvl_ep *ep)
     kvl_tcp_budget *g = kvl_tcp_budget_of(ep->a);
     if (g)
         g->body_bytes -= ep->body_pooled;
+    munmap(ep->body, ep->body_cap); /* lent by the pool: mapped (body_map) */
     ep->body_pooled = 0;
-    free(ep->body);
     ep->body = NULL;
     ep->body_cap = 0;
 }
@@ -1197,6 +1199,25 @@ static void body_cut(kvl_ep *ep, const char *why)
  * arriving longest (possibly ep's own), so a peer must keep sending to hold
  * pool memory, and a body sent at any data-path rate is never the oldest
  * for long.  0, or -1 when ep was failed. */
+/* A buffer the pool lends is mapped, not malloc'ed: when it goes back its
+ * pages go back to the kernel at once (malloc keeps what frees of this size
+ * leave: a trickle's 64 MiB of cut bodies stayed in RSS after it left).
+ * ep's body (body_got bytes) in `want` bytes, or NULL. */
+static uint8_t *body_map(kvl_ep *ep, size_t want)
+{
+    if (ep->body_pooled) {
+        void *p = mremap(ep->body, ep->body_cap, want, MREMAP_MAYMOVE);
+        return p == MAP_FAILED ? NULL : p;
+    }
+    void *p = mmap(NULL, want, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+        return NULL;
+    if (ep->body_got)
+        memcpy(p, ep->body, ep->body_got);
+    free(ep->body);
+    return p;
+}
+
 static int body_grow(kvl_ep *ep)
 {
     size_t want = ep->body_cap ? 2 * ep->body_cap : BODY_START;
@@ -1216,7 +1237,7 @@ static int body_grow(kvl_ep *ep)
         if (old == ep)
             return -1;
     }
-    uint8_t *nb = realloc(ep->body, want);
+    uint8_t *nb = pooled ? body_map(ep, want) : realloc(ep->body, want);
     if (!nb) {
         kvl_proto_on_error(ep->c, KVL_ERR_NOMEM, "out of memory for a frame body");
         return -1;
@@ -1344,7 +1365,7 @@ static void ep_read(kvl_ep *ep)
     size_t budget = IO_BUDGET;
     int frames = 0;
     while (!ep->dead && budget && !ep->refused && !ep->rx_busy) {
-        if (ep->rs == RS_HDR && ep->hdr_got == 0 && (rx_gated(ep) || frames == READ_FRAMES)) {
+        if (ep->rs == RS_HDR && ep->hdr_got == 0 && (rx_gated(ep) || frames >= READ_FRAMES)) {
             /* between frames: paused, or the others' turn (level-triggered,
              * ep comes back); woken by the next header's first byte */
             set_lowat(ep, 0);
@@ -1400,9 +1421,11 @@ static void ep_read(kvl_ep *ep)
             ep->hdr_got += (size_t)n;
             if (ep->hdr_got < KVL_HDR_BYTES)
                 break;
-            frames++;
             if (on_header(ep))
                 return;
+            /* a frame costs the core by its body (a READ_REQ of 8192 pieces
+             * is 8192 lookups): one large body is many small frames' turn */
+            frames += 1 + (int)(ep->h.body_len / FRAME_BODY_UNIT);
             break;
         case RS_BODY:
             ep->body_got += (size_t)n;

@@ -19,7 +19,7 @@ struct kvl_inxfer;
 #define KVL_SHARE_LAYERS (1u << 18)         /* their layers */
 #define KVL_SHARE_TAG_BYTES (2u << 20)      /* tags of the handles the engine holds for it */
 #define KVL_SHARE_NOTIFS 8192               /* notifications queued for the application */
-#define KVL_SHARE_NOTIF_BYTES (8u << 20)    /* ...and their bytes (node and tag) */
+#define KVL_SHARE_NOTIF_BYTES (4u << 20)    /* ...and their bytes (node and tag) */
 #define KVL_SHARE_QUEUED 256                /* handles waiting for kvl_inbound_next */
 #define KVL_SHARE_SEEN 1024                 /* notifications remembered for de-duplication */
 #define KVL_SHARE_SEEN_MIN 16

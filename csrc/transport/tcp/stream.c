@@ -28,6 +28,7 @@
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <malloc.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,7 +43,7 @@
 
 #define IO_BATCH (2u << 20)  /* bytes per receive wakeup (SO_RCVLOWAT): fewer wakeups */
 #define IO_BUDGET (8u << 20) /* bytes per readiness event before serving others */
-#define MAX_IOV 64
+#define MAX_IOV 1024 /* IOV_MAX: a READ_RESP of 8192 one-byte pieces is 8 sendmsg calls, not 128 */
 #define PULL_BATCH (512u << 10) /* bytes per mover pull (a same-host copy): crc from L2 */
 /* Frames per readiness event, each way: epoll is level-triggered, so a
  * connection with more comes back in the next loop iteration, after every
@@ -70,6 +71,10 @@
  * its own (handshakes, ACKs, NOTIFY tags, DATA of some 600 pieces) and kept
  * between frames, anything larger is lent by the agent's pool of BODY_POOL
  * bytes and freed once its frame's body is in. */
+/* Closed connections that let go of this many bytes of answers: the
+ * memory goes back to the kernel (malloc_trim, at most once a second). */
+#define TRIM_AFTER_BYTES (8u << 20)
+#define TRIM_EVERY_NS (1000ull * 1000000ull)
 #define BODY_START (4u << 10)
 #define BODY_FREE (16u << 10)
 #define BODY_POOL (32u << 20)
@@ -1627,6 +1632,14 @@ static void pause_listener(kvl_ep *l, int err)
 
 static void tcp_tick(kvl_ep *ep, uint64_t now)
 {
+    kvl_tcp_budget *g = ep ? kvl_tcp_budget_of(ep->a) : NULL;
+    if (g && g->released >= TRIM_AFTER_BYTES && now - g->t_trim_ns >= TRIM_EVERY_NS) {
+        /* connections that left megabytes of unread answers behind: malloc
+         * keeps freed blocks of their sizes, so the memory would stay ours */
+        malloc_trim(0);
+        g->released = 0;
+        g->t_trim_ns = now;
+    }
     if (ep && ep->listener && !ep->dead && ep->paused_until_ns && now >= ep->paused_until_ns &&
         kvl_engine_rewatch(ep->a, ep->fd, ep, EPOLLIN) == 0)
         ep->paused_until_ns = 0;
@@ -1813,6 +1826,7 @@ static void tcp_close(kvl_ep *ep, int abortive)
         ep->mv_ops->free(ep->mv, ep->a->cfg.connect_timeout_ms);
         ep->mv = NULL;
     }
+    size_t held = ep->sq_bytes;
     while (ep->sq) {
         kvl_out *o = ep->sq;
         ep->sq = o->next;
@@ -1820,6 +1834,8 @@ static void tcp_close(kvl_ep *ep, int abortive)
     }
     ep->sq_tail = NULL;
     ep->sq_len = 0;
+    if (g && ep->acct)
+        g->released += held;
     /* the peer reads nothing of ours any more */
     for (size_t i = 0; i < ep->nheld; i++)
         kvl_proto_release(ep->a, &ep->held[i].hold);

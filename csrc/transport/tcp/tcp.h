@@ -29,6 +29,8 @@ typedef struct kvl_tcp_budget {
     uint64_t body_cut;         /* bodies cut for the pool (the oldest one) */
     uint64_t body_late;        /* bodies cut at their deadline */
     uint64_t pauses;           /* times a connection stopped being read for its answers */
+    size_t released;           /* answer bytes closed connections let go since the last trim */
+    uint64_t t_trim_ns;        /* the last malloc_trim (tcp_tick) */
 } kvl_tcp_budget;
 
 /* Where a connection's receive side is (kvl_ep.rs): a frame's parts in order. */

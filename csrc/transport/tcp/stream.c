@@ -43,7 +43,8 @@
 
 #define IO_BATCH (2u << 20)  /* bytes per receive wakeup (SO_RCVLOWAT): fewer wakeups */
 #define IO_BUDGET (8u << 20) /* bytes per readiness event before serving others */
-#define MAX_IOV 1024 /* IOV_MAX: a READ_RESP of 8192 one-byte pieces is 8 sendmsg calls, not 128 */
+#define MAX_IOV 64
+#define SEND_IOV 1024 /* IOV_MAX: a READ_RESP of 8192 one-byte pieces is 8 sendmsg calls, not 128 */
 #define PULL_BATCH (512u << 10) /* bytes per mover pull (a same-host copy): crc from L2 */
 /* Frames per readiness event, each way: epoll is level-triggered, so a
  * connection with more comes back in the next loop iteration, after every
@@ -577,7 +578,7 @@ static int out_iov(kvl_out *o, struct iovec *v)
         int idx = o->iov_idx;
         size_t off = o->iov_off;
         size_t batch = crc_batch();
-        while (n < MAX_IOV && idx < o->f.n_payload && want < batch) {
+        while (n < SEND_IOV && idx < o->f.n_payload && want < batch) {
             size_t len = o->f.payload[idx].iov_len - off;
             if (len > batch - want)
                 len = batch - want;
@@ -733,7 +734,7 @@ static int out_step(kvl_ep *ep, kvl_out *o, size_t *budget)
         if (r != OUT_MORE)
             return r;
     }
-    struct iovec v[MAX_IOV + 2];
+    struct iovec v[SEND_IOV + 2];
     int n = out_iov(o, v);
     if (n == 0)
         return o->oob && !o->ready ? OUT_MORE : OUT_DONE;

@@ -214,6 +214,15 @@ static kvl_err announce_timed(kvl_agent *a, uint64_t sender, uint64_t xfer, uint
     return e;
 }
 
+/* Releases every handle still queued, then the agent. */
+static void drain_and_free(kvl_agent *a)
+{
+    kvl_inxfer *h;
+    while (kvl_inbound_next(a, NULL, 0, 1, 0, &h) == KVL_OK)
+        kvl_inxfer_release(h);
+    agent_free(a);
+}
+
 static kvl_rx_xfer *entry(kvl_agent *a, uint64_t sender, uint64_t xfer)
 {
     kvl_share *s = kvl_share_find(a, sender);
@@ -257,10 +266,7 @@ static void test_sender_quota(void)
     CHECK(entry(a, 7, 1) == busy && !entry(a, 7, 2)); /* the oldest idle one without a copy */
     CHECK(s->live == KVL_SHARE_LIVE);
     kvl_rx_done(busy, 0, 1, 1, 0, 1);
-    kvl_inxfer *h;
-    while (kvl_inbound_next(a, NULL, 0, 1, 0, &h) == KVL_OK)
-        kvl_inxfer_release(h);
-    agent_free(a);
+    drain_and_free(a);
 }
 
 /* Four senders at their chunk quota fill the agent's room; a fifth still
@@ -463,10 +469,7 @@ static void test_dropped_tombstone_outlives_its_copy(void)
     CHECK(!kvl_rx_claim(a, 7, 1, 0, 2, &again, &st) && st == KVL_ERR_PROTOCOL); /* gone */
     CHECK(!kvl_rx_owns(r, 0, 1));
     kvl_rx_done(r, 0, 1, 1, 0, 1); /* frees it */
-    kvl_inxfer *h;
-    while (kvl_inbound_next(a, NULL, 0, 1, 0, &h) == KVL_OK)
-        kvl_inxfer_release(h);
-    agent_free(a);
+    drain_and_free(a);
 }
 
 /* Room that eviction cannot make is not made: a push larger than what the
@@ -486,10 +489,7 @@ static void test_no_eviction_in_vain(void)
     /* one that eviction can make room for gets in */
     CHECK(announce_from(a, 5, 2, 4096, "") == KVL_OK);
     CHECK(a->shares.evicted == evicted + 4);
-    kvl_inxfer *h;
-    while (kvl_inbound_next(a, NULL, 0, 1, 0, &h) == KVL_OK)
-        kvl_inxfer_release(h);
-    agent_free(a);
+    drain_and_free(a);
 }
 
 int main(void)

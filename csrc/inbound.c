@@ -545,7 +545,9 @@ static int can_make_room(const kvl_agent *a, const kvl_share *asking, int res, u
 }
 
 /* What v gives up for `res`: an old tombstone, else its least recently
- * progressed push (a copy placing keeps it), else its oldest tombstone. */
+ * progressed push no copy is placing, else its oldest tombstone, else its
+ * least recently progressed push even with a copy in flight (a sender over
+ * its part cannot pin room by holding a copy's last bytes back). */
 static kvl_rx_xfer *victim_of(kvl_share *v, int res, uint64_t now)
 {
     kvl_rx_xfer *r = NULL;
@@ -555,7 +557,7 @@ static kvl_rx_xfer *victim_of(kvl_share *v, int res, uint64_t now)
         r = lru_victim(v, now, 0);
     if (!r && res == RES_ENTRIES)
         r = v->tomb_tail;
-    return r;
+    return r ? r : v->lru_tail;
 }
 
 /* The room lacks `res`: of the senders holding more of it than their fair
@@ -578,6 +580,8 @@ static int evict_heaviest(kvl_agent *a, const kvl_share *asking, int res, uint64
     if (!r)
         return 0;
     a->shares.evicted += !r->ended;
+    if (r->refs && !r->ended)
+        a->revoke_rx(a, r, 0); /* its copies stop placing before the handle fails */
     entry_drop(a, r, KVL_ERR_BUSY,
                "dropped: the agent ran out of room for inbound pushes and this sender held more "
                "than its part");
@@ -610,10 +614,18 @@ static kvl_err refuse(kvl_agent *a, kvl_share *s, uint64_t xfer, const char *fmt
     return kvl_fail(KVL_ERR_BUSY, "%s", s->refused_why);
 }
 
-const char *kvl_rx_refusal(kvl_agent *a, uint64_t instance)
+void kvl_rx_refusal(kvl_agent *a, uint64_t instance, char *out, size_t len)
 {
     kvl_share *s = kvl_share_find(a, instance);
-    return s && s->n_refused ? s->refused_why : "";
+    if (s && s->n_refused)
+        snprintf(out, len, "%s", s->refused_why);
+    else if (!s)
+        snprintf(out, len,
+                 "agent '%s' holds inbound state of %u sender sessions, none of which can make "
+                 "way; retry later",
+                 a->name, KVL_SHARE_MAX);
+    else
+        snprintf(out, len, "agent '%s' refused the push", a->name);
 }
 
 static int was_refused(const kvl_share *s, uint64_t xfer)
@@ -671,7 +683,9 @@ kvl_err kvl_rx_announce(kvl_agent *a, uint64_t instance, const char *peer,
         return KVL_OK; /* announced on another connection already, or over */
     kvl_share *s = kvl_share_get(a, instance);
     if (!s)
-        return kvl_fail(KVL_ERR_BUSY, "agent '%s' holds inbound state of %u sender sessions",
+        return kvl_fail(KVL_ERR_BUSY,
+                        "agent '%s' holds inbound state of %u sender sessions, none of which "
+                        "can make way",
                         a->name, KVL_SHARE_MAX);
     if (was_refused(s, m->xfer))
         return KVL_ERR_BUSY; /* its ANNOUNCE on another connection: the same answer */
@@ -719,7 +733,8 @@ int kvl_rx_claim(kvl_agent *a, uint64_t instance, uint64_t xfer, uint32_t chunk,
         *drain_status = KVL_RX_SUPERSEDED;
         return 0;
     }
-    if (!r && was_refused(kvl_share_find(a, instance), xfer)) {
+    kvl_share *sh = r ? NULL : kvl_share_find(a, instance);
+    if (!r && (was_refused(sh, xfer) || (!sh && a->shares.n >= KVL_SHARE_MAX))) {
         *drain_status = KVL_ERR_BUSY; /* kvl_rx_refusal says why */
         return 0;
     }
@@ -838,6 +853,7 @@ void kvl_rx_forget_sender(kvl_agent *a, uint64_t sender)
     }
     while (s->tomb_head)
         entry_drop(a, s->tomb_head, KVL_OK, "");
+    kvl_share_forget(s); /* its session key never sends again */
 }
 
 void kvl_rx_free_all(kvl_agent *a)

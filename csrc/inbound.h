@@ -43,8 +43,9 @@ kvl_err kvl_rx_announce(kvl_agent *a, uint64_t instance, const char *peer,
  * in it). */
 int kvl_rx_claim(kvl_agent *a, uint64_t instance, uint64_t xfer, uint32_t chunk,
                  uint32_t attempt, kvl_rx_xfer **out, uint32_t *drain_status);
-/* Why sender `instance`'s last pushes were refused at ANNOUNCE ("" if none). */
-const char *kvl_rx_refusal(kvl_agent *a, uint64_t instance);
+/* Why sender `instance`'s push was refused at ANNOUNCE (kvl_rx_claim said
+ * KVL_ERR_BUSY), into out. */
+void kvl_rx_refusal(kvl_agent *a, uint64_t instance, char *out, size_t len);
 /* Still the owner?  Checked before every read into the destination. */
 int kvl_rx_owns(const kvl_rx_xfer *r, uint32_t chunk, uint32_t attempt);
 /* The copy finished (verified or not; path and bytes for the handle's

@@ -90,7 +90,7 @@ static void on_data(kvl_conn *c)
             kvl_place_release_prefs(c);
             c->pst.status = drain_status;
             if (drain_status == KVL_ERR_BUSY) /* refused at its ANNOUNCE: say why */
-                snprintf(c->pst.msg, sizeof c->pst.msg, "%s", kvl_rx_refusal(c->a, instance));
+                kvl_rx_refusal(c->a, instance, c->pst.msg, sizeof c->pst.msg);
             else if (drain_status == KVL_ERR_PROTOCOL)
                 snprintf(c->pst.msg, sizeof c->pst.msg,
                          "agent '%s': push %llu was not announced, or has no chunk %u",

@@ -40,15 +40,45 @@ kvl_share *kvl_share_find(kvl_agent *a, uint64_t sender)
     return s;
 }
 
+static void list_unlink(kvl_agent *a, kvl_share *s)
+{
+    *(s->prev ? &s->prev->next : &a->shares.all) = s->next;
+    *(s->next ? &s->next->prev : &a->shares.all_tail) = s->prev;
+    s->prev = s->next = NULL;
+}
+
+static void list_push_head(kvl_agent *a, kvl_share *s)
+{
+    s->prev = NULL;
+    s->next = a->shares.all;
+    *(s->next ? &s->next->prev : &a->shares.all_tail) = s;
+    a->shares.all = s;
+}
+
+static int holds_nothing(kvl_agent *a, const kvl_share *s, uint64_t now);
+static void share_free(kvl_agent *a, kvl_share *s);
+
 kvl_share *kvl_share_get(kvl_agent *a, uint64_t sender)
 {
     kvl_share *s = kvl_share_find(a, sender);
-    if (s)
+    if (s) {
+        if (a->shares.all != s) { /* the most recently used first */
+            list_unlink(a, s);
+            list_push_head(a, s);
+        }
         return s;
+    }
     if (a->shares.n >= KVL_SHARE_MAX) {
-        kvl_share_sweep(a, kvl_now_ns());
-        if (a->shares.n >= KVL_SHARE_MAX)
+        /* the least recently used that holds only memory makes way (a
+         * session that ended long ago, or one cycling names to fill us) */
+        kvl_share *v = a->shares.all_tail;
+        for (int i = 0; v && i < KVL_SHARE_EVICT_LOOK && !holds_nothing(a, v, UINT64_MAX); i++)
+            v = v->prev;
+        if (!v || !holds_nothing(a, v, UINT64_MAX)) {
+            a->shares.full_refused++;
             return NULL;
+        }
+        share_free(a, v);
     }
     s = calloc(1, sizeof *s);
     if (!s)
@@ -58,8 +88,7 @@ kvl_share *kvl_share_get(kvl_agent *a, uint64_t sender)
     kvl_share **b = &a->shares.buckets[mix(a->shares.seed, sender, KVL_SHARE_BUCKETS)];
     s->hnext = *b;
     *b = s;
-    s->next = a->shares.all;
-    a->shares.all = s;
+    list_push_head(a, s);
     a->shares.n++;
     return s;
 }
@@ -137,6 +166,7 @@ int kvl_share_seen(kvl_share *s, uint64_t xfer, uint64_t now, int record)
     return 0;
 }
 
+/* Nothing held but memory that expired by `now` (UINT64_MAX: any memory). */
 static int holds_nothing(kvl_agent *a, const kvl_share *s, uint64_t now)
 {
     if (s->live || s->tombs || (s->seen && now - s->t_seen_ns < SEEN_KEEP_NS) ||
@@ -151,13 +181,23 @@ static int holds_nothing(kvl_agent *a, const kvl_share *s, uint64_t now)
     return empty;
 }
 
-static void unlink_share(kvl_agent *a, kvl_share *s)
+static void share_free(kvl_agent *a, kvl_share *s)
 {
     kvl_share **pp = &a->shares.buckets[mix(a->shares.seed, s->sender, KVL_SHARE_BUCKETS)];
     while (*pp != s)
         pp = &(*pp)->hnext;
     *pp = s->hnext;
+    list_unlink(a, s);
     a->shares.n--;
+    seen_free(s->seen);
+    free(s);
+}
+
+void kvl_share_forget(kvl_share *s)
+{
+    seen_free(s->seen);
+    s->seen = NULL;
+    s->n_refused = 0;
 }
 
 void kvl_share_sweep(kvl_agent *a, uint64_t now)
@@ -165,16 +205,10 @@ void kvl_share_sweep(kvl_agent *a, uint64_t now)
     /* the application's threads only decrement the counters under the
      * locks, so a share found empty there stays empty: no new reference
      * to it is made but by this thread */
-    for (kvl_share **pp = &a->shares.all; *pp;) {
-        kvl_share *s = *pp;
-        if (holds_nothing(a, s, now)) {
-            *pp = s->next;
-            unlink_share(a, s);
-            seen_free(s->seen);
-            free(s);
-        } else {
-            pp = &s->next;
-        }
+    for (kvl_share *s = a->shares.all, *next; s; s = next) {
+        next = s->next;
+        if (holds_nothing(a, s, now))
+            share_free(a, s);
     }
 }
 
@@ -187,5 +221,6 @@ void kvl_share_free_all(kvl_agent *a)
         free(s);
     }
     memset(a->shares.buckets, 0, sizeof a->shares.buckets);
+    a->shares.all_tail = NULL;
     a->shares.n = 0;
 }

@@ -36,6 +36,7 @@ struct kvl_inxfer;
 #define KVL_ROOM_QUEUED 1024
 #define KVL_SHARE_MAX 8192                  /* sender sessions with state here */
 #define KVL_SHARE_BUCKETS 4096
+#define KVL_SHARE_EVICT_LOOK 64             /* shares a full table looks at for one to drop */
 
 /* Notifications one sender had delivered, for de-duplication: a ring (the
  * oldest is forgotten first) indexed by a hash, so a lookup is O(1).  It
@@ -62,7 +63,8 @@ typedef struct kvl_share {
     uint64_t t_refused_ns;                  /* the last refusal: its reason is kept a while */
     uint64_t salt;                          /* seeds seen[]'s hash: ids the sender picks */
     char refused_why[200];
-    struct kvl_share *hnext, *next;
+    struct kvl_share *hnext;
+    struct kvl_share *prev, *next;          /* a->shares.all, most recently used first */
     /* under a->notif_mu */
     uint32_t notifs;
     uint32_t notif_bytes;
@@ -73,8 +75,9 @@ typedef struct kvl_share {
 
 typedef struct kvl_shares {
     kvl_share *buckets[KVL_SHARE_BUCKETS];
-    kvl_share *all;
+    kvl_share *all, *all_tail;              /* every share, most recently used first */
     uint32_t n;
+    uint64_t full_refused;                  /* frames of new sessions refused: table full */
     uint64_t seed;                          /* secret: senders cannot aim at one bucket */
     /* engine thread: totals of every share's engine counters */
     uint32_t entries, chunks, layers, tag_bytes;
@@ -85,8 +88,11 @@ typedef struct kvl_shares {
     uint32_t queued;
 } kvl_shares;
 
-/* The share of sender `sender`, created if it has none; NULL when
- * KVL_SHARE_MAX sessions hold state (nothing is created).  Engine thread. */
+/* The share of sender `sender`, created if it has none (it becomes the most
+ * recently used).  At KVL_SHARE_MAX the least recently used share that
+ * holds only memory (de-duplication, refusals) makes way, looking at most
+ * KVL_SHARE_EVICT_LOOK of them: O(1); NULL when none does (nothing is
+ * created).  Engine thread; takes notif_mu and inq_mu. */
 kvl_share *kvl_share_get(kvl_agent *a, uint64_t sender);
 /* The share of `sender`, or NULL.  Engine thread. */
 kvl_share *kvl_share_find(kvl_agent *a, uint64_t sender);
@@ -95,6 +101,10 @@ kvl_share *kvl_share_find(kvl_agent *a, uint64_t sender);
  * oldest of KVL_SHARE_SEEN is forgotten).  Engine thread; NOMEM counts as
  * unseen. */
 int kvl_share_seen(kvl_share *s, uint64_t xfer, uint64_t now, int record);
+/* Sender session s is over for good (a new session of its name began):
+ * what it remembered (de-duplication, refusals) goes; it is freed once it
+ * holds nothing else.  Engine thread. */
+void kvl_share_forget(kvl_share *s);
 /* Frees every share that holds nothing (and whose notification memory
  * expired), so the table is bounded by what senders hold.  Engine thread;
  * takes notif_mu and inq_mu. */

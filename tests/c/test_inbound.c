@@ -251,7 +251,9 @@ static void test_sender_quota(void)
     kvl_rx_xfer *r = NULL;
     uint32_t st = 0;
     CHECK(!kvl_rx_claim(a, 7, 9999, 0, 1, &r, &st) && st == KVL_ERR_BUSY);
-    CHECK(strstr(kvl_rx_refusal(a, 7), "2048 pushes") != NULL);
+    char why[256];
+    kvl_rx_refusal(a, 7, why, sizeof why);
+    CHECK(strstr(why, "2048 pushes") != NULL);
     /* another sender is not affected by 7's quota */
     CHECK(announce_from(a, 8, 1, 1, "") == KVL_OK);
     /* a claim and an unverified copy are no progress: 7's pushes stay idle */
@@ -492,6 +494,63 @@ static void test_no_eviction_in_vain(void)
     drain_and_free(a);
 }
 
+/* A full share table: the least recently used share that holds only
+ * memory makes way for a new session; when every share looked at holds
+ * pushes, a new session's DATA is answered BUSY with the reason. */
+static void test_share_table_full(void)
+{
+    kvl_agent *a = agent_new();
+    for (uint64_t x = 1; x <= KVL_SHARE_MAX; x++)
+        kvl_share_seen(kvl_share_get(a, 1000 + x), 1, 1, 1); /* memory only */
+    CHECK(a->shares.n == KVL_SHARE_MAX);
+    CHECK(kvl_share_get(a, 1) != NULL && a->shares.n == KVL_SHARE_MAX);
+    CHECK(!kvl_share_find(a, 1001)); /* the least recently used went */
+    /* a session that ends for good forgets what it remembered */
+    kvl_share *s = kvl_share_find(a, 1002);
+    kvl_rx_forget_sender(a, 1002);
+    CHECK(!s->seen && !s->n_refused);
+    kvl_share_free_all(a);
+    /* every share holds a tombstone: nobody makes way */
+    for (uint64_t x = 1; x <= KVL_SHARE_MAX; x++) {
+        kvl_msg_status end = {.xfer = 1};
+        kvl_rx_end(a, 5000 + x, &end);
+    }
+    CHECK(a->shares.n == KVL_SHARE_MAX);
+    CHECK(announce_from(a, 2, 1, 1, "") == KVL_ERR_BUSY);
+    kvl_rx_xfer *r = NULL;
+    uint32_t st = 0;
+    char why[256];
+    CHECK(!kvl_rx_claim(a, 2, 1, 0, 1, &r, &st) && st == KVL_ERR_BUSY);
+    kvl_rx_refusal(a, 2, why, sizeof why);
+    CHECK(strstr(why, "8192 sender sessions") != NULL);
+    CHECK(a->shares.full_refused >= 1);
+    drain_and_free(a);
+}
+
+/* Senders over their part cannot pin the room by keeping a copy in flight:
+ * the newcomer still gets in, the evicted push's copies are revoked before
+ * its handle fails, and its memory waits for that copy's end. */
+static void test_room_pinned_by_copies(void)
+{
+    kvl_agent *a = agent_new();
+    kvl_rx_xfer *held[4];
+    uint32_t st = 0;
+    for (uint64_t s = 1; s <= 4; s++) {
+        CHECK(announce_from(a, s, 1, KVL_MAX_XFER_CHUNKS, "") == KVL_OK);
+        CHECK(kvl_rx_claim(a, s, 1, 0, 1, &held[s - 1], &st));
+    }
+    revoked = revoked_after_failure = 0;
+    CHECK(announce_from(a, 5, 1, 8, "") == KVL_OK);
+    CHECK(revoked == 1 && revoked_after_failure == 0);
+    int orphans = 0;
+    for (int i = 0; i < 4; i++)
+        orphans += held[i]->orphan;
+    CHECK(orphans == 1);
+    for (int i = 0; i < 4; i++) /* the copies end; the orphan is freed (ASan) */
+        kvl_rx_done(held[i], 0, 1, 1, 0, 1);
+    drain_and_free(a);
+}
+
 int main(void)
 {
     double t0 = test_now_s();
@@ -507,5 +566,7 @@ int main(void)
     test_deadline_heap_order();
     test_dropped_tombstone_outlives_its_copy();
     test_no_eviction_in_vain();
+    test_share_table_full();
+    test_room_pinned_by_copies();
     return test_report("test_inbound", t0);
 }

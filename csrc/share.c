@@ -58,6 +58,18 @@ static void list_push_head(kvl_agent *a, kvl_share *s)
 static int holds_nothing(kvl_agent *a, const kvl_share *s, uint64_t now);
 static void share_free(kvl_agent *a, kvl_share *s);
 
+/* Of the KVL_SHARE_EVICT_LOOK least recently used shares, the oldest that
+ * holds only memory (a session that ended long ago, or one cycling names to
+ * fill the table), or NULL. */
+static kvl_share *memory_only_lru(kvl_agent *a)
+{
+    kvl_share *v = a->shares.all_tail;
+    for (int i = 0; v && i < KVL_SHARE_EVICT_LOOK; i++, v = v->prev)
+        if (holds_nothing(a, v, UINT64_MAX))
+            return v;
+    return NULL;
+}
+
 kvl_share *kvl_share_get(kvl_agent *a, uint64_t sender)
 {
     kvl_share *s = kvl_share_find(a, sender);
@@ -69,12 +81,8 @@ kvl_share *kvl_share_get(kvl_agent *a, uint64_t sender)
         return s;
     }
     if (a->shares.n >= KVL_SHARE_MAX) {
-        /* the least recently used that holds only memory makes way (a
-         * session that ended long ago, or one cycling names to fill us) */
-        kvl_share *v = a->shares.all_tail;
-        for (int i = 0; v && i < KVL_SHARE_EVICT_LOOK && !holds_nothing(a, v, UINT64_MAX); i++)
-            v = v->prev;
-        if (!v || !holds_nothing(a, v, UINT64_MAX)) {
+        kvl_share *v = memory_only_lru(a);
+        if (!v) {
             a->shares.full_refused++;
             return NULL;
         }

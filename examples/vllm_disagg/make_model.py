@@ -76,10 +76,12 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=32)
     ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--seed", type=int, default=0,
+                    help="weights' seed: another seed is another model of the same shape")
     a = ap.parse_args()
     heads = max(a.heads, a.kv_heads)
     print(build(a.path, layers=a.layers, hidden=a.hidden, heads=heads, kv_heads=a.kv_heads,
-                head_dim=a.head_dim, vocab=a.vocab))
+                head_dim=a.head_dim, vocab=a.vocab, seed=a.seed))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,191 @@
+"""kvlink's SGLang backend driven through SGLang's KVPoll state machine (tests/sglang/inproc)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+
+import numpy as np
+import pytest
+import zmq
+from conftest import AUX_ITEM, ITEM, LAYERS, Pair, Recorder
+from sglang.srt.disaggregation.base.conn import KVPoll
+from sglang.srt.disaggregation.common.conn import KVTransferError
+
+import kvlink
+from kvlink.integrations.sglang import _messages as msgs
+
+
+def test_chunks_arrive_byte_exact_and_polls_only_move_forward(pair: Pair) -> None:
+    src_pages, dst_pages = [4, 5, 6, 9, 40, 41, 7], [10, 11, 12, 13, 90, 3, 100]
+    sender, receiver, rec = pair.start(1001, dst_pages, aux_slot=5)
+    assert rec.poll() == (KVPoll.WaitingForInput, KVPoll.WaitingForInput)
+    sender.init(len(src_pages), aux_index=2)
+    # three chunked-prefill chunks, as SGLang's scheduler hands them over
+    sender.send(np.array(src_pages[:3], np.int32))
+    rec.poll()
+    sender.send(np.array(src_pages[3:5], np.int32))
+    rec.poll()
+    sender.send(np.array(src_pages[5:], np.int32))
+    assert rec.until_terminal() == (KVPoll.Success, KVPoll.Success)
+    assert pair.expected_pages_ok(src_pages, dst_pages)
+    assert np.array_equal(pair.dst_aux[5], pair.src_aux[2])
+    assert rec.monotonic(), rec.seen
+    assert sender.get_transfer_metric().transfer_total_bytes == len(src_pages) * 2 * LAYERS * ITEM
+    # Success sticks after both sides clear, as SGLang's scheduler expects
+    sender.clear()
+    receiver.clear()
+    assert (sender.poll(), receiver.poll()) == (KVPoll.Success, KVPoll.Success)
+    assert 1001 not in pair.decode._arrivals and 1001 not in pair.prefill._sends
+
+
+def test_decode_is_not_done_before_the_last_chunk(pair: Pair) -> None:
+    sender, _receiver, rec = pair.start(1002, [20, 21, 22, 23])
+    sender.init(4, aux_index=1)
+    sender.send(np.array([0, 1], np.int32))
+    # the first chunk's push completes and its notification arrives, but it is not the last
+    deadline = time.monotonic() + 5
+    while not pair.expected_pages_ok([0, 1], [20, 21]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)
+    assert rec.poll()[1] < KVPoll.Success
+    sender.send(np.array([2, 3], np.int32))
+    assert rec.until_terminal() == (KVPoll.Success, KVPoll.Success)
+    assert pair.expected_pages_ok([0, 1, 2, 3], [20, 21, 22, 23])
+
+
+def test_last_chunk_without_pages_still_carries_aux(pair: Pair) -> None:
+    sender, _r, rec = pair.start(1003, [30, 31])
+    sender.init(2, aux_index=6)
+    sender.send(np.array([50, 51], np.int32))
+    # SGLang's sender counts pages: a two-page request ends with that chunk, so an extra empty
+    # final send only happens for a zero-page request; send that as a separate room below
+    assert rec.until_terminal() == (KVPoll.Success, KVPoll.Success)
+    pair.dst_aux[3] = 0
+    sender2, _r2, rec2 = pair.start(1004, [], aux_slot=3)
+    sender2.init(0, aux_index=6)
+    sender2.send(np.array([], np.int32))
+    assert rec2.until_terminal() == (KVPoll.Success, KVPoll.Success)
+    assert np.array_equal(pair.dst_aux[3], pair.src_aux[6])
+
+
+def test_a_bad_destination_fails_both_sides_with_the_reason_and_failure_sticks(
+        pair: Pair) -> None:
+    sender, receiver, rec = pair.start(1005, [10, 10_000])   # page 10000 is outside decode's pool
+    sender.init(2, aux_index=0)
+    sender.send(np.array([1, 2], np.int32))
+    assert rec.until_terminal() == (KVPoll.Failed, KVPoll.Failed)
+    for _ in range(3):
+        assert rec.poll() == (KVPoll.Failed, KVPoll.Failed)
+    assert rec.monotonic()
+    with pytest.raises(KVTransferError, match="outside its KV pool"):
+        receiver.failure_exception()
+    with pytest.raises(KVTransferError, match="outside its KV pool"):
+        sender.failure_exception()
+
+
+def test_decode_abort_fails_prefill(pair: Pair) -> None:
+    sender, receiver, rec = pair.start(1006, [1, 2])
+    receiver.abort()
+    assert rec.until(lambda s, r: s == KVPoll.Failed) == (KVPoll.Failed, KVPoll.Failed)
+    sender.init(2, aux_index=0)
+    sender.send(np.array([3, 4], np.int32))    # after the abort: nothing is pushed
+    assert pair.prefill._sends.get(1006) is None
+    with pytest.raises(KVTransferError, match="abort"):
+        sender.failure_exception()
+
+
+def test_a_chunk_from_another_cluster_member_does_not_complete_a_room(pair: Pair) -> None:
+    """An admitted agent that is not the room's prefill rank pushes into decode's memory with
+    the room's final tag: decode ignores it (the room still waits for its prefill)."""
+    sender, _receiver, rec = pair.start(1007, [60, 61])
+    with kvlink.Agent("intruder", nics="loopback:1") as other:
+        buf = np.ones(ITEM, np.uint8)
+        other.register(buf)
+        peer = other.add_peer(pair.decode.agent.metadata())
+        other.push(peer, src=buf, dst="kv0", dst_offset=60 * ITEM,
+                   notify=msgs.chunk_tag(1007, 0, 0, True)).wait(timeout_s=10)
+        time.sleep(0.5)
+        assert rec.poll()[1] == KVPoll.WaitingForInput
+    sender.init(2, aux_index=0)
+    sender.send(np.array([8, 9], np.int32))
+    assert rec.until_terminal() == (KVPoll.Success, KVPoll.Success)
+    assert pair.expected_pages_ok([8, 9], [60, 61])
+
+
+def test_hostile_control_messages_are_dropped_and_prefill_keeps_serving(pair: Pair) -> None:
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://{pair.prefill.local_ip}:{pair.prefill.rank_port}")
+    reg = json.loads(pair.decode.build_receiver_registration_message()[1])
+    bad = [
+        [b"garbage"],
+        [msgs.REG_TAG, b"{not json"],
+        [msgs.REG_TAG, json.dumps({**reg, "v": 99}).encode()],
+        [msgs.REG_TAG, json.dumps({**reg, "kv_regions": [1] * 9000}).encode()],
+        [msgs.REG_TAG, b"x" * (msgs.MAX_REG_BYTES + 1)],
+        [msgs.ROOM_TAG, b"1", b"s", b"127.0.0.1", b"1", b"\x00" * 3, b"0", b"1", b"0"],
+        [msgs.ROOM_TAG, b"-1", b"s", b"127.0.0.1", b"1", b"", b"0", b"1", b"0"],
+        [msgs.ROOM_TAG, b"1", b"s", b"127.0.0.1", b"99999", b"", b"0", b"1", b"0"],
+        [msgs.ROOM_TAG, b"2", b"s", b"h", b"1", np.array([-5], "<i4").tobytes(), b"0", b"1",
+         b"0"],
+    ]
+    for frames in bad:
+        sock.send_multipart(frames)
+    sock.close()
+    time.sleep(0.3)
+    assert all(r in (1, 2) or r > 1000 for r in pair.prefill.transfer_infos)
+    sender, _r, rec = pair.start(1008, [70, 71])
+    sender.init(2, aux_index=0)
+    sender.send(np.array([12, 13], np.int32))
+    assert rec.until_terminal() == (KVPoll.Success, KVPoll.Success)
+    assert pair.expected_pages_ok([12, 13], [70, 71])
+
+
+def test_wrong_cluster_secret_fails_the_request_saying_so(ctx: contextlib.ExitStack) -> None:
+    pair = Pair(ctx, prefill_secret="a" * 32, decode_secret="b" * 32, seed=1)
+    sender, receiver, rec = pair.start(2001, [1, 2])
+    sender.init(2, aux_index=0)
+    sender.send(np.array([3, 4], np.int32))
+    assert rec.until_terminal() == (KVPoll.Failed, KVPoll.Failed)
+    with pytest.raises(KVTransferError, match="secret"):
+        receiver.failure_exception()
+    assert not pair.expected_pages_ok([3, 4], [1, 2])
+
+
+def test_same_secret_on_both_sides_works(ctx: contextlib.ExitStack) -> None:
+    pair = Pair(ctx, prefill_secret="c" * 32, decode_secret="c" * 32, seed=2)
+    sender, _receiver, rec = pair.start(2002, [1, 2, 3])
+    sender.init(3, aux_index=0)
+    sender.send(np.array([7, 8, 9], np.int32))
+    assert rec.until_terminal() == (KVPoll.Success, KVPoll.Success)
+    assert pair.expected_pages_ok([7, 8, 9], [1, 2, 3])
+    assert np.array_equal(pair.dst_aux[3], pair.src_aux[0])
+    assert AUX_ITEM == pair.dst_aux.shape[1]
+
+
+def test_many_rooms_at_once(pair: Pair) -> None:
+    rooms = []
+    for i in range(16):
+        dst = [100 + i]
+        s, r, rec = pair.start(3000 + i, dst)
+        s.init(1, aux_index=0)
+        rooms.append((s, rec, i))
+    for s, _rec, i in rooms:
+        s.send(np.array([i], np.int32))
+    for _s, rec, _i in rooms:
+        assert rec.until_terminal() == (KVPoll.Success, KVPoll.Success)
+    assert pair.expected_pages_ok(list(range(16)), [100 + i for i in range(16)])
+
+
+def test_recorder_catches_a_backward_poll() -> None:
+    """The monotonic check itself can fail (a test that cannot fail is a defect)."""
+    rec = Recorder(None, None)
+    rec.seen = [(1, 1), (2, 2), (1, 2)]
+    assert not rec.monotonic()
+    rec.seen = [(1, 1), (0, 0), (4, 4)]
+    assert not rec.monotonic()
+    rec.seen = [(1, 1), (2, 2), (3, 3), (4, 4)]
+    assert rec.monotonic()

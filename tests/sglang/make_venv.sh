@@ -41,7 +41,8 @@ echo "# emptied by kvlink's tests/sglang/make_venv.sh: the CUDA build's ops cann
 # kvlink from this checkout, without a second build of the C core (the abi3 one `make build`
 # made serves every venv), and its SGLang plugin's entry point (an editable install would
 # rebuild the core; a .pth plus a hand-written dist-info is what pip would have written).
-"$P" install -q psutil numpy rich >> "$LOG" 2>&1 || fail "kvlink's dependencies are not installable"
+"$P" install -q psutil numpy rich httpx prometheus_client cryptography pytest pytest-timeout \
+    >> "$LOG" 2>&1 || fail "kvlink's dependencies or pytest are not installable"
 echo "$ROOT" > "$SITE/kvlink-checkout.pth" || fail "cannot write $SITE"
 DI="$SITE/kvlink_sglang_plugin-0.0.0.dist-info"
 mkdir -p "$DI" && printf 'Metadata-Version: 2.1\nName: kvlink-sglang-plugin\nVersion: 0.0.0\n' > "$DI/METADATA" \

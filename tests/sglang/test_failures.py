@@ -93,7 +93,7 @@ def test_killed_prefill_fails_the_request_and_decode_lets_go_of_its_pages(
             time.sleep(0.1)
         assert used_tokens(cluster.decode) >= 300   # the request's pages are allocated
         prefill.kill()
-        status, answer, took = fut.result(timeout=150)
+        status, answer, _took = fut.result(timeout=150)
     text = decode_failure(answer)
     assert status != 200 or "abort" in text.lower(), text
     assert "prefill" in text.lower(), text

@@ -190,14 +190,15 @@ class KvlinkKVManager(CommonKVManager):
         a = self.kv_args
         self.kv_regions = [
             self.agent.register(_span(p, n, on_gpu), remote_write=writable, name=f"kv{i}").id
-            for i, (p, n) in enumerate(zip(a.kv_data_ptrs, a.kv_data_lens))
+            for i, (p, n) in enumerate(zip(a.kv_data_ptrs, a.kv_data_lens, strict=True))
         ]
-        self.kv_pages = [n // item for n, item in zip(a.kv_data_lens, a.kv_item_lens)]
+        self.kv_pages = [n // item for n, item in zip(a.kv_data_lens, a.kv_item_lens, strict=True)]
         self.aux_regions = [
             self.agent.register(_span(p, n, False), remote_write=writable, name=f"aux{i}").id
-            for i, (p, n) in enumerate(zip(a.aux_data_ptrs, a.aux_data_lens))
+            for i, (p, n) in enumerate(zip(a.aux_data_ptrs, a.aux_data_lens, strict=True))
         ]
-        self.aux_slots = [n // item for n, item in zip(a.aux_data_lens, a.aux_item_lens)]
+        self.aux_slots = [n // item
+                          for n, item in zip(a.aux_data_lens, a.aux_item_lens, strict=True)]
         ids = list(getattr(a, "kv_layer_ids", None) or [])
         self.kv_layer_ids = ids if len(ids) == len(self.kv_regions) else list(
             range(len(self.kv_regions)))
@@ -508,6 +509,9 @@ class KvlinkKVManager(CommonKVManager):
 class KvlinkKVSender(CommonKVSender):
     """Prefill's handle on one request's transfer (SGLang's KVSender)."""
 
+    kv_mgr: KvlinkKVManager
+    conclude_state: Any
+
     def poll(self) -> int:
         if self.conclude_state is None:
             self.kv_mgr.check_pushes(self.bootstrap_room)
@@ -520,6 +524,9 @@ class KvlinkKVSender(CommonKVSender):
 
 class KvlinkKVReceiver(CommonKVReceiver):
     """Decode's handle on one request's transfer (SGLang's KVReceiver)."""
+
+    kv_mgr: KvlinkKVManager
+    conclude_state: Any
 
     def init(self, prefill_dp_rank: int) -> None:
         super().init(prefill_dp_rank)

@@ -83,6 +83,6 @@ def aux_segments(
     """Segments moving one request's slot of every aux (metadata) buffer, tagged ``layer``
     (the last KV layer, so that a push stays layer-major)."""
     out = np.zeros(len(src_regions), dtype=SEGMENT_DTYPE)
-    for i, (src, dst, item) in enumerate(zip(src_regions, dst_regions, item_lens)):
+    for i, (src, dst, item) in enumerate(zip(src_regions, dst_regions, item_lens, strict=True)):
         out[i] = (src, src_slot * item, dst, dst_slot * item, item, layer, 0)
     return out

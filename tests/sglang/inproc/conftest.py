@@ -7,6 +7,7 @@ without a model."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import socket
 import time
@@ -124,7 +125,7 @@ class Pair:
         return all(
             np.array_equal(self.dst[e][d * ITEM:(d + 1) * ITEM],
                            self.src[e][s * ITEM:(s + 1) * ITEM])
-            for e in range(2 * LAYERS) for s, d in zip(src_pages, dst_pages)
+            for e in range(2 * LAYERS) for s, d in zip(src_pages, dst_pages, strict=False)
         )
 
 
@@ -162,7 +163,7 @@ class Recorder:
                                             seq[seq.index(KVPoll.Failed):]):
                 return False
             live = [v for v in seq if v != KVPoll.Failed]
-            if any(b < a for a, b in zip(live, live[1:])):
+            if any(b < a for a, b in itertools.pairwise(live)):
                 return False
         return True
 

@@ -163,14 +163,14 @@ def test_same_secret_on_both_sides_works(ctx: contextlib.ExitStack) -> None:
     assert rec.until_terminal() == (KVPoll.Success, KVPoll.Success)
     assert pair.expected_pages_ok([7, 8, 9], [1, 2, 3])
     assert np.array_equal(pair.dst_aux[3], pair.src_aux[0])
-    assert AUX_ITEM == pair.dst_aux.shape[1]
+    assert pair.dst_aux.shape[1] == AUX_ITEM
 
 
 def test_many_rooms_at_once(pair: Pair) -> None:
     rooms = []
     for i in range(16):
         dst = [100 + i]
-        s, r, rec = pair.start(3000 + i, dst)
+        s, _r, rec = pair.start(3000 + i, dst)
         s.init(1, aux_index=0)
         rooms.append((s, rec, i))
     for s, _rec, i in rooms:

@@ -45,7 +45,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.sglang import harness  # noqa: E402
+from tests.sglang import harness
 
 # (layers, hidden, heads, kv-heads, head-dim): tiny = tests' model (2 KiB of fp32 KV a token);
 # big = 16 layers x 8 KV heads x 128: 128 KiB a token, 237 MiB for a 1900-token prompt.

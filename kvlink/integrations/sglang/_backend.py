@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import ctypes
 import dataclasses
 import json
 import logging
+import queue
 import threading
 from typing import Any
 
@@ -53,6 +55,9 @@ logger = logging.getLogger("kvlink.sglang")
 MAX_PENDING_ROOMS = 65536
 # Decode ranks one prefill rank keeps registrations of (each one a kvlink peer).
 MAX_DECODE_SESSIONS = 4096
+# Registrations waiting to be connected: connecting may take connect_timeout_s per path, so it
+# runs on its own thread and a flood of registrations cannot hold up the rooms behind it.
+MAX_QUEUED_REGISTRATIONS = 64
 
 
 class _CudaSpan:
@@ -170,7 +175,11 @@ class KvlinkKVManager(CommonKVManager):
                 collections.OrderedDict()
             )
             self._sends: dict[int, _Send] = {}
+            self._registrations: queue.Queue[msgs.Registration] = queue.Queue(
+                MAX_QUEUED_REGISTRATIONS)
+            self._waiting_rooms: dict[str, set[int]] = {}
             self._spawn("kvlink-sglang-control", self._prefill_control_loop)
+            self._spawn("kvlink-sglang-connect", self._prefill_connect_loop)
         else:
             self._arrivals: dict[int, _Arrivals] = {}
             self._spawn("kvlink-sglang-status", self._decode_status_loop)
@@ -255,7 +264,13 @@ class KvlinkKVManager(CommonKVManager):
                 if frames is None:
                     continue
                 if frames[0] == msgs.REG_TAG:
-                    self._on_registration(msgs.decode_registration(frames))
+                    reg = msgs.decode_registration(frames)
+                    try:
+                        self._registrations.put_nowait(reg)
+                    except queue.Full:
+                        logger.warning("kvlink prefill: registration of %s dropped: %d are "
+                                       "still being connected", reg.session,
+                                       MAX_QUEUED_REGISTRATIONS)
                 elif frames[0] == msgs.ROOM_TAG:
                     self._on_room(msgs.decode_room(frames))
                 elif not self._on_abort(frames):
@@ -284,6 +299,17 @@ class KvlinkKVManager(CommonKVManager):
             return "metadata (aux) buffers differ between prefill and decode"
         return None
 
+    def _prefill_connect_loop(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                reg = self._registrations.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            try:
+                self._on_registration(reg)
+            except Exception:
+                logger.exception("kvlink prefill: registration of %s failed", reg.session)
+
     def _on_registration(self, reg: msgs.Registration) -> None:
         peer = _DecodePeer(reg, self._layout_error(reg))
         if peer.error is None:
@@ -298,8 +324,15 @@ class KvlinkKVManager(CommonKVManager):
         with self._lock:
             self._decode_peers.pop(reg.session, None)
             self._decode_peers[reg.session] = peer
+            evicted = []
             while len(self._decode_peers) > MAX_DECODE_SESSIONS:
-                self._decode_peers.popitem(last=False)
+                evicted.append(self._decode_peers.popitem(last=False)[0])
+            waiting = self._waiting_rooms.pop(reg.session, set())
+        for name in evicted:   # the oldest decode rank's kvlink peer goes with its registration
+            with contextlib.suppress(kvlink.KvlinkError):
+                self.agent.remove_peer(name)
+        for room in waiting:
+            self._room_ready(room)
         if peer.error:
             logger.error("kvlink prefill: decode rank %s refused: %s", reg.session, peer.error)
         else:
@@ -324,8 +357,32 @@ class KvlinkKVManager(CommonKVManager):
             if oldest == info.room:
                 break
             rooms.pop(oldest, None)
-        if len(entry) == info.required_dst_info_num:
-            self.update_status(info.room, KVPoll.WaitingForInput)
+        with self._lock:
+            if info.session not in self._decode_peers:
+                # its registration is still being connected: the room waits for it (a name
+                # that never registers holds at most MAX_PENDING_ROOMS rooms, and at most
+                # MAX_DECODE_SESSIONS such names are kept; SGLang's bootstrap timeout fails
+                # their rooms)
+                if (info.session not in self._waiting_rooms
+                        and len(self._waiting_rooms) >= MAX_DECODE_SESSIONS):
+                    return
+                waiting = self._waiting_rooms.setdefault(info.session, set())
+                if len(waiting) < MAX_PENDING_ROOMS:
+                    waiting.add(info.room)
+                return
+        self._room_ready(info.room)
+
+    def _room_ready(self, room: int) -> None:
+        """WaitingForInput (prefill may compute and send) once every decode rank of the room
+        named its pages and is registered here."""
+        entry = self.transfer_infos.get(room)
+        if not entry:
+            return
+        required = next(iter(entry.values())).required_dst_info_num
+        with self._lock:
+            known = all(session in self._decode_peers for session in entry)
+        if len(entry) == required and known:
+            self.update_status(room, KVPoll.WaitingForInput)
 
     def _on_abort(self, frames: list[bytes]) -> bool:
         note = AbortNotification.from_zmq(frames)

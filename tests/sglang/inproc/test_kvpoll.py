@@ -189,3 +189,32 @@ def test_recorder_catches_a_backward_poll() -> None:
     assert not rec.monotonic()
     rec.seen = [(1, 1), (2, 2), (3, 3), (4, 4)]
     assert rec.monotonic()
+
+
+def test_a_flood_of_registrations_does_not_hold_up_requests(pair: Pair) -> None:
+    """Registrations naming agents that cannot be reached: connecting to them runs beside the
+    control loop, the queue of them is bounded, and a registered decode's requests go on."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://{pair.prefill.local_ip}:{pair.prefill.rank_port}")
+    reg = json.loads(pair.decode.build_receiver_registration_message()[1])
+    for i in range(300):
+        fake = {**reg, "session": f"ghost-{i}",
+                "metadata": json.dumps({"kvlink": 1, "name": f"ghost-{i}",
+                                        "instance": "00" * 8, "addrs": [["127.0.0.1", 1]],
+                                        "keys": {}})}
+        sock.send_multipart([msgs.REG_TAG, json.dumps(fake).encode()])
+        # and a room from a name that never registers: it waits, bounded, and never completes
+        sock.send_multipart(msgs.encode_room(msgs.RoomInfo(
+            room=50_000 + i, session=f"never-{i}", endpoint="127.0.0.1", port=1,
+            dst_pages=np.array([1], np.int32), aux_index=0, required_dst_info_num=1,
+            is_dummy=False)))
+    sock.close()
+    sender, _r, rec = pair.start(1009, [80, 81])
+    sender.init(2, aux_index=0)
+    sender.send(np.array([14, 15], np.int32))
+    assert rec.until_terminal() == (KVPoll.Success, KVPoll.Success)
+    assert pair.expected_pages_ok([14, 15], [80, 81])
+    assert pair.prefill._registrations.maxsize == 64
+    assert all(pair.prefill.request_status.get(50_000 + i) is None for i in range(300))

@@ -59,7 +59,8 @@ def test_malformed_registration_frames(frames: list[bytes]) -> None:
 
 
 def room(**changes: object) -> m.RoomInfo:
-    base = m.RoomInfo(room=2**63 + 5, session="d", endpoint="10.0.0.2", port=7,
+    base = m.RoomInfo(room=2**63 + 5, attempt=2**32 - 1, session="d", endpoint="10.0.0.2",
+                      port=7,
                       dst_pages=np.array([3, 4, 9], np.int32), aux_index=2,
                       required_dst_info_num=1, is_dummy=False)
     return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
@@ -68,6 +69,7 @@ def room(**changes: object) -> m.RoomInfo:
 def test_room_round_trips() -> None:
     got = m.decode_room(m.encode_room(room()))
     assert got.room == 2**63 + 5 and got.dst_port == 7 and got.aux_index == 2
+    assert got.attempt == 2**32 - 1
     assert got.dst_pages.tolist() == [3, 4, 9]
     dummy = m.decode_room(m.encode_room(room(is_dummy=True)))
     assert dummy.is_dummy and dummy.dst_pages.size == 0
@@ -76,13 +78,14 @@ def test_room_round_trips() -> None:
 @pytest.mark.parametrize(("index", "value", "says"), [
     (1, b"-3", "room"),
     (1, str(2**64).encode(), "room"),
-    (4, b"65536", "port"),
-    (5, b"\x00" * 5, "int32"),
-    (5, np.array([1, -1], "<i4").tobytes(), "negative"),
-    (2, b"\xff", "UTF-8"),
-    (2, b"", "session"),
-    (7, b"0", "required_dst_info_num"),
-    (6, b"1e3", "aux_index"),
+    (2, str(2**32).encode(), "attempt"),
+    (5, b"65536", "port"),
+    (6, b"\x00" * 5, "int32"),
+    (6, np.array([1, -1], "<i4").tobytes(), "negative"),
+    (3, b"\xff", "UTF-8"),
+    (3, b"", "session"),
+    (8, b"0", "required_dst_info_num"),
+    (7, b"1e3", "aux_index"),
 ])
 def test_bad_rooms_name_the_field(index: int, value: bytes, says: str) -> None:
     frames = m.encode_room(room())
@@ -93,16 +96,18 @@ def test_bad_rooms_name_the_field(index: int, value: bytes, says: str) -> None:
 
 def test_room_page_count_is_bounded() -> None:
     frames = m.encode_room(room())
-    frames[5] = b"\x00" * 4 * (m.MAX_PAGES + 1)
+    frames[6] = b"\x00" * 4 * (m.MAX_PAGES + 1)
     with pytest.raises(m.MessageError, match="at most"):
         m.decode_room(frames)
 
 
 def test_tags() -> None:
-    assert m.parse_tag(m.chunk_tag(2**64 - 1, 3, 17, True)) == (2**64 - 1, 3, 17, True)
+    assert m.parse_tag(m.chunk_tag(2**64 - 1, 2**32 - 1, 17, True)) == (
+        2**64 - 1, 2**32 - 1, 17, True)
     assert m.parse_tag(m.chunk_tag(5, 0, 0, False)) == (5, 0, 0, False)
     for bad in (b"kvl/5/0/0", b"sgl/5/0", b"sgl/5/0/0/lastx", b"sgl/-5/0/0",
-                f"sgl/{2**64}/0/0".encode(), f"sgl/1/0/{m.MAX_CHUNKS}".encode(), b""):
+                f"sgl/{2**64}/0/0".encode(), f"sgl/1/0/{m.MAX_CHUNKS}".encode(),
+                f"sgl/1/{2**32}/0".encode(), b""):
         with pytest.raises(m.MessageError):
             m.parse_tag(bad)
 
@@ -140,3 +145,23 @@ def test_aux_segments() -> None:
 def test_agent_names_fit_kvlink() -> None:
     assert len(m.prefill_agent_name("255.255.255.255", 65535)) <= 63
     assert m.prefill_agent_name("10.0.0.1", 5) != m.decode_agent_name("10.0.0.1", 5)
+
+
+def test_control_messages_are_signed_under_the_cluster_secret() -> None:
+    key, other = m.control_key(b"s" * 32), m.control_key(b"t" * 32)
+    frames = m.encode_room(room())
+    signed = m.sign(frames, key)
+    assert m.verify(signed, key) == frames
+    with pytest.raises(m.AuthError, match="another cluster secret"):
+        m.verify(signed, other)
+    with pytest.raises(m.AuthError, match="not signed"):
+        m.verify(m.sign(frames, None), key)
+    with pytest.raises(m.AuthError, match="has none"):
+        m.verify(signed, None)
+    assert m.verify(m.sign(frames, None), None) == frames
+    tampered = list(signed)
+    tampered[6] = np.array([1, 2, 3], "<i4").tobytes()   # redirect the pages
+    with pytest.raises(m.AuthError):
+        m.verify(tampered, key)
+    with pytest.raises(m.MessageError):
+        m.verify([m.ROOM_TAG], key)

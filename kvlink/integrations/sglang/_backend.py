@@ -24,16 +24,19 @@ import collections
 import contextlib
 import ctypes
 import dataclasses
-import json
 import logging
 import queue
+import secrets
 import threading
-from typing import Any
+import time
+from typing import Any, NoReturn
 
 import numpy as np
+import zmq
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
 from sglang.srt.disaggregation.common.conn import (
     ABORT_ACK_TAG,
+    ABORT_TAG,
     AbortNotification,
     CommonKVBootstrapServer,
     CommonKVManager,
@@ -51,13 +54,21 @@ from kvlink.integrations.sglang._pages import aux_segments, kv_segments
 logger = logging.getLogger("kvlink.sglang")
 
 # Rooms whose destination pages prefill holds before SGLang's sender for them exists: decode may
-# name rooms that never reach this prefill (a router that gave up); the oldest go first.
+# name rooms that never reach this prefill (a router that gave up); the oldest without a sender
+# go first.
 MAX_PENDING_ROOMS = 65536
-# Decode ranks one prefill rank keeps registrations of (each one a kvlink peer).
+# Decode ranks one prefill rank keeps registrations of (each one a kvlink peer), least recently
+# used first out; registrations waiting to be connected are bounded by the same number.
 MAX_DECODE_SESSIONS = 4096
-# Registrations waiting to be connected: connecting may take connect_timeout_s per path, so it
-# runs on its own thread and a flood of registrations cannot hold up the rooms behind it.
-MAX_QUEUED_REGISTRATIONS = 64
+# How often the prefill side looks at its pushes in flight (only while there are some).
+DRAIN_POLL_S = 0.002
+# The reason prefill gives for a request from a decode rank it holds no registration of (the
+# prefill restarted, or the registration was dropped): decode then registers again.
+NOT_REGISTERED = "kvlink: this prefill rank holds no registration of decode rank"
+# Failure answers to rooms prefill cannot take, waiting to be sent: ZMQ blocks a send to an
+# endpoint nobody listens on, so they leave from their own thread, and beyond this many the
+# newest are dropped.
+MAX_QUEUED_REPLIES = 1024
 
 
 class _CudaSpan:
@@ -76,31 +87,37 @@ def _span(ptr: int, nbytes: int, on_gpu: bool) -> Any:
     return (ctypes.c_ubyte * nbytes).from_address(ptr)
 
 
-def _refuse_unsupported(args: KVArgs, is_mla: bool) -> None:
+def _refuse_unsupported(args: KVArgs, server_args: Any) -> None:
     """What this backend does not move yet stops the engine at start, saying so."""
+    def refuse(what: str) -> NoReturn:
+        raise NotImplementedError(f"kvlink transfer backend: {what}")
+
     states = list(getattr(args, "state_types", None) or [])
     if states:
-        raise NotImplementedError(
-            "kvlink transfer backend: this model keeps state beside its KV pages "
-            f"({', '.join(str(getattr(s, 'value', s)) for s in states)}: hybrid, SWA or DSA "
-            "pools), which kvlink does not move yet; use a full-attention model or "
-            "--disaggregation-transfer-backend mooncake"
-        )
-    if get_parallel().pp_size != 1:
-        raise NotImplementedError(
-            "kvlink transfer backend: pipeline parallelism (--pp-size > 1) is not supported; "
-            "run prefill and decode with --pp-size 1"
-        )
-    if get_disagg().disaggregation_decode_allocation_policy == "prefill_complete":
-        raise NotImplementedError(
-            "kvlink transfer backend: --disaggregation-decode-allocation-policy "
-            "prefill_complete is not supported; use the default policy"
-        )
+        refuse("this model keeps state beside its KV pages "
+               f"({', '.join(str(getattr(s, 'value', s)) for s in states)}: hybrid, SWA or DSA "
+               "pools), which kvlink does not move yet; use a full-attention model or "
+               "--disaggregation-transfer-backend mooncake")
+    parallel = get_parallel()
+    if parallel.pp_size != 1:
+        refuse("pipeline parallelism (--pp-size > 1) is not supported; use --pp-size 1")
+    if parallel.attn_cp_size != 1:
+        refuse("context parallelism (attention CP > 1) is not supported")
+    disagg = get_disagg()
+    if disagg.disaggregation_decode_allocation_policy == "prefill_complete":
+        refuse("--disaggregation-decode-allocation-policy prefill_complete is not supported; "
+               "use the default policy")
+    if getattr(disagg, "disaggregation_decode_enable_radix_cache", False):
+        refuse("--disaggregation-decode-enable-radix-cache is not supported (decode would "
+               "hold a prefix kvlink does not skip)")
+    if getattr(server_args, "enable_memory_saver", False):
+        refuse("--enable-memory-saver is not supported (kvlink keeps SGLang's KV memory "
+               "registered for the process's life)")
+    if get_device().device not in ("cpu", "cuda", None):
+        refuse(f"device {get_device().device!r}: kvlink registers CPU and CUDA memory only")
     if len(args.kv_item_lens) != len(args.kv_data_ptrs) or not args.kv_data_ptrs:
-        raise NotImplementedError(
-            "kvlink transfer backend: this KV pool does not expose one contiguous buffer "
-            "per KV entry (kv_item_lens / kv_data_ptrs), which kvlink needs"
-        )
+        refuse("this KV pool does not expose one contiguous buffer per KV entry "
+               "(kv_item_lens / kv_data_ptrs), which kvlink needs")
 
 
 @dataclasses.dataclass
@@ -113,29 +130,32 @@ class _DecodePeer:
 
 @dataclasses.dataclass
 class _Send:
-    """One request's pushes on the prefill side."""
+    """One request's pushes on the prefill side (counters under the manager's lock)."""
 
-    chunks: int = 0
-    pending: list[kvlink.Transfer] = dataclasses.field(default_factory=list)
+    chunks: int = 0           # chunks pushed so far (the next chunk's number)
+    submitted: int = 0        # pushes submitted
+    finished: int = 0         # of those, done (verified at decode, or failed)
     last_sent: bool = False
-    error: str | None = None
+    error: str | None = None  # the first failure; the room fails once every push is done
+    concluded: bool = False
 
 
 class _Arrivals:
-    """Which chunks of one request each prefill rank has delivered, on the decode side."""
+    """Which chunks of one request each of its prefill ranks has delivered, on decode."""
 
-    def __init__(self, senders: set[str]) -> None:
-        self.senders = senders
-        self.chunks: dict[int, set[int]] = collections.defaultdict(set)
-        self.last: dict[int, int] = {}
+    def __init__(self, attempt: int, senders: set[str]) -> None:
+        self.attempt = attempt
+        self.senders = sorted(senders)
+        self.chunks: dict[str, set[int]] = collections.defaultdict(set)
+        self.last: dict[str, int] = {}
 
-    def add(self, rank: int, chunk: int, last: bool) -> bool:
-        """Records one verified chunk; True once ``rank`` has delivered all of its chunks."""
-        got = self.chunks[rank]
+    def add(self, peer: str, chunk: int, last: bool) -> bool:
+        """Records one verified chunk; True once ``peer`` has delivered every chunk of it."""
+        got = self.chunks[peer]
         got.add(chunk)
         if last:
-            self.last[rank] = chunk
-        n = self.last.get(rank)
+            self.last[peer] = chunk
+        n = self.last.get(peer)
         return n is not None and len(got) == n + 1 and max(got) == n
 
 
@@ -145,6 +165,9 @@ class KvlinkKVManager(CommonKVManager):
     kv_status_msg_tag = msgs.STATUS_TAG
     kv_status_msg_carries_reason = True
     reports_transfer_latency = True
+    # decode holds a failed request's pages until prefill says none of its pushes can still
+    # land there (SGLang's deferred release; prefill acks once the room's pushes are done)
+    supports_deferred_decode_kv_release = True
 
     def __init__(
         self,
@@ -153,14 +176,17 @@ class KvlinkKVManager(CommonKVManager):
         server_args: Any,
         is_mla_backend: bool | None = False,
     ) -> None:
-        _refuse_unsupported(args, bool(is_mla_backend))
+        _refuse_unsupported(args, server_args)
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        self.server_socket.setsockopt(zmq.MAXMSGSIZE, msgs.MAX_FRAME_BYTES)
         self._stopped = threading.Event()
         self._lock = threading.Lock()
+        self._status_lock = threading.RLock()
         self.is_prefill = disaggregation_mode == DisaggregationMode.PREFILL
         naming = msgs.prefill_agent_name if self.is_prefill else msgs.decode_agent_name
         try:
-            self.agent = kvlink.Agent(naming(self.local_ip, self.rank_port), kvlink.Config.load())
+            config = kvlink.Config.load()
+            self.agent = kvlink.Agent(naming(self.local_ip, self.rank_port), config)
         except kvlink.KvlinkError as exc:
             raise RuntimeError(
                 f"kvlink transfer backend: cannot start the kvlink agent: {exc} (settings come "
@@ -168,18 +194,27 @@ class KvlinkKVManager(CommonKVManager):
             ) from exc
         atexit.register(self.agent.close)
         self._register_buffers(writable=not self.is_prefill)
-        self.push_timeout_s = kvlink.Config.load().transfer_timeout_s or None
+        self.push_timeout_s = config.transfer_timeout_s or None
+        self._control_key = msgs.control_key(config.resolved_secret())
+        self._auth_replies = 0.0   # rate limit of answers to messages that fail their MAC
         self._threads: list[threading.Thread] = []
         if self.is_prefill:
             self._decode_peers: collections.OrderedDict[str, _DecodePeer] = (
-                collections.OrderedDict()
-            )
-            self._sends: dict[int, _Send] = {}
-            self._registrations: queue.Queue[msgs.Registration] = queue.Queue(
-                MAX_QUEUED_REGISTRATIONS)
+                collections.OrderedDict())
+            self._pending_regs: collections.OrderedDict[str, msgs.Registration] = (
+                collections.OrderedDict())
+            self._connecting: set[str] = set()
+            self._regs_ready = threading.Condition(self._lock)
             self._waiting_rooms: dict[str, set[int]] = {}
+            self._sends: dict[int, _Send] = {}
+            self._inflight: dict[int, list[kvlink.Transfer]] = {}
+            self._inflight_ready = threading.Event()
+            self._replies: queue.Queue[tuple[str, int, int, str]] = queue.Queue(
+                MAX_QUEUED_REPLIES)
+            self._spawn("kvlink-sglang-reply", self._prefill_reply_loop)
             self._spawn("kvlink-sglang-control", self._prefill_control_loop)
             self._spawn("kvlink-sglang-connect", self._prefill_connect_loop)
+            self._spawn("kvlink-sglang-drain", self._prefill_drain_loop)
         else:
             self._arrivals: dict[int, _Arrivals] = {}
             self._spawn("kvlink-sglang-status", self._decode_status_loop)
@@ -195,7 +230,7 @@ class KvlinkKVManager(CommonKVManager):
     # -- set-up ---------------------------------------------------------------------------------
 
     def _register_buffers(self, writable: bool) -> None:
-        on_gpu = get_device().device not in ("cpu", None)
+        on_gpu = get_device().device == "cuda"
         a = self.kv_args
         self.kv_regions = [
             self.agent.register(_span(p, n, on_gpu), remote_write=writable, name=f"kv{i}").id
@@ -213,7 +248,15 @@ class KvlinkKVManager(CommonKVManager):
             range(len(self.kv_regions)))
 
     def _spawn(self, name: str, target: Any) -> None:
-        t = threading.Thread(target=target, name=name, daemon=True)
+        def guarded() -> None:
+            while not self._stopped.is_set():
+                try:
+                    target()
+                    return
+                except Exception:   # a loop must outlive any one message: log and go on
+                    logger.exception("kvlink %s: unexpected error (the loop goes on)", name)
+
+        t = threading.Thread(target=guarded, name=name, daemon=True)
         t.start()
         self._threads.append(t)
 
@@ -223,18 +266,24 @@ class KvlinkKVManager(CommonKVManager):
             return list(self.server_socket.recv_multipart())
         return None
 
+    def update_status(self, bootstrap_room: int, status: KVPoll) -> None:
+        # SGLang's read-modify-write, called here from several threads (scheduler, control,
+        # connect, notifications, heartbeat): one at a time, so Failed is never overwritten.
+        with self._status_lock:
+            super().update_status(bootstrap_room, status)
+
     # -- decode -> prefill messages (built on decode) -------------------------------------------
 
     def build_receiver_registration_message(self) -> list[bytes]:
         a = self.kv_args
-        return msgs.encode_registration(msgs.Registration(
+        return msgs.sign(msgs.encode_registration(msgs.Registration(
             session=self.agent.name, endpoint=self.local_ip, port=self.rank_port,
             metadata=self.agent.metadata().decode(), kv_regions=self.kv_regions,
             kv_item_lens=list(a.kv_item_lens), kv_pages=self.kv_pages,
             aux_regions=self.aux_regions, aux_item_lens=list(a.aux_item_lens),
             aux_slots=self.aux_slots, tp_rank=a.engine_rank, attn_tp_size=self.attn_tp_size,
             is_mla=bool(self.is_mla_backend), page_size=a.page_size,
-        ))
+        )), self._control_key)
 
     def build_receiver_metadata_message(
         self,
@@ -248,12 +297,16 @@ class KvlinkKVManager(CommonKVManager):
         is_dummy: bool,
         device_kv_indices: Any = None,
     ) -> list[bytes]:
-        return msgs.encode_room(msgs.RoomInfo(
-            room=bootstrap_room, session=self.agent.name, endpoint=self.local_ip,
-            port=self.rank_port, dst_pages=np.asarray(kv_indices, np.int32),
-            aux_index=int(aux_index or 0), required_dst_info_num=required_dst_info_num,
-            is_dummy=is_dummy,
-        ))
+        if aux_index is None and not is_dummy:
+            raise ValueError(f"kvlink transfer backend: room {bootstrap_room} has no aux slot")
+        with self._lock:
+            arrivals = self._arrivals.get(bootstrap_room)
+        return msgs.sign(msgs.encode_room(msgs.RoomInfo(
+            room=bootstrap_room, attempt=arrivals.attempt if arrivals else 0,
+            session=self.agent.name, endpoint=self.local_ip, port=self.rank_port,
+            dst_pages=np.asarray(kv_indices, np.int32), aux_index=int(aux_index or 0),
+            required_dst_info_num=required_dst_info_num, is_dummy=is_dummy,
+        )), self._control_key)
 
     # -- prefill: control messages --------------------------------------------------------------
 
@@ -264,22 +317,86 @@ class KvlinkKVManager(CommonKVManager):
                 if frames is None:
                     continue
                 if frames[0] == msgs.REG_TAG:
-                    reg = msgs.decode_registration(frames)
-                    try:
-                        self._registrations.put_nowait(reg)
-                    except queue.Full:
-                        logger.warning("kvlink prefill: registration of %s dropped: %d are "
-                                       "still being connected", reg.session,
-                                       MAX_QUEUED_REGISTRATIONS)
+                    self._queue_registration(msgs.decode_registration(
+                        self._verified(frames, None)))
                 elif frames[0] == msgs.ROOM_TAG:
-                    self._on_room(msgs.decode_room(frames))
-                elif not self._on_abort(frames):
+                    self._on_room(msgs.decode_room(
+                        self._verified(frames, msgs.decode_room)))
+                elif frames[0] == ABORT_TAG:
+                    self._on_abort(frames)
+                else:
                     logger.warning("kvlink prefill: dropped a control message of unknown kind "
                                    "(%d frames)", len(frames))
             except msgs.MessageError as exc:
                 logger.warning("kvlink prefill: dropped a malformed control message: %s", exc)
-            except Exception:
-                logger.exception("kvlink prefill: control message failed")
+
+    def _verified(self, frames: list[bytes], parse_room: Any) -> list[bytes]:
+        """The message without its MAC. One that fails it (another cluster secret, or forged)
+        is dropped; for a room, the request fails here if it is ours and its decode rank is
+        told why (at most 10 answers a second)."""
+        try:
+            return msgs.verify(frames, self._control_key)
+        except msgs.AuthError as exc:
+            if parse_room is None:
+                raise
+            try:
+                info = parse_room(frames[:-1])
+            except msgs.MessageError:
+                raise exc from None
+            reason = (f"prefill rank {self.agent.name!r} refused the request: its control "
+                      f"message was {exc}")
+            if info.room in self.request_status:
+                self.record_failure(info.room, reason)
+                self.update_status(info.room, KVPoll.Failed)
+            now = time.monotonic()
+            if now - self._auth_replies >= 0.1:
+                self._auth_replies = now
+                self._reply(info, reason)
+            raise
+
+    def _reply(self, info: msgs.RoomInfo, reason: str) -> None:
+        """Tells a room's decode rank that prefill fails it, without waiting on its socket."""
+        try:
+            self._replies.put_nowait((info.endpoint, info.port, info.room, reason))
+        except queue.Full:
+            logger.debug("kvlink prefill: answer to room %s dropped (%d queued)", info.room,
+                         MAX_QUEUED_REPLIES)
+
+    def _prefill_reply_loop(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                endpoint, port, room, reason = self._replies.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            self.send_kv_status_message(targets=[(endpoint, port)], bootstrap_room=room,
+                                        status=KVPoll.Failed, failure_reason=reason)
+
+    def _queue_registration(self, reg: msgs.Registration) -> None:
+        """Connecting may take connect_timeout_s a path: it runs on its own thread, so a flood
+        of registrations cannot hold up the rooms behind it. The latest registration of a
+        decode rank replaces one still queued."""
+        with self._lock:
+            self._pending_regs.pop(reg.session, None)
+            self._pending_regs[reg.session] = reg
+            while len(self._pending_regs) > MAX_DECODE_SESSIONS:
+                dropped, _ = self._pending_regs.popitem(last=False)
+                logger.warning("kvlink prefill: registration of %s dropped: %d are waiting to "
+                               "be connected", dropped, MAX_DECODE_SESSIONS)
+            self._regs_ready.notify()
+
+    def _prefill_connect_loop(self) -> None:
+        while not self._stopped.is_set():
+            with self._lock:
+                if not self._pending_regs:
+                    self._regs_ready.wait(0.5)
+                    continue
+                session, reg = self._pending_regs.popitem(last=False)
+                self._connecting.add(session)
+            try:
+                self._on_registration(reg)
+            finally:
+                with self._lock:
+                    self._connecting.discard(session)
 
     def _layout_error(self, reg: msgs.Registration) -> str | None:
         a = self.kv_args
@@ -287,7 +404,8 @@ class KvlinkKVManager(CommonKVManager):
             return f"page size {reg.page_size} on decode, {a.page_size} here: use one --page-size"
         if len(reg.kv_regions) != len(self.kv_regions):
             return (f"decode has {len(reg.kv_regions)} KV buffers, prefill "
-                    f"{len(self.kv_regions)}: serve the same model on both")
+                    f"{len(self.kv_regions)}: serve the same model (and the same speculative "
+                    "draft model, or none) on both")
         if not self.is_mla_backend and reg.attn_tp_size != self.attn_tp_size:
             return (f"attention TP {self.attn_tp_size} on prefill and {reg.attn_tp_size} on "
                     "decode: kvlink moves MHA KV between equal TP sizes only (MLA may differ)")
@@ -299,25 +417,15 @@ class KvlinkKVManager(CommonKVManager):
             return "metadata (aux) buffers differ between prefill and decode"
         return None
 
-    def _prefill_connect_loop(self) -> None:
-        while not self._stopped.is_set():
-            try:
-                reg = self._registrations.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            try:
-                self._on_registration(reg)
-            except Exception:
-                logger.exception("kvlink prefill: registration of %s failed", reg.session)
-
     def _on_registration(self, reg: msgs.Registration) -> None:
         peer = _DecodePeer(reg, self._layout_error(reg))
         if peer.error is None:
             try:
-                name = self._add_peer(reg.metadata)
+                name = self.agent.add_peer(reg.metadata)
                 if name != reg.session:
                     peer.error = (f"decode registered as {reg.session!r} but its kvlink "
                                   f"metadata names {name!r}")
+                    self.agent.remove_peer(name)
             except kvlink.KvlinkError as exc:
                 peer.error = f"kvlink cannot reach decode agent {reg.session!r}: {exc}"
         self.check_peer_aux_buffer_count(reg.session, len(reg.aux_regions))
@@ -328,79 +436,94 @@ class KvlinkKVManager(CommonKVManager):
             while len(self._decode_peers) > MAX_DECODE_SESSIONS:
                 evicted.append(self._decode_peers.popitem(last=False)[0])
             waiting = self._waiting_rooms.pop(reg.session, set())
-        for name in evicted:   # the oldest decode rank's kvlink peer goes with its registration
+        for name in evicted:   # the least recently used decode rank's kvlink peer goes too
             with contextlib.suppress(kvlink.KvlinkError):
                 self.agent.remove_peer(name)
-        for room in waiting:
-            self._room_ready(room)
         if peer.error:
             logger.error("kvlink prefill: decode rank %s refused: %s", reg.session, peer.error)
         else:
             logger.info("kvlink prefill: decode rank %s registered (tp rank %d)", reg.session,
                         reg.tp_rank)
-
-    def _add_peer(self, metadata: str) -> str:
-        try:
-            return self.agent.add_peer(metadata)
-        except kvlink.DuplicateNameError:
-            # The decode rank restarted as a new instance under its old name: forget the old
-            # one (its pushes failed with it) and connect to the new one.
-            self.agent.remove_peer(json.loads(metadata)["name"])
-            return self.agent.add_peer(metadata)
+        for room in waiting:
+            self._room_ready(room)
 
     def _on_room(self, info: msgs.RoomInfo) -> None:
-        rooms = self.transfer_infos
-        entry = rooms.setdefault(info.room, {})
-        entry[info.session] = info
-        while len(rooms) > MAX_PENDING_ROOMS:
-            oldest = next(iter(rooms))
-            if oldest == info.room:
-                break
-            rooms.pop(oldest, None)
+        if len(info.dst_pages) > max(self.kv_pages):
+            logger.warning("kvlink prefill: room %s names %d pages, more than this pool holds: "
+                           "dropped", info.room, len(info.dst_pages))
+            return
         with self._lock:
-            if info.session not in self._decode_peers:
-                # its registration is still being connected: the room waits for it (a name
-                # that never registers holds at most MAX_PENDING_ROOMS rooms, and at most
-                # MAX_DECODE_SESSIONS such names are kept; SGLang's bootstrap timeout fails
-                # their rooms)
-                if (info.session not in self._waiting_rooms
-                        and len(self._waiting_rooms) >= MAX_DECODE_SESSIONS):
-                    return
+            known = info.session in self._decode_peers
+            unknown = not known and (info.session not in self._pending_regs
+                                     and info.session not in self._connecting)
+            if known:
+                self._decode_peers.move_to_end(info.session)
+            elif not unknown and (info.session in self._waiting_rooms
+                                  or len(self._waiting_rooms) < MAX_DECODE_SESSIONS):
+                # its registration is still being connected: the room waits for it (at most
+                # MAX_PENDING_ROOMS rooms a name and MAX_DECODE_SESSIONS names)
                 waiting = self._waiting_rooms.setdefault(info.session, set())
                 if len(waiting) < MAX_PENDING_ROOMS:
                     waiting.add(info.room)
-                return
-        self._room_ready(info.room)
+            if not unknown:
+                entry = self.transfer_infos.setdefault(info.room, {})
+                old = entry.get(info.session)
+                if old is not None and (old.attempt == info.attempt or info.room in self._sends):
+                    return   # the first ROOM of a transfer wins; a copy cannot move its pages
+                if old is None and len(entry) >= info.required_dst_info_num:
+                    return   # more decode ranks than the room asked for
+                entry[info.session] = info
+                self._evict_rooms(info.room)
+        if unknown:
+            self._reply(info, f"{NOT_REGISTERED} {info.session!r}: it registers again on its "
+                        "next request")
+        elif known:
+            self._room_ready(info.room)
+
+    def _evict_rooms(self, keep: int) -> None:
+        """Caller holds the lock. Rooms beyond MAX_PENDING_ROOMS go oldest first, never one
+        whose request is being sent; a room that had no sender leaves no status behind."""
+        rooms = self.transfer_infos
+        for room in list(rooms)[:max(0, len(rooms) - MAX_PENDING_ROOMS)]:
+            if room == keep or room in self._sends:
+                continue
+            rooms.pop(room, None)
+            if self.request_status.get(room) == KVPoll.WaitingForInput:
+                self.request_status.pop(room, None)
 
     def _room_ready(self, room: int) -> None:
         """WaitingForInput (prefill may compute and send) once every decode rank of the room
         named its pages and is registered here."""
-        entry = self.transfer_infos.get(room)
-        if not entry:
-            return
-        required = next(iter(entry.values())).required_dst_info_num
         with self._lock:
+            entry = dict(self.transfer_infos.get(room) or {})
+            if not entry:
+                return
+            required = next(iter(entry.values())).required_dst_info_num
             known = all(session in self._decode_peers for session in entry)
         if len(entry) == required and known:
             self.update_status(room, KVPoll.WaitingForInput)
 
-    def _on_abort(self, frames: list[bytes]) -> bool:
+    def _on_abort(self, frames: list[bytes]) -> None:
         note = AbortNotification.from_zmq(frames)
         if note is None:
-            return False
-        status = self.request_status.get(note.room)
+            return
+        room = note.room
+        status = self.request_status.get(room)
         if status is not None and status != KVPoll.Success:
-            self.record_failure(note.room, "decode aborted the request")
-            self.update_status(note.room, KVPoll.Failed)
-        if note.decode_ip is not None and note.decode_port is not None:
+            self.record_failure(room, "decode aborted the request")
+            self.update_status(room, KVPoll.Failed)   # no further chunk of it is pushed
+        target = note.deferred_ack_target()
+        if target is not None:
+            # decode holds the pages until this ack: it goes once the room's pushes are done
+            self.register_deferred_ack_target(room, target)
+            self._maybe_ack_drained_abort(room)
+        elif note.decode_ip is not None and note.decode_port is not None:
             na = NetworkAddress(note.decode_ip, note.decode_port)
             try:
                 self._send_multipart_locked(
-                    na.to_tcp(), [ABORT_ACK_TAG, str(note.room).encode()], is_ipv6=na.is_ipv6
-                )
+                    na.to_tcp(), [ABORT_ACK_TAG, str(room).encode()], is_ipv6=na.is_ipv6)
             except Exception as exc:
-                logger.debug("kvlink prefill: ABORT_ACK for room %s not sent: %s", note.room, exc)
-        return True
+                logger.debug("kvlink prefill: ABORT_ACK for room %s not sent: %s", room, exc)
 
     # -- prefill: the data path -----------------------------------------------------------------
 
@@ -420,30 +543,42 @@ class KvlinkKVManager(CommonKVManager):
         room = bootstrap_room
         if self.request_status.get(room) in (None, KVPoll.Failed):
             return
-        infos = self.transfer_infos.get(room)
-        if not infos:
-            return
-        send = self._sends.setdefault(room, _Send())
+        with self._lock:
+            infos = list((self.transfer_infos.get(room) or {}).values())
+            send = self._sends.setdefault(room, _Send())
         if send.error is not None:
             return
+        if not infos:
+            self._fail_send(room, send, f"room {room}: no decode rank named its pages here")
+            return
         src_pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
+        pushed = 0
         try:
-            for info in list(infos.values()):
+            for info in infos:
                 if info.is_dummy:
                     continue
                 segs = self._chunk_segments(info, src_pages, index_slice,
                                             aux_index if is_last_chunk else None)
                 if segs.size == 0:
                     continue
-                tag = msgs.chunk_tag(room, self._prefill_unique_rank(), send.chunks,
-                                     is_last_chunk)
-                send.pending.append(self.agent.push(
-                    info.session, segments=segs, notify=tag, timeout_s=self.push_timeout_s))
+                tag = msgs.chunk_tag(room, info.attempt, send.chunks, is_last_chunk)
+                h = self.agent.push(info.session, segments=segs, notify=tag,
+                                    timeout_s=self.push_timeout_s)
+                self._track(room, send, h)
+                pushed += 1
         except (kvlink.KvlinkError, ValueError) as exc:
             self._fail_send(room, send, f"kvlink push of room {room} refused: {exc}")
             return
-        send.chunks += 1
+        if pushed:
+            send.chunks += 1   # decode counts chunks 0..n: a number is used only when pushed
         send.last_sent = send.last_sent or is_last_chunk
+
+    def _track(self, room: int, send: _Send, h: kvlink.Transfer) -> None:
+        with self._lock:
+            send.submitted += 1
+            self._inflight.setdefault(room, []).append(h)
+            self._staging_outstanding[room] += 1   # SGLang's count of writes that may land
+        self._inflight_ready.set()
 
     def _chunk_segments(
         self, info: msgs.RoomInfo, src_pages: Any, index_slice: slice, aux_index: int | None
@@ -451,8 +586,7 @@ class KvlinkKVManager(CommonKVManager):
         with self._lock:
             peer = self._decode_peers.get(info.session)
         if peer is None:
-            raise ValueError(f"decode rank {info.session!r} never registered with this "
-                             "prefill rank (or its registration was forgotten)")
+            raise ValueError(f"{NOT_REGISTERED} {info.session!r}")
         if peer.error is not None:
             raise ValueError(peer.error)
         reg = peer.reg
@@ -480,40 +614,81 @@ class KvlinkKVManager(CommonKVManager):
         return np.concatenate(parts) if parts else np.zeros(0)
 
     def _fail_send(self, room: int, send: _Send, reason: str) -> None:
-        send.error = reason
+        """Records the room's first failure; it is reported once every push of it is done."""
+        with self._lock:
+            if send.error is None:
+                send.error = reason
         logger.warning("kvlink prefill: %s", reason)
-        self.conclude_failure(bootstrap_room=room, failure_reason=reason)
+        self.check_pushes(room)
+
+    def _prefill_drain_loop(self) -> None:
+        """Counts pushes as they end (also those of requests SGLang cleared already), and
+        sends decode's deferred ack once none of a room's pushes can still land."""
+        while not self._stopped.is_set():
+            with self._lock:
+                inflight = {room: list(hs) for room, hs in self._inflight.items()}
+            if not inflight:
+                self._inflight_ready.wait(0.5)
+                self._inflight_ready.clear()
+                continue
+            drained = []
+            for room, handles in inflight.items():
+                ended = [h for h in handles if h.done]
+                if not ended:
+                    continue
+                with self._lock:
+                    send = self._sends.get(room)
+                    left = [h for h in self._inflight.get(room, []) if h not in ended]
+                    for h in ended:
+                        self._staging_outstanding[room] -= 1
+                        if send is not None:
+                            send.finished += 1
+                            if not h.ok and send.error is None:
+                                send.error = f"kvlink push of room {room} failed: {h.error}"
+                    if left:
+                        self._inflight[room] = left
+                    else:
+                        self._inflight.pop(room, None)
+                        drained.append(room)
+            for room in drained:
+                self._maybe_ack_drained_abort(room)
+            time.sleep(DRAIN_POLL_S)
 
     def check_pushes(self, room: int) -> None:
         """Moves a room to Success once every push of it is verified at decode, or to Failed
-        with kvlink's error (sent to decode too). Called from the sender's poll()."""
-        send = self._sends.get(room)
-        if send is None or send.error is not None:
-            return
-        still = []
-        for h in send.pending:
-            if not h.done:
-                still.append(h)
-            elif not h.ok:
-                self._fail_send(room, send, f"kvlink push of room {room} failed: {h.error}")
+        with kvlink's error (sent to decode too) once every push of it is done. Called from
+        the sender's poll()."""
+        with self._lock:
+            send = self._sends.get(room)
+            if send is None or send.concluded or send.finished < send.submitted:
                 return
-        send.pending = still
-        if send.last_sent and not still:
-            self.conclude_transfer(bootstrap_room=room, status=KVPoll.Success)
+            if send.error is None and not send.last_sent:
+                return
+            send.concluded = True
+            error = send.error
+        if error is not None:
+            self.conclude_failure(bootstrap_room=room, failure_reason=error)
+        else:   # decode learns it from kvlink's notifications, not from a message
+            self.conclude_transfer(bootstrap_room=room, status=KVPoll.Success, targets=[])
 
     def forget_send(self, room: int) -> None:
-        self._sends.pop(room, None)
+        with self._lock:
+            self._sends.pop(room, None)
 
     # -- decode: arrivals -----------------------------------------------------------------------
 
-    def expect_room(self, room: int, senders: set[str]) -> None:
-        """Decode will accept ``room``'s chunks from the agents named ``senders``."""
+    def expect_room(self, room: int, senders: set[str]) -> _Arrivals:
+        """Decode will accept ``room``'s chunks from the agents named ``senders`` tagged with a
+        new random attempt number."""
+        arrivals = _Arrivals(secrets.randbits(32), senders)
         with self._lock:
-            self._arrivals[room] = _Arrivals(senders)
+            self._arrivals[room] = arrivals
+        return arrivals
 
-    def forget_room(self, room: int) -> None:
+    def forget_room(self, room: int, arrivals: _Arrivals | None) -> None:
         with self._lock:
-            self._arrivals.pop(room, None)
+            if arrivals is not None and self._arrivals.get(room) is arrivals:
+                del self._arrivals[room]
 
     def _decode_notify_loop(self) -> None:
         while not self._stopped.is_set():
@@ -522,45 +697,54 @@ class KvlinkKVManager(CommonKVManager):
             except kvlink.ClosedError:
                 return
             for note in notes:
-                self._on_notification(note)
+                try:
+                    self._on_notification(note)
+                except Exception:
+                    logger.exception("kvlink decode: notification from %s failed", note.peer)
 
     def _on_notification(self, note: kvlink.Notification) -> None:
         try:
-            room, rank, chunk, last = msgs.parse_tag(note.tag)
+            room, attempt, chunk, last = msgs.parse_tag(note.tag)
         except msgs.MessageError as exc:
             logger.warning("kvlink decode: notification from %s ignored: %s", note.peer, exc)
             return
         with self._lock:
             arrivals = self._arrivals.get(room)
-            if arrivals is None:
-                return  # concluded and cleared, or never ours: nothing to complete
+            if arrivals is None or arrivals.attempt != attempt:
+                return  # concluded and cleared, an earlier attempt's, or never ours
             if note.peer not in arrivals.senders:
                 logger.warning("kvlink decode: room %s: chunk from %s, which is not one of its "
                                "prefill ranks (%s): ignored", room, note.peer,
-                               ", ".join(sorted(arrivals.senders)))
+                               ", ".join(arrivals.senders))
                 return
-            complete = arrivals.add(rank, chunk, last)
+            complete = arrivals.add(note.peer, chunk, last)
+            rank = arrivals.senders.index(note.peer)
         if complete:
             self.apply_prefill_status(bootstrap_room=room, status=KVPoll.Success,
                                       prefill_rank=rank)
 
     def _decode_status_loop(self) -> None:
         while not self._stopped.is_set():
-            try:
-                frames = self._recv()
-                if frames is None or self.handle_abort_ack_message(frames):
-                    continue
-                parsed = self.parse_kv_status_message(frames)
-                if parsed is None:
-                    continue
-                room, status, rank, reason = parsed
-                if status == KVPoll.Failed:
-                    self.apply_prefill_status(bootstrap_room=room, status=status,
-                                              prefill_rank=rank, failure_reason=reason)
-                # Success comes from kvlink's notifications only: they prove the bytes are
-                # verified here, where a ZMQ message proves nothing.
-            except Exception:
-                logger.exception("kvlink decode: status message failed")
+            frames = self._recv()
+            if frames is None or self.handle_abort_ack_message(frames):
+                continue
+            parsed = self.parse_kv_status_message(frames)
+            if parsed is None:
+                continue
+            room, status, rank, reason = parsed
+            if status != KVPoll.Failed:
+                continue   # Success comes from kvlink's notifications only: they prove the
+                # bytes are verified here, where a ZMQ message proves nothing
+            if reason and reason.startswith(NOT_REGISTERED):
+                self._register_again()
+            self.apply_prefill_status(bootstrap_room=room, status=status, prefill_rank=rank,
+                                      failure_reason=reason)
+
+    def _register_again(self) -> None:
+        """A prefill rank lost this decode rank's registration (it restarted, or dropped it):
+        forget the cached bootstrap entries, so the next request registers again."""
+        with self.connection_lock:
+            self.connection_pool.clear()
 
 
 class KvlinkKVSender(CommonKVSender):
@@ -584,6 +768,7 @@ class KvlinkKVReceiver(CommonKVReceiver):
 
     kv_mgr: KvlinkKVManager
     conclude_state: Any
+    _arrivals: _Arrivals | None = None
 
     def init(self, prefill_dp_rank: int) -> None:
         super().init(prefill_dp_rank)
@@ -603,11 +788,11 @@ class KvlinkKVReceiver(CommonKVReceiver):
             for b in (getattr(self, "bootstrap_infos", None) or [])
             if not b.get("is_dummy")
         }
-        mgr.expect_room(self.bootstrap_room, senders)
+        self._arrivals = mgr.expect_room(self.bootstrap_room, senders)
 
     def _clear(self) -> None:
         super()._clear()
-        self.kv_mgr.forget_room(self.bootstrap_room)
+        self.kv_mgr.forget_room(self.bootstrap_room, self._arrivals)
 
 
 class KvlinkKVBootstrapServer(CommonKVBootstrapServer):

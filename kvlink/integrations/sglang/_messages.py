@@ -3,8 +3,10 @@
 SGLang's own control plane carries them: decode registers its KV memory with each prefill rank
 once (``REG``), then names each request's destination pages (``ROOM``); prefill answers a
 failure with a status message. The KV bytes themselves travel as kvlink pushes; a push's
-notification tag (``sgl/<room>/<rank>/<chunk>[/last]``) tells decode which chunk of which
-request is verified in its memory. Nothing here imports SGLang, so the parsing is tested in
+notification tag (``sgl/<room>/<attempt>/<chunk>[/last]``) tells decode which chunk of which
+request is verified in its memory; ``attempt`` is a random number decode draws for each
+receiver, so that a late push of an earlier request under the same room never counts for a
+later one. Nothing here imports SGLang, so the parsing is tested in
 kvlink's own environment.
 
 Every frame comes from a socket anyone on the network may reach: each parser bounds every
@@ -14,6 +16,8 @@ length, count and index before use and raises :class:`MessageError` naming the f
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import json
 import re
 from typing import Any
@@ -30,16 +34,65 @@ PROTOCOL_VERSION = 1
 MAX_REG_BYTES = 4 << 20
 # KV buffers (layers x K/V, plus draft layers) and aux buffers one decode rank registers.
 MAX_BUFFERS = 8192
-# Pages one request names: 2^24 pages hold 16M tokens at a page size of 1.
-MAX_PAGES = 1 << 24
+# Pages one request names: 2^22 pages hold 4M tokens at a page size of 1 (16 MiB of int32).
+MAX_PAGES = 1 << 22
+# The largest control frame either side accepts (ZMQ's MAXMSGSIZE on its socket): a ROOM's
+# page list at MAX_PAGES, or a registration.
+MAX_FRAME_BYTES = 4 * MAX_PAGES + 4096
 # Chunks one request's KV is pushed in (one per chunked-prefill step and page-range segment).
 MAX_CHUNKS = 1 << 16
 _ROOM_MAX = (1 << 64) - 1
-_TAG_RE = re.compile(rb"sgl/(\d{1,20})/(\d{1,9})/(\d{1,9})(/last)?")
+_TAG_RE = re.compile(rb"sgl/(\d{1,20})/(\d{1,10})/(\d{1,9})(/last)?")
+_ATTEMPT_MAX = (1 << 32) - 1
 
 
 class MessageError(ValueError):
     """A side-channel frame or notification tag that does not parse or is out of bounds."""
+
+
+class AuthError(MessageError):
+    """A control message not signed under this side's cluster secret."""
+
+
+def control_key(secret: bytes | None) -> bytes | None:
+    """The key decode signs its control messages with: derived from the cluster secret (never
+    the secret itself); None without a secret (agents then listen on loopback only)."""
+    if secret is None:
+        return None
+    return hashlib.sha256(b"kvlink-sglang-control-v1\0" + secret).digest()
+
+
+def _mac(key: bytes, frames: list[bytes]) -> bytes:
+    h = hmac.new(key, digestmod=hashlib.sha256)
+    for f in frames:
+        h.update(len(f).to_bytes(8, "little"))
+        h.update(f)
+    return h.digest()
+
+
+def sign(frames: list[bytes], key: bytes | None) -> list[bytes]:
+    """``frames`` and a last frame: their HMAC-SHA256 under ``key`` (empty without a key)."""
+    return [*frames, b"" if key is None else _mac(key, frames)]
+
+
+def verify(frames: list[bytes], key: bytes | None) -> list[bytes]:
+    """The frames of a signed message without its MAC; AuthError when the MAC is not this
+    side's (another cluster secret, or a secret on one side only)."""
+    if len(frames) < 2:
+        raise MessageError("control message: no MAC frame")
+    body, mac = frames[:-1], frames[-1]
+    if key is None:
+        if mac:
+            raise AuthError("signed under a cluster secret, and this side has none: give "
+                            "every server the same KVLINK_SECRET")
+        return body
+    if not mac:
+        raise AuthError("not signed, and this side has a cluster secret: give every server "
+                        "the same KVLINK_SECRET")
+    if not hmac.compare_digest(mac, _mac(key, body)):
+        raise AuthError("signed under another cluster secret: give every server the same "
+                        "KVLINK_SECRET")
+    return body
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +120,7 @@ class RoomInfo:
     """Where one request's KV goes on one decode rank."""
 
     room: int
+    attempt: int            # decode's random number for this receiver (0 .. 2^32-1)
     session: str
     endpoint: str
     port: int
@@ -149,6 +203,7 @@ def encode_room(info: RoomInfo) -> list[bytes]:
     return [
         ROOM_TAG,
         str(info.room).encode(),
+        str(info.attempt).encode(),
         info.session.encode(),
         info.endpoint.encode(),
         str(info.port).encode(),
@@ -174,10 +229,10 @@ def _frame_str(frame: bytes, field: str, max_len: int) -> str:
 
 def decode_room(frames: list[bytes]) -> RoomInfo:
     """Raises MessageError for anything malformed or out of bounds."""
-    if len(frames) != 9 or frames[0] != ROOM_TAG:
-        raise MessageError(f"room: expected 9 frames tagged {ROOM_TAG!r}")
-    is_dummy = frames[8] == b"1"
-    pages_raw = frames[5]
+    if len(frames) != 10 or frames[0] != ROOM_TAG:
+        raise MessageError(f"room: expected 10 frames tagged {ROOM_TAG!r}")
+    is_dummy = frames[9] == b"1"
+    pages_raw = frames[6]
     if len(pages_raw) % 4 or len(pages_raw) // 4 > MAX_PAGES:
         raise MessageError(f"room: dst_pages of {len(pages_raw)} bytes (int32, at most "
                            f"{MAX_PAGES} pages)")
@@ -186,30 +241,32 @@ def decode_room(frames: list[bytes]) -> RoomInfo:
         raise MessageError("room: dst_pages holds a negative page")
     return RoomInfo(
         room=_frame_int(frames[1], "room", 0, _ROOM_MAX),
-        session=_frame_str(frames[2], "session", 63),
-        endpoint=_frame_str(frames[3], "endpoint", 255),
-        port=_frame_int(frames[4], "port", 1, 65535),
+        attempt=_frame_int(frames[2], "attempt", 0, _ATTEMPT_MAX),
+        session=_frame_str(frames[3], "session", 63),
+        endpoint=_frame_str(frames[4], "endpoint", 255),
+        port=_frame_int(frames[5], "port", 1, 65535),
         dst_pages=pages,
-        aux_index=-1 if is_dummy else _frame_int(frames[6], "aux_index", 0, 1 << 30),
-        required_dst_info_num=_frame_int(frames[7], "required_dst_info_num", 1, 1 << 16),
+        aux_index=-1 if is_dummy else _frame_int(frames[7], "aux_index", 0, 1 << 30),
+        required_dst_info_num=_frame_int(frames[8], "required_dst_info_num", 1, 1 << 16),
         is_dummy=is_dummy,
     )
 
 
-def chunk_tag(room: int, rank: int, chunk: int, last: bool) -> bytes:
+def chunk_tag(room: int, attempt: int, chunk: int, last: bool) -> bytes:
     """The notification tag of one chunk's push."""
-    return f"sgl/{room}/{rank}/{chunk}{'/last' if last else ''}".encode()
+    return f"sgl/{room}/{attempt}/{chunk}{'/last' if last else ''}".encode()
 
 
 def parse_tag(tag: bytes) -> tuple[int, int, int, bool]:
-    """(room, rank, chunk, last) of a chunk's notification tag; MessageError otherwise."""
+    """(room, attempt, chunk, last) of a chunk's notification tag; MessageError otherwise."""
     m = _TAG_RE.fullmatch(tag)
     if m is None:
         raise MessageError(f"notification tag {tag[:64]!r} is not an SGLang chunk tag")
-    room, rank, chunk = int(m.group(1)), int(m.group(2)), int(m.group(3))
-    if room > _ROOM_MAX or chunk >= MAX_CHUNKS:
-        raise MessageError(f"notification tag {tag[:64]!r}: room or chunk out of range")
-    return room, rank, chunk, m.group(4) is not None
+    room, attempt, chunk = int(m.group(1)), int(m.group(2)), int(m.group(3))
+    if room > _ROOM_MAX or attempt > _ATTEMPT_MAX or chunk >= MAX_CHUNKS:
+        raise MessageError(f"notification tag {tag[:64]!r}: room, attempt or chunk out of "
+                           "range")
+    return room, attempt, chunk, m.group(4) is not None
 
 
 def prefill_agent_name(ip: str, port: int) -> str:

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 import zmq
-from conftest import AUX_ITEM, ITEM, LAYERS, Pair, Recorder
+from conftest import AUX_ITEM, ITEM, LAYERS, PAGES, Pair, Recorder
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import KVTransferError
 
@@ -104,8 +104,9 @@ def test_a_chunk_from_another_cluster_member_does_not_complete_a_room(pair: Pair
         buf = np.ones(ITEM, np.uint8)
         other.register(buf)
         peer = other.add_peer(pair.decode.agent.metadata())
+        attempt = pair.decode._arrivals[1007].attempt
         other.push(peer, src=buf, dst="kv0", dst_offset=60 * ITEM,
-                   notify=msgs.chunk_tag(1007, 0, 0, True)).wait(timeout_s=10)
+                   notify=msgs.chunk_tag(1007, attempt, 0, True)).wait(timeout_s=10)
         time.sleep(0.5)
         assert rec.poll()[1] == KVPoll.WaitingForInput
     sender.init(2, aux_index=0)
@@ -120,23 +121,31 @@ def test_hostile_control_messages_are_dropped_and_prefill_keeps_serving(pair: Pa
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(f"tcp://{pair.prefill.local_ip}:{pair.prefill.rank_port}")
     reg = json.loads(pair.decode.build_receiver_registration_message()[1])
+    def room(*frames: bytes) -> list[bytes]:
+        return msgs.sign([msgs.ROOM_TAG, *frames], None)
+
     bad = [
         [b"garbage"],
-        [msgs.REG_TAG, b"{not json"],
-        [msgs.REG_TAG, json.dumps({**reg, "v": 99}).encode()],
-        [msgs.REG_TAG, json.dumps({**reg, "kv_regions": [1] * 9000}).encode()],
-        [msgs.REG_TAG, b"x" * (msgs.MAX_REG_BYTES + 1)],
-        [msgs.ROOM_TAG, b"1", b"s", b"127.0.0.1", b"1", b"\x00" * 3, b"0", b"1", b"0"],
-        [msgs.ROOM_TAG, b"-1", b"s", b"127.0.0.1", b"1", b"", b"0", b"1", b"0"],
-        [msgs.ROOM_TAG, b"1", b"s", b"127.0.0.1", b"99999", b"", b"0", b"1", b"0"],
-        [msgs.ROOM_TAG, b"2", b"s", b"h", b"1", np.array([-5], "<i4").tobytes(), b"0", b"1",
-         b"0"],
+        [msgs.REG_TAG, b"{not json", b""],
+        msgs.sign([msgs.REG_TAG, json.dumps({**reg, "v": 99}).encode()], None),
+        msgs.sign([msgs.REG_TAG, json.dumps({**reg, "kv_regions": [1] * 9000}).encode()], None),
+        msgs.sign([msgs.REG_TAG, b"x" * (msgs.MAX_REG_BYTES + 1)], None),
+        [msgs.REG_TAG, json.dumps(reg).encode(), b"\x01" * 32],   # signed, and we have no key
+        room(b"1", b"0", b"s", b"127.0.0.1", b"1", b"\x00" * 3, b"0", b"1", b"0"),
+        room(b"-1", b"0", b"s", b"127.0.0.1", b"1", b"", b"0", b"1", b"0"),
+        room(b"1", b"0", b"s", b"127.0.0.1", b"99999", b"", b"0", b"1", b"0"),
+        room(b"2", b"0", b"s", b"h", b"1", np.array([-5], "<i4").tobytes(), b"0", b"1", b"0"),
+        room(b"3", b"0", b"s", b"h", b"1", np.zeros(PAGES + 1, "<i4").tobytes(), b"0", b"1",
+             b"0"),
+        [b"ABORT", b"4"],
+        [b"x" * (msgs.MAX_FRAME_BYTES + 10)],   # over ZMQ's MAXMSGSIZE: the connection drops
     ]
     for frames in bad:
         sock.send_multipart(frames)
     sock.close()
     time.sleep(0.3)
-    assert all(r in (1, 2) or r > 1000 for r in pair.prefill.transfer_infos)
+    assert not {1, 2, 3, 4} & set(pair.prefill.transfer_infos)
+    assert not {1, 2, 3, 4} & set(pair.prefill.request_status)
     sender, _r, rec = pair.start(1008, [70, 71])
     sender.init(2, aux_index=0)
     sender.send(np.array([12, 13], np.int32))
@@ -204,17 +213,67 @@ def test_a_flood_of_registrations_does_not_hold_up_requests(pair: Pair) -> None:
                 "metadata": json.dumps({"kvlink": 1, "name": f"ghost-{i}",
                                         "instance": "00" * 8, "addrs": [["127.0.0.1", 1]],
                                         "keys": {}})}
-        sock.send_multipart([msgs.REG_TAG, json.dumps(fake).encode()])
-        # and a room from a name that never registers: it waits, bounded, and never completes
-        sock.send_multipart(msgs.encode_room(msgs.RoomInfo(
-            room=50_000 + i, session=f"never-{i}", endpoint="127.0.0.1", port=1,
+        sock.send_multipart(msgs.sign([msgs.REG_TAG, json.dumps(fake).encode()], None))
+        # and a room from a name that never registered: failed at once, nothing kept
+        sock.send_multipart(msgs.sign(msgs.encode_room(msgs.RoomInfo(
+            room=50_000 + i, attempt=1, session=f"never-{i}", endpoint="127.0.0.1", port=1,
             dst_pages=np.array([1], np.int32), aux_index=0, required_dst_info_num=1,
-            is_dummy=False)))
+            is_dummy=False)), None))
+    # a room of the registered decode rank, sent last on the same socket: once prefill has it,
+    # it has handled every message before it
+    sock.send_multipart(pair.decode.build_receiver_metadata_message(
+        bootstrap_room=59_999, required_dst_info_num=1, kv_indices=np.array([1], np.int32),
+        aux_index=0, state_indices=None, decode_prefix_len=None, is_dummy=False))
     sock.close()
+    deadline = time.monotonic() + 10
+    while pair.prefill.request_status.get(59_999) != KVPoll.WaitingForInput:
+        assert time.monotonic() < deadline, "prefill never handled the flood"
+        time.sleep(0.01)
     sender, _r, rec = pair.start(1009, [80, 81])
     sender.init(2, aux_index=0)
     sender.send(np.array([14, 15], np.int32))
     assert rec.until_terminal() == (KVPoll.Success, KVPoll.Success)
     assert pair.expected_pages_ok([14, 15], [80, 81])
-    assert pair.prefill._registrations.maxsize == 64
     assert all(pair.prefill.request_status.get(50_000 + i) is None for i in range(300))
+    assert not {50_000 + i for i in range(300)} & set(pair.prefill.transfer_infos)
+
+
+def test_decode_completes_only_with_every_chunk_of_the_current_attempt(pair: Pair) -> None:
+    """Notifications fed to decode out of order: the last chunk first, then a gap, then a
+    chunk of an earlier attempt of the same room; Success only when the set is complete."""
+    sender, receiver, rec = pair.start(1010, [90, 91, 92])
+    arrivals = pair.decode._arrivals[1010]
+    peer = arrivals.senders[0]
+
+    def note(chunk: int, last: bool, attempt: int = arrivals.attempt) -> kvlink.Notification:
+        return kvlink.Notification(peer=peer, tag=msgs.chunk_tag(1010, attempt, chunk, last),
+                                   transfer_id=1, op=kvlink.Op.PUSH)
+
+    pair.decode._on_notification(note(2, True))
+    pair.decode._on_notification(note(0, False))
+    assert rec.poll()[1] == KVPoll.WaitingForInput
+    pair.decode._on_notification(note(1, False, attempt=arrivals.attempt ^ 1))   # stale
+    assert rec.poll()[1] == KVPoll.WaitingForInput
+    pair.decode._on_notification(note(1, False))
+    assert rec.poll()[1] == KVPoll.Success
+    receiver.clear()
+    sender.abort()
+    sender.clear()
+
+
+def test_abort_between_chunks_stops_the_rest_and_acks_once_drained(pair: Pair) -> None:
+    sender, receiver, rec = pair.start(1011, [100, 101, 102, 103])
+    sender.init(4, aux_index=0)
+    sender.send(np.array([20, 21], np.int32))
+    pushed = pair.prefill._sends[1011].submitted
+    assert pushed == 1
+    receiver.abort()
+    rec.until(lambda s, r: s == KVPoll.Failed)
+    sender.send(np.array([22, 23], np.int32))          # after the abort: not pushed
+    assert pair.prefill._sends[1011].submitted == pushed
+    deadline = time.monotonic() + 10
+    while pair.prefill._staging_outstanding.get(1011, 0) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pair.prefill._staging_outstanding.get(1011, 0) == 0
+    with pytest.raises(KVTransferError, match="abort"):
+        sender.failure_exception()

@@ -12,6 +12,7 @@ yet. One JSON row per phase.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -23,7 +24,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.sglang import harness  # noqa: E402
+from tests.sglang import harness
 
 
 def cores(server: harness.Server, seconds: float) -> dict[str, float]:
@@ -33,10 +34,9 @@ def cores(server: harness.Server, seconds: float) -> dict[str, float]:
     time.sleep(seconds)
     out = {}
     for p in procs:
-        try:
-            out[f"{p.pid}:{p.name()}"] = round((sum(p.cpu_times()[:2]) - before[p.pid]) / seconds, 3)
-        except psutil.NoSuchProcess:
-            pass
+        with contextlib.suppress(psutil.NoSuchProcess):
+            used = sum(p.cpu_times()[:2]) - before[p.pid]
+            out[f"{p.pid}:{p.name()}"] = round(used / seconds, 3)
     return out
 
 

@@ -41,9 +41,10 @@ def pattern(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
 
 
-def pair(make_agent, rx_transport="ucx", tx_transport="ucx", paths=2, secret=SECRET):
+def pair(make_agent, rx_transport="ucx", tx_transport="ucx", paths=2, secret=SECRET, **tx_extra):
     rx = make_agent("rx", nics=f"loopback:{paths}", transport=rx_transport, secret=secret)
-    tx = make_agent("tx", nics=f"loopback:{paths}", transport=tx_transport, secret=secret)
+    tx = make_agent("tx", nics=f"loopback:{paths}", transport=tx_transport, secret=secret,
+                    **tx_extra)
     return rx, tx
 
 
@@ -439,9 +440,13 @@ def test_failed_pull_over_ucx_fences_before_it_reports(make_agent, caplog):
     path's UCX end before the failure is reported (docs/ucx.md, fence).
     Nothing the peer still sends lands after that: memory written right
     after the failure keeps its contents.  The paths come back and the
-    next pull lands byte-exact."""
-    rx, tx = pair(make_agent)
-    n = 256 * MiB
+    next pull lands byte-exact.
+
+    The initiator checks deadlines every engine tick: a 5 ms tick and 512 MiB keep the pull
+    running well past its 50 ms deadline on a fast idle machine too (with the default 100 ms
+    tick a 256 MiB pull finished before its deadline was ever looked at)."""
+    rx, tx = pair(make_agent, monitor_interval_ms=5)
+    n = 512 * MiB
     remote = pattern(n, 17)
     rx.register(remote, remote_read=True, name="kv")
     local = np.zeros(n, dtype=np.uint8)

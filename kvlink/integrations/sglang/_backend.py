@@ -409,6 +409,10 @@ class KvlinkKVManager(CommonKVManager):
         if not self.is_mla_backend and reg.attn_tp_size != self.attn_tp_size:
             return (f"attention TP {self.attn_tp_size} on prefill and {reg.attn_tp_size} on "
                     "decode: kvlink moves MHA KV between equal TP sizes only (MLA may differ)")
+        if not self.is_mla_backend and reg.tp_rank % reg.attn_tp_size != self.attn_tp_rank:
+            return (f"decode TP rank {reg.tp_rank} holds other heads than this prefill rank "
+                    f"(attention TP rank {self.attn_tp_rank}): it registered with the wrong "
+                    "prefill rank")
         if list(reg.kv_item_lens) != list(a.kv_item_lens):
             return ("KV page sizes differ between prefill and decode (model, dtype or TP "
                     "differ): serve the same model with the same --kv-cache-dtype")

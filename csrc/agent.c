@@ -107,6 +107,8 @@ static void run_commands(kvl_agent *a, kvl_cmd *cmd)
         if (cmd->type == KVL_CMD_REGIONS) {
             for (kvl_conn *c = a->conns; c; c = kvl_conn_next(c))
                 kvl_conn_regions_changed(c);
+        } else if (cmd->type == KVL_CMD_ACCEPT) {
+            a->stream->accept_fd(a, cmd->fd, &cmd->wrap);
         } else if (cmd->type == KVL_CMD_ADOPT_PEER) {
             adopt_peer(a, p);
         } else if (p && p->retiring && cmd->type != KVL_CMD_PROBED) {
@@ -308,6 +310,7 @@ static kvl_err check_exposure(const kvl_config *cfg)
 
 static void agent_free(kvl_agent *a)
 {
+    kvl_relay()->stop(a);
     a->stream->stop(a); /* every endpoint but the listeners is gone; they never had an I/O thread */
     for (size_t i = 0; a->listeners && i < a->n_addrs; i++)
         if (a->listeners[i]) {
@@ -425,6 +428,11 @@ kvl_err kvl_agent_create(const kvl_config *cfg, kvl_agent **out)
         agent_free(a);
         return e;
     }
+    /* relayed connections arrive as commands: the engine takes them once it runs */
+    if ((e = kvl_relay()->start(a))) {
+        agent_free(a);
+        return e;
+    }
     if (kvl_prober_start(a) != KVL_OK) {
         e = kvl_fail(KVL_ERR_SYSTEM, "agent_create: cannot start the prober thread");
         agent_free(a);
@@ -463,6 +471,8 @@ kvl_err kvl_agent_close(kvl_agent *a)
     if (!a)
         return KVL_OK;
     atomic_store(&a->closed, 1);
+    /* no relayed connection arrives or is forwarded from here on */
+    kvl_relay()->stop(a);
     /* the engine sends what is queued (bounded by close_linger_ms) and
      * exits; then everything stops */
     atomic_store(&a->closing, 1);
@@ -495,6 +505,11 @@ kvl_err kvl_agent_close(kvl_agent *a)
             fail_and_drop(cmd->xfer);
         if (cmd->type == KVL_CMD_PROBED && cmd->ep)
             a->stream->discard(cmd->ep);
+        if (cmd->type == KVL_CMD_ACCEPT) {
+            close(cmd->fd);
+            if (cmd->wrap.release)
+                cmd->wrap.release(cmd->wrap.arg);
+        }
         if (cmd->type == KVL_CMD_REMOVE_PEER) { /* out of the callers' list: freed below */
             cmd->peer->retiring = 1;
             if (!cmd->peer->adopted) { /* in no engine list either */
@@ -539,6 +554,30 @@ kvl_err kvl_agent_close(kvl_agent *a)
     kvl_notify_queue_free(a);
     kvl_share_free_all(a);
     agent_free(a);
+    return KVL_OK;
+}
+
+void kvl_engine_accept(kvl_agent *a, int fd, const kvl_tp_wrap *w)
+{
+    kvl_cmd *cmd = atomic_load(&a->closing) ? NULL : calloc(1, sizeof *cmd);
+    if (!cmd) {
+        close(fd);
+        if (w->release)
+            w->release(w->arg);
+        return;
+    }
+    cmd->type = KVL_CMD_ACCEPT;
+    cmd->fd = fd;
+    cmd->wrap = *w;
+    kvl_engine_post(a, cmd);
+}
+
+kvl_err kvl_agent_relay_info(kvl_agent *a, kvl_relay_info *out)
+{
+    kvl_clear_error();
+    if (!a || !out)
+        return kvl_fail(KVL_ERR_INVALID_ARG, "relay_info: NULL argument");
+    kvl_relay()->info(a, out);
     return KVL_OK;
 }
 

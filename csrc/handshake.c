@@ -413,8 +413,8 @@ static kvl_err answer_challenge(kvl_agent *a, kvl_peer *p, kvl_ep *ep, const kvl
 static const kvl_mover_ops *wanted_mover(const kvl_agent *a, const kvl_peer *p, int kind,
                                          uint16_t path)
 {
-    if (kind != KVL_CONN_DATA)
-        return NULL;
+    if (kind != KVL_CONN_DATA || (path < KVL_MAX_PATHS && p->paths[path].via[0]))
+        return NULL; /* a relayed path's payloads go in-stream, inside its seal */
     uint64_t off = path < KVL_MAX_PATHS
                        ? __atomic_load_n(&p->paths[path].mover_off_until_ns, __ATOMIC_RELAXED)
                        : 0;

@@ -37,6 +37,8 @@ struct kvl_peer {
     kvl_ep *ctrl_ep;           /* control endpoint until adoption */
     kvl_path ctrl_path;        /* where the control connection goes, and its probe state */
     uint8_t token[KVL_TOKEN_BYTES]; /* our session with this peer: in every HELLO */
+    uint8_t e2e[32];           /* its end-to-end key (metadata): seals relayed paths */
+    size_t e2e_len;            /* 0: none given, no path may be relayed */
     kvl_path paths[KVL_MAX_PATHS];
     uint32_t n_paths;
     int adopted;               /* engine has taken the connections over */
@@ -145,6 +147,8 @@ typedef struct kvl_cmd {
     char error[160];           /* PROBED: why it failed */
     uint64_t met;              /* PROBED: the instance that answered, not the peer's (0: none) */
     uint8_t *tag;              /* PREPARE: owned */
+    int fd;                    /* ACCEPT: the socket, for stream->accept_fd */
+    kvl_tp_wrap wrap;          /* ACCEPT: what describes it */
     uint32_t tag_len;
     struct kvl_cmd *next;
 } kvl_cmd;
@@ -155,7 +159,8 @@ enum {
     KVL_CMD_PROBED = 4,
     KVL_CMD_PREPARE = 5,
     KVL_CMD_REMOVE_PEER = 6,   /* error: why */
-    KVL_CMD_REGIONS = 7        /* no peer: this agent's regions changed (movers re-map) */
+    KVL_CMD_REGIONS = 7,       /* no peer: this agent's regions changed (movers re-map) */
+    KVL_CMD_ACCEPT = 8         /* no peer: a relayed connection arrived (kvl_engine_accept) */
 };
 
 struct kvl_rx_xfer;
@@ -238,6 +243,7 @@ struct kvl_agent {
     pthread_mutex_t probe_mu;
     pthread_cond_t probe_cv;
     struct kvl_probe_job *jobs;
+    void *relay_state;         /* transport/relay/: sealed listeners, the relay */
     /* log records for the application (log.c) */
     pthread_mutex_t log_mu;
     pthread_cond_t log_cv;

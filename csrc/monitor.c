@@ -84,7 +84,7 @@ static void our_tx_per_nic(kvl_agent *a, uint64_t *ours)
         for (uint32_t i = 0; i < p->n_paths; i++) {
             kvl_path *pa = &p->paths[i];
             uint64_t sent = pa->bytes_sent_prev + (pa->conn ? kvl_conn_bytes_sent(pa->conn) : 0);
-            ours[a->nic_of_addr[i]] += sent;
+            ours[a->nic_of_addr[pa->laddr]] += sent;
         }
 }
 
@@ -303,7 +303,7 @@ void kvl_monitor_tick(kvl_agent *a, uint64_t now)
             if (pa->conn)
                 watch_path(a, pa, now);
             if (a->nics)
-                kvl_path_nic_sampled(pa, a->nics[a->nic_of_addr[i]].other_Bps);
+                kvl_path_nic_sampled(pa, a->nics[a->nic_of_addr[pa->laddr]].other_Bps);
             if (pa->conn && pa->bw_Bps > best)
                 best = pa->bw_Bps;
         }

@@ -93,11 +93,17 @@ void kvl_path_route(kvl_path *pa, const char *local, const char *host, uint16_t 
     pa->rport = port;
 }
 
-void kvl_path_init(kvl_path *pa, uint32_t index, const char *local, const char *host,
-                   uint16_t port, kvl_ep *ep)
+void kvl_path_init(kvl_path *pa, uint32_t index, uint32_t laddr, const char *local,
+                   const char *host, uint16_t port, const kvl_route *rt, kvl_ep *ep)
 {
     pa->index = index;
+    pa->laddr = laddr;
     pa->ep = ep;
+    if (rt && rt->via[0]) {
+        snprintf(pa->via, sizeof pa->via, "%s", rt->via);
+        pa->via_port = rt->via_port;
+        snprintf(pa->via_name, sizeof pa->via_name, "%s", rt->via_name);
+    }
     snprintf(pa->remote, sizeof pa->remote, "%s:%u", host, port);
     kvl_path_route(pa, local, host, port);
 }

@@ -30,6 +30,10 @@ struct kvl_path {
     uint64_t busy_bytes;       /* bytes verified since busy_start_ns */
     char rhost[48];            /* the peer address and port this path connects to */
     uint16_t rport;
+    uint32_t laddr;            /* index of the local address (a->addrs) it leaves from */
+    char via[48];              /* relayed: the relay's address ("" direct), fixed */
+    uint16_t via_port;
+    char via_name[64];         /* ... and its agent name */
     /* monitor (monitor.c) */
     double delivery_Bps;
     double nic_other_Bps;
@@ -77,10 +81,11 @@ int kvl_path_may_work(const kvl_path *pa);
 void kvl_peer_update_hint(kvl_peer *p);
 
 /* ---- set-up (add_peer, before the engine adopts the peer) ---- */
-/* Data path `index` from address local to host:port; ep (may be NULL) is
- * its connection, for the engine to adopt. */
-void kvl_path_init(kvl_path *pa, uint32_t index, const char *local, const char *host,
-                   uint16_t port, kvl_ep *ep);
+/* Data path `index` from local address laddr (its text: local) to
+ * host:port, through the relay rt->via when set (rt may be NULL: direct); ep
+ * (may be NULL) is its connection, for the engine to adopt. */
+void kvl_path_init(kvl_path *pa, uint32_t index, uint32_t laddr, const char *local,
+                   const char *host, uint16_t port, const kvl_route *rt, kvl_ep *ep);
 /* Where pa's next connection goes (also the engine: the control connection
  * moves to a path that works). */
 void kvl_path_route(kvl_path *pa, const char *local, const char *host, uint16_t port);

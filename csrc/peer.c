@@ -28,15 +28,23 @@ static size_t pair_remote(const char *local, const char *const *hosts, size_t n,
     return i % n;
 }
 
-/* Connect + handshake; *instance: the one expected (0: any), then the one met. */
+/* Connect + handshake; *instance: the one expected (0: any), then the one met.
+ * via: the relay of a relayed data path, else NULL. */
 static kvl_err open_conn(kvl_agent *a, kvl_peer *p, const char *local, const char *host,
-                         uint16_t port, int kind, uint16_t path, uint64_t *instance, kvl_ep **ep)
+                         uint16_t port, int kind, uint16_t path, const kvl_route *via,
+                         uint64_t *instance, kvl_ep **ep)
 {
-    char where[80];
-    snprintf(where, sizeof where, "%s:%u", host, port);
+    char where[160];
+    if (via)
+        snprintf(where, sizeof where, "%s:%u via relay '%s' (%s:%u)", host, port, via->via_name,
+                 via->via, via->via_port);
+    else
+        snprintf(where, sizeof where, "%s:%u", host, port);
     uint64_t deadline = kvl_now_ns() + (uint64_t)a->cfg.connect_timeout_ms * 1000000ull;
     *ep = NULL;
-    kvl_err e = a->stream->connect(a, local, host, port, a->cfg.connect_timeout_ms, ep);
+    kvl_err e = via ? kvl_relay()->connect(a, local, via->via, via->via_port, host, port, p->e2e,
+                                           p->e2e_len, a->cfg.connect_timeout_ms, ep)
+                    : a->stream->connect(a, local, host, port, a->cfg.connect_timeout_ms, ep);
     if (e)
         return kvl_fail(e, "peer '%s': %s", p->name, kvl_last_error());
     e = kvl_handshake_initiate(a, p, *ep, kind, path, local, where, deadline, instance);
@@ -51,7 +59,15 @@ kvl_err kvl_peer_open_conn(kvl_agent *a, kvl_peer *p, const char *local, const c
                            uint16_t port, int kind, uint16_t path, kvl_ep **ep, uint64_t *met)
 {
     uint64_t instance = p->instance; /* fixed once the peer is adopted */
-    kvl_err e = open_conn(a, p, local, host, port, kind, path, &instance, ep);
+    kvl_route via = {0};
+    const kvl_path *pa = kind == KVL_CONN_DATA && path < p->n_paths ? &p->paths[path] : NULL;
+    if (pa && pa->via[0]) {
+        snprintf(via.via, sizeof via.via, "%s", pa->via);
+        via.via_port = pa->via_port;
+        snprintf(via.via_name, sizeof via.via_name, "%s", pa->via_name);
+    }
+    kvl_err e = open_conn(a, p, local, host, port, kind, path, via.via[0] ? &via : NULL,
+                          &instance, ep);
     *met = instance != p->instance ? instance : 0;
     return e;
 }
@@ -64,6 +80,7 @@ typedef struct conn_job {
     const char *local, *host;
     uint16_t port, path;
     int kind;
+    const kvl_route *via;      /* a relayed data path's relay, else NULL */
     uint64_t instance;
     kvl_ep *ep;
     kvl_err err;
@@ -75,8 +92,8 @@ typedef struct conn_job {
 static void *conn_job_main(void *arg)
 {
     conn_job *j = arg;
-    j->err = open_conn(j->a, j->p, j->local, j->host, j->port, j->kind, j->path, &j->instance,
-                       &j->ep);
+    j->err = open_conn(j->a, j->p, j->local, j->host, j->port, j->kind, j->path, j->via,
+                       &j->instance, &j->ep);
     if (j->err)
         snprintf(j->msg, sizeof j->msg, "%s", kvl_last_error());
     return NULL;
@@ -193,6 +210,55 @@ kvl_err kvl_peer_connect(kvl_agent *a, const char *name, uint64_t instance,
     kvl_clear_error();
     if (!a || !name || !hosts || !ports || !out)
         return kvl_fail(KVL_ERR_INVALID_ARG, "add_peer: NULL argument");
+    if (n == 0 || n > KVL_MAX_PATHS)
+        return kvl_fail(KVL_ERR_INVALID_ARG, "peer '%s' metadata lists %zu addresses (1..%d)",
+                        name, n, KVL_MAX_PATHS);
+    kvl_route routes[KVL_MAX_PATHS];
+    memset(routes, 0, sizeof routes);
+    for (size_t k = 0; k < a->n_addrs; k++) {
+        routes[k].local = (uint32_t)k;
+        routes[k].remote = (uint32_t)pair_remote(a->addrs[k], hosts, n, k);
+    }
+    return kvl_peer_connect_routes(a, name, instance, hosts, ports, n, flags, routes, a->n_addrs,
+                                   NULL, 0, out);
+}
+
+/* Checks a caller's routes against this agent's addresses and the peer's. */
+static kvl_err check_routes(const kvl_agent *a, const char *name, size_t n,
+                            const kvl_route *routes, size_t n_routes, size_t e2e_len)
+{
+    if (!routes || n_routes == 0 || n_routes > KVL_MAX_PATHS)
+        return kvl_fail(KVL_ERR_INVALID_ARG, "add_peer('%s'): %zu paths (1..%d)", name, n_routes,
+                        KVL_MAX_PATHS);
+    for (size_t i = 0; i < n_routes; i++) {
+        const kvl_route *r = &routes[i];
+        if (r->local >= a->n_addrs || r->remote >= n)
+            return kvl_fail(KVL_ERR_INVALID_ARG,
+                            "add_peer('%s'): path %zu names local address %u (of %zu) and "
+                            "remote %u (of %zu)",
+                            name, i, r->local, a->n_addrs, r->remote, n);
+        if (memchr(r->via, 0, sizeof r->via) == NULL ||
+            memchr(r->via_name, 0, sizeof r->via_name) == NULL)
+            return kvl_fail(KVL_ERR_INVALID_ARG, "add_peer('%s'): path %zu: relay unterminated",
+                            name, i);
+        if (r->via[0] && e2e_len != 32)
+            return kvl_fail(KVL_ERR_INVALID_ARG,
+                            "add_peer('%s'): path %zu goes through relay '%s' but the peer's "
+                            "metadata has no end-to-end key (\"e2e\"): an older kvlink cannot "
+                            "be reached through a relay",
+                            name, i, r->via_name);
+    }
+    return KVL_OK;
+}
+
+kvl_err kvl_peer_connect_routes(kvl_agent *a, const char *name, uint64_t instance,
+                                const char *const *hosts, const uint16_t *ports, size_t n,
+                                uint32_t flags, const kvl_route *routes, size_t n_routes,
+                                const uint8_t *e2e_key, size_t e2e_len, kvl_peer **out)
+{
+    kvl_clear_error();
+    if (!a || !name || !hosts || !ports || !out || (e2e_len && !e2e_key))
+        return kvl_fail(KVL_ERR_INVALID_ARG, "add_peer: NULL argument");
     if (atomic_load(&a->closed))
         return kvl_fail(KVL_ERR_CLOSED, "add_peer: the agent is closed");
     if (!name[0] || strlen(name) >= KVL_NAME_MAX)
@@ -205,6 +271,9 @@ kvl_err kvl_peer_connect(kvl_agent *a, const char *name, uint64_t instance,
     if (n == 0 || n > KVL_MAX_PATHS)
         return kvl_fail(KVL_ERR_INVALID_ARG, "peer '%s' metadata lists %zu addresses (1..%d)",
                         name, n, KVL_MAX_PATHS);
+    kvl_err ce = check_routes(a, name, n, routes, n_routes, e2e_len);
+    if (ce)
+        return ce;
 
     pthread_mutex_lock(&a->mu);
     kvl_peer *old = NULL;
@@ -251,27 +320,36 @@ kvl_err kvl_peer_connect(kvl_agent *a, const char *name, uint64_t instance,
     pthread_mutex_init(&p->mu, NULL);
     kvl_cond_init(&p->cv);
 
+    if (e2e_len == sizeof p->e2e) {
+        memcpy(p->e2e, e2e_key, sizeof p->e2e);
+        p->e2e_len = e2e_len;
+    }
+
     /* every data path and the control connection (from address 0) at once */
-    p->n_paths = (uint32_t)a->n_addrs;
+    p->n_paths = (uint32_t)n_routes;
     conn_job jobs[KVL_MAX_PATHS + 1];
     memset(jobs, 0, sizeof jobs);
-    size_t remote_of[KVL_MAX_PATHS];
-    for (uint32_t i = 0; i <= p->n_paths; i++) {
-        uint32_t k = i ? i - 1 : 0; /* job 0: control; job i: data path i-1 */
-        size_t r = pair_remote(a->addrs[k], hosts, n, k);
-        if (i)
-            remote_of[k] = r;
-        jobs[i] = (conn_job){.a = a, .p = p, .local = a->addrs[k], .host = hosts[r],
-                             .port = ports[r], .path = (uint16_t)k, .instance = instance,
-                             .kind = i ? KVL_CONN_DATA : KVL_CONN_CONTROL};
+    size_t ctrl_remote = pair_remote(a->addrs[0], hosts, n, 0);
+    jobs[0] = (conn_job){.a = a, .p = p, .local = a->addrs[0], .host = hosts[ctrl_remote],
+                         .port = ports[ctrl_remote], .path = 0, .instance = instance,
+                         .kind = KVL_CONN_CONTROL};
+    for (uint32_t k = 0; k < p->n_paths; k++) {
+        const kvl_route *rt = &routes[k];
+        /* the route first: the handshake reads whether the path is relayed */
+        kvl_path_init(&p->paths[k], k, rt->local, a->addrs[rt->local], hosts[rt->remote],
+                      ports[rt->remote], rt, NULL);
+        jobs[k + 1] = (conn_job){.a = a, .p = p, .local = a->addrs[rt->local],
+                                 .host = hosts[rt->remote], .port = ports[rt->remote],
+                                 .path = (uint16_t)k, .instance = instance,
+                                 .kind = KVL_CONN_DATA, .via = rt->via[0] ? rt : NULL};
     }
     run_jobs(jobs, p->n_paths + 1);
     kvl_err e = KVL_OK;
     int up = 0;
     for (uint32_t i = 0; i <= p->n_paths; i++) {
         conn_job *jb = &jobs[i];
-        if (jb->err == KVL_ERR_DUPLICATE_NAME || jb->err == KVL_ERR_HANDSHAKE ||
-            jb->err == KVL_ERR_AUTH) {
+        if (!jb->via && (jb->err == KVL_ERR_DUPLICATE_NAME || jb->err == KVL_ERR_HANDSHAKE ||
+                         jb->err == KVL_ERR_AUTH)) {
             e = kvl_fail(jb->err, "%s", jb->msg); /* the peer refuses us */
             break;
         }
@@ -287,10 +365,10 @@ kvl_err kvl_peer_connect(kvl_agent *a, const char *name, uint64_t instance,
         if (i && !jb->err)
             up++;
     }
-    /* the control connection goes over any path that works: if address 0
-     * failed, try the pairs whose data path connected */
+    /* the control connection goes over any direct path that works: if
+     * address 0 failed, try the pairs whose data path connected */
     for (uint32_t k = 0; !e && jobs[0].err && up && k < p->n_paths; k++) {
-        if (jobs[k + 1].err)
+        if (jobs[k + 1].err || jobs[k + 1].via)
             continue;
         conn_job *c = &jobs[0];
         char first[256];
@@ -313,8 +391,9 @@ kvl_err kvl_peer_connect(kvl_agent *a, const char *name, uint64_t instance,
     kvl_path_route(&p->ctrl_path, jobs[0].local, jobs[0].host, jobs[0].port);
     for (uint32_t i = 0; i < p->n_paths; i++) {
         kvl_path *pa = &p->paths[i];
-        size_t r = remote_of[i];
-        kvl_path_init(pa, i, a->addrs[i], hosts[r], ports[r], jobs[i + 1].ep);
+        const kvl_route *rt = &routes[i];
+        kvl_path_init(pa, i, rt->local, a->addrs[rt->local], hosts[rt->remote], ports[rt->remote],
+                      rt, jobs[i + 1].ep);
         if (jobs[i + 1].err)
             kvl_path_never_connected(p, pa, jobs[i + 1].msg);
     }

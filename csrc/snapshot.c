@@ -45,6 +45,10 @@ void kvl_engine_snapshot_paths(kvl_agent *a)
             o->state = pa->state;
             snprintf(o->local_addr, sizeof o->local_addr, "%s", pa->local);
             snprintf(o->remote_addr, sizeof o->remote_addr, "%s", pa->remote);
+            if (pa->via[0]) {
+                snprintf(o->relay, sizeof o->relay, "%s", pa->via_name);
+                snprintf(o->relay_addr, sizeof o->relay_addr, "%s:%u", pa->via, pa->via_port);
+            }
             o->bytes_sent = pa->bytes_sent_prev + (pa->conn ? kvl_conn_bytes_sent(pa->conn) : 0);
             o->bytes_recv = pa->bytes_recv_prev + (pa->conn ? kvl_conn_bytes_recv(pa->conn) : 0);
             o->bytes_put = pa->bytes_put_prev + (pa->conn ? kvl_conn_bytes_put(pa->conn) : 0);

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _cuda, _host, _native, _nics, _transport
+from . import _cuda, _host, _native, _nics, _relays, _transport
 from ._args import bool_arg, int_error, timeout_arg
 from ._config import Config
 from ._errors import (
@@ -114,17 +114,22 @@ class Agent:
                     f"name: an agent named {name!r} is already open in this process; "
                     "close it first or choose another name"
                 )
-            self._a = _native.agent_create(name, addrs, cfg)
+            relay_addrs = _nics.resolve(cfg.relay_nics) if cfg.relay_nics else []
+            self._a = _native.agent_create(name, addrs, cfg, relay_addrs)
             self._drain = LogDrain(self._a, name)
             _live_names[name] = self
         self.instance_id = _native.agent_instance(self._a)
         self.addresses = _native.agent_addresses(self._a)
+        self._relay_addrs = relay_addrs or [h for h, _ in self.addresses]
+        self._relays: dict[str, dict[str, Any]] = {}
         self._peer_md: dict[str, tuple[int, tuple[tuple[str, int], ...]]] = {}
         self._discover_lock = threading.Lock()
         self._discovery: Any = None
         self._metrics: Any = None
         self._metrics_server: Any = None
         try:
+            for item in cfg.relays:
+                self.add_relay(item)
             if cfg.metrics_port is not None:
                 from ._metrics import MetricsServer
 
@@ -357,6 +362,18 @@ class Agent:
             ClosedError: the agent is closed.
         """
         ident = self._identity()
+        with self._using() as a:
+            relay = _native.relay_info(a)
+        extra: dict[str, Any] = {}
+        if relay["sealed_ports"]:
+            # relayed paths end here, sealed under "e2e" (docs/relays.md); whoever holds
+            # this metadata may open one, as with the region keys
+            extra["e2e"] = relay["e2e"].hex()
+            ports = relay["sealed_ports"]
+            extra["sealed"] = [[h, p] for (h, _), p in zip(self.addresses, ports, strict=True)]
+        if relay["relay_ports"]:
+            ports = relay["relay_ports"]
+            extra["relay"] = [[h, p] for h, p in zip(self._relay_addrs, ports, strict=True)]
         return json.dumps(
             {
                 "kvlink": METADATA_VERSION,
@@ -369,6 +386,7 @@ class Agent:
                 "host": _host.host_id(),
                 "pid": os.getpid(),
                 "shm": self.config.transport != "tcp",
+                **extra,
             }
         ).encode()
 
@@ -407,21 +425,69 @@ class Agent:
         with self._using() as a:
             known = _native.peer_find(a, md["name"], missing_ok=True) is not None
             if not known:
-                p = _native.peer_connect(
-                    a, md["name"], md["instance"], md["addrs"], self._same_host(md)
-                )
+                p = self._connect(a, md)
                 self._take_keys(p, md)
         if known:
             # a restarted agent of that name replaces the old peer, which is
             # then freed: no other call may hold the old one meanwhile
             with self._alone() as a:
-                p = _native.peer_connect(
-                    a, md["name"], md["instance"], md["addrs"], self._same_host(md)
-                )
+                p = self._connect(a, md)
                 self._take_keys(p, md)
         with self._lock:
             self._peer_md[md["name"]] = (md["instance"], tuple(md["addrs"]))
         return str(md["name"])
+
+    def _connect(self, a: Any, md: dict[str, Any]) -> Any:
+        """The peer of metadata ``md``, connected: directly on every path, and through every
+        relay this agent knows that reaches it (docs/relays.md)."""
+        with self._lock:
+            relays = list(self._relays.values())
+        local = [h for h, _ in self.addresses]
+        hosts, routes = _relays.plan_routes(local, md, relays, self.name)
+        if not any(r.via for r in routes):
+            return _native.peer_connect(
+                a, md["name"], md["instance"], md["addrs"], self._same_host(md)
+            )
+        return _native.peer_connect_routes(
+            a, md["name"], md["instance"], hosts, routes, md["e2e"], self._same_host(md)
+        )
+
+    def add_relay(self, metadata: bytes | str | dict[str, Any]) -> str:
+        """Lets this agent route through the relay whose metadata this is (an agent started
+        with ``Config(relay=True)``, or ``kvlink relay``): peers added from now on that the
+        relay reaches get relayed paths through it besides the direct ones (docs/relays.md).
+        Returns the relay's name.  Adding it again updates it.
+
+        Raises:
+            InvalidArgumentError: not the metadata of an agent that relays.
+            ClosedError: the agent is closed.
+        """
+        if self._closed:
+            raise self._closed_error()
+        r = _relays.load_relay(metadata)
+        with self._lock:
+            self._relays[r["name"]] = r
+        return str(r["name"])
+
+    def relays(self) -> list[str]:
+        """The relays this agent routes through (names), sorted."""
+        with self._lock:
+            return sorted(self._relays)
+
+    def relay_stats(self) -> dict[str, int]:
+        """This agent's relay, when it runs one (``Config(relay=True)``): relayed
+        connections open now and ever, bytes forwarded (both ways), requests refused, and how
+        often a lent NIC was taken back for this host's own traffic.
+
+        Raises:
+            ClosedError: the agent is closed.
+        """
+        with self._using() as a:
+            info = _native.relay_info(a)
+        return {
+            k: int(info[k])
+            for k in ("relayed_conns", "relayed_total", "relayed_bytes", "refused", "yields")
+        }
 
     def _same_host(self, md: dict[str, Any]) -> bool:
         """Whether paths to the peer of metadata ``md`` may copy process to
@@ -1161,4 +1227,5 @@ def _parse_metadata(metadata: bytes | str | dict[str, Any]) -> dict[str, Any]:
         "host": host,
         "pid": pid,
         "shm": shm,
+        **_relays.parse_relay_fields(md),
     }

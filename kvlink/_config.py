@@ -189,6 +189,30 @@ class Config:
     # Loopback by default: the metrics name peers and addresses, which is
     # for operators, not for every host that can reach this one.
     metrics_host: str = "127.0.0.1"
+    # Relays (docs/relays.md): this agent forwards relayed connections for
+    # cluster members over its idle NICs (a `kvlink relay` daemon is an agent
+    # with only this).  Off by default: lending NICs is the operator's call.
+    relay: bool = False
+    # The NICs it lends (as `nics` takes them); "": every NIC of `nics`.
+    relay_nics: str | tuple[str, ...] = ""
+    # The relay's port on each lent address; 0 = an ephemeral one (metadata
+    # carries it).
+    relay_port: int = 0
+    # Traffic of this host's own (not relayed) above this on a lent NIC
+    # takes the NIC back at once: relayed connections through it are reset
+    # (their chunks go again on the senders' other paths) and new ones are
+    # refused until it has been quiet for a second.  0: never take it back.
+    relay_yield_mbps: int = 100
+    # Relayed connections at once (each holds 2 MiB of pipes in the kernel).
+    relay_max_conns: int = 256
+    # Relays this agent may route through: each an agent's metadata (JSON
+    # text) or the path of a file holding it; a comma-separated string of
+    # paths works too (KVLINK_RELAYS).  With discovery, members that relay
+    # are found there as well.  add_relay() adds more at run time.
+    relays: str | tuple[str, ...] = ()
+    # Accept relayed connections (a sealed port per address, in metadata):
+    # peers may then reach this agent through relays.
+    accept_relayed: bool = True
 
     def __post_init__(self) -> None:
         nics = self.nics
@@ -284,6 +308,22 @@ class Config:
             )
         if self.metrics_port is not None:
             _int_range("metrics_port", self.metrics_port, 0, 65535)
+        for name in ("relay", "accept_relayed"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}: expected True or False, got {getattr(self, name)!r}")
+        _int_range("relay_port", self.relay_port, 0, 65535)
+        _int_range("relay_yield_mbps", self.relay_yield_mbps, 0, 10_000_000)
+        _int_range("relay_max_conns", self.relay_max_conns, 1, 65536)
+        rn = self.relay_nics
+        if isinstance(rn, Sequence) and not isinstance(rn, str):
+            if not all(isinstance(n, str) for n in rn):
+                raise ConfigError(f"relay_nics: expected NIC names or addresses, got {rn!r}")
+            object.__setattr__(self, "relay_nics", tuple(rn))
+        elif not isinstance(rn, str):
+            raise ConfigError(f"relay_nics: expected NIC names or addresses, got {rn!r}")
+        if self.relay_nics:
+            _nics.resolve(self.relay_nics)
+        object.__setattr__(self, "relays", _relay_list(self.relays))
         if not isinstance(self.metrics_host, str) or not self.metrics_host:
             raise ConfigError(f"metrics_host: expected an address, got {self.metrics_host!r}")
         if not isinstance(self.allow_unauthenticated, bool):
@@ -375,6 +415,28 @@ def _check_secret(where: str, value: Any) -> bytes:
             " (use a random one, e.g. `openssl rand -hex 32`)"
         )
     return value
+
+
+def _relay_list(value: Any) -> tuple[str, ...]:
+    """Config.relays as a tuple of items (metadata JSON or file paths).
+
+    Raises:
+        ConfigError: not a string or a list of strings.
+    """
+    if isinstance(value, str):
+        text = value.strip()
+        if not text:
+            return ()
+        # one metadata document, or paths separated by commas
+        return (text,) if text.startswith("{") else tuple(
+            p.strip() for p in text.split(",") if p.strip()
+        )
+    if isinstance(value, Sequence) and all(isinstance(v, (str, bytes)) for v in value):
+        return tuple(v.decode() if isinstance(v, bytes) else v for v in value)
+    raise ConfigError(
+        f"relays: expected relay agents' metadata (JSON) or paths of files holding it, got "
+        f"{value!r:.80}"
+    )
 
 
 def _check_fault_mover(spec: Any, transport: str) -> None:

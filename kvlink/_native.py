@@ -122,8 +122,11 @@ def _sliced(call: Callable[[int], int], timeout_s: float | None) -> int:
 # ---- agent -------------------------------------------------------------------
 
 
-def agent_create(name: str, addrs: Sequence[str], cfg: Config) -> Handle:
-    """kvl_agent_create: an agent listening on ``addrs``, configured by ``cfg``.
+def agent_create(
+    name: str, addrs: Sequence[str], cfg: Config, relay_addrs: Sequence[str] = ()
+) -> Handle:
+    """kvl_agent_create: an agent listening on ``addrs``, configured by ``cfg``;
+    ``relay_addrs``: the addresses whose NICs it lends when ``cfg.relay`` (empty: ``addrs``).
 
     Raises:
         KvlinkError: listening failed (the message names the address).
@@ -163,6 +166,17 @@ def agent_create(name: str, addrs: Sequence[str], cfg: Config) -> Handle:
     c.stage_host_memory = int(cfg.stage_host_memory)
     c.stage_chunk_bytes = cfg.gpu_chunk_bytes
     c.stage_pool_bytes = cfg.gpu_staging_bytes
+    c.sealed_listen = int(cfg.accept_relayed)
+    c.relay = int(cfg.relay)
+    c.relay_port = cfg.relay_port
+    c.relay_yield_mbps = cfg.relay_yield_mbps
+    c.relay_max_conns = cfg.relay_max_conns
+    relay_keep = [ffi.new("char[]", h.encode()) for h in relay_addrs]
+    if relay_keep:
+        keep.extend(relay_keep)
+        keep.append(ffi.new("const char *[]", relay_keep))
+        c.relay_addrs = keep[-1]
+        c.n_relay_addrs = len(relay_keep)
     out = ffi.new("kvl_agent **")
     check(lib.kvl_agent_create(c, out))
     return out[0]
@@ -285,6 +299,61 @@ def peer_connect(
         peer=name,
     )
     return out[0]
+
+
+def peer_connect_routes(
+    a: Handle,
+    name: str,
+    instance: int,
+    hosts: Sequence[tuple[str, int]],
+    routes: Sequence[tuple[int, int, str, int, str]],
+    e2e: bytes | None,
+    same_host: bool = False,
+) -> Handle:
+    """kvl_peer_connect_routes: the peer, connected over the data paths ``routes`` spell
+    out, each (local address index, index into ``hosts``, relay address or "", relay port,
+    relay name); ``e2e``: the peer's end-to-end key (seals relayed paths).
+
+    Raises:
+        PeerUnreachableError, HandshakeError, DuplicateNameError: as the C core says.
+    """
+    keep = [ffi.new("char[]", h.encode()) for h, _ in hosts]
+    harr = ffi.new("const char *[]", keep)
+    parr = ffi.new("uint16_t[]", [p for _, p in hosts])
+    rarr = ffi.new("kvl_route[]", len(routes))
+    for r, (local, remote, via, via_port, via_name) in zip(rarr, routes, strict=True):
+        r.local = local
+        r.remote = remote
+        r.via = via.encode()
+        r.via_port = via_port
+        r.via_name = via_name.encode()
+    out = ffi.new("kvl_peer **")
+    flags = lib.KVL_PEER_SAME_HOST if same_host else 0
+    key = ffi.new("uint8_t[]", e2e) if e2e else ffi.NULL
+    check(
+        lib.kvl_peer_connect_routes(
+            a, name.encode(), instance, harr, parr, len(hosts), flags, rarr, len(routes), key,
+            len(e2e) if e2e else 0, out,
+        ),
+        peer=name,
+    )
+    return out[0]
+
+
+def relay_info(a: Handle) -> dict[str, Any]:
+    """kvl_agent_relay_info: the end-to-end key, sealed and relay ports, relay counters."""
+    info = ffi.new("kvl_relay_info *")
+    check(lib.kvl_agent_relay_info(a, info))
+    return {
+        "e2e": bytes(ffi.buffer(info.e2e_key, 32)),
+        "sealed_ports": [int(info.sealed_ports[i]) for i in range(info.n_sealed)],
+        "relay_ports": [int(info.relay_ports[i]) for i in range(info.n_relay)],
+        "relayed_conns": int(info.relayed_conns),
+        "relayed_total": int(info.relayed_total),
+        "relayed_bytes": int(info.relayed_bytes),
+        "refused": int(info.relay_refused),
+        "yields": int(info.relay_yields),
+    }
 
 
 def peer_set_key(p: Handle, name: str, rid: int, key: bytes) -> None:
@@ -711,6 +780,8 @@ def paths(a: Handle) -> list[PathInfo]:
             last_error=cstr(p.last_error),
             reconnect_fails=int(p.reconnect_fails),
             waiting=int(p.waiting),
+            relay=cstr(p.relay),
+            relay_addr=cstr(p.relay_addr),
         )
         for p in arr[0 : min(n[0], cap)]
     ]

@@ -223,6 +223,10 @@ class PathInfo:
     # transfers to this peer waiting for a path (every path DOWN or PROBING): each goes on
     # once one is back, or fails at its deadline naming each path's last_error
     waiting: int = 0
+    # a relayed path (docs/architecture.md, "Relayed paths"): the relay agent's name and
+    # address; hop one is local -> relay_addr, hop two the relay -> remote. "" when direct.
+    relay: str = ""
+    relay_addr: str = ""
 
 
 @dataclass(frozen=True)

@@ -129,6 +129,16 @@ typedef struct kvl_config {
     char fault_spec[128];        /* KVL_TRANSPORT_FAULT only (tests): the faults its writes
                                     suffer, "drop=0.1,corrupt=0.05,dup=0.2,late=0.05,delay_ms=20,
                                     seed=7" (transport/fault/fault.c); "" none */
+    /* Relays (transport/relay/, docs/architecture.md "Relayed paths"). */
+    int32_t relay;               /* 1: forward relayed connections for cluster members */
+    const char *const *relay_addrs; /* addresses whose NICs it lends (NULL: addrs) */
+    size_t n_relay_addrs;
+    uint16_t relay_port;         /* the relay's port on each of them; 0 = ephemeral */
+    uint32_t relay_yield_mbps;   /* this host's own traffic above this on a lent NIC takes the
+                                    NIC back at once (0: never) */
+    uint32_t relay_max_conns;    /* relayed connections at once (each: 2 MiB of pipes) */
+    int32_t sealed_listen;       /* 1: accept relayed connections (a sealed port per address) */
+    uint16_t sealed_port;        /* that port; 0 = ephemeral */
 } kvl_config;
 
 /* kvl_config.transport: what carries data paths' payloads besides the TCP
@@ -234,6 +244,9 @@ typedef struct kvl_path_info {
     uint32_t waiting;      /* transfers to this peer that wait for a path (every path is
                               DOWN or PROBING): each goes on when one is back, or fails at
                               its deadline */
+    char relay[64];        /* the relay agent this path goes through ("" direct): hop one
+                              local_addr -> relay_addr, hop two the relay -> remote_addr */
+    char relay_addr[48];   /* the relay's address:port */
 } kvl_path_info;
 
 typedef struct kvl_notification {
@@ -410,6 +423,47 @@ kvl_err kvl_region_deregister(kvl_agent *agent, uint64_t id);
 kvl_err kvl_peer_connect(kvl_agent *agent, const char *name, uint64_t instance,
                          const char *const *hosts, const uint16_t *ports,
                          size_t n, uint32_t flags, kvl_peer **out);
+
+/* One data path of kvl_peer_connect_routes: from local address `local`
+ * (index into this agent's addresses) to hosts[remote]:ports[remote],
+ * directly (via "") or through the relay agent via_name at via:via_port,
+ * which forwards to that address (the peer's sealed port). */
+typedef struct kvl_route {
+    uint32_t local;
+    uint32_t remote;
+    char via[48];
+    uint16_t via_port;
+    char via_name[64];
+} kvl_route;
+
+/* kvl_peer_connect with the data paths spelt out (1..64 routes; the
+ * control connection goes from address 0 to the remote its /24 pairs it
+ * with, directly).  e2e_key (32 bytes, the peer's metadata "e2e") seals the
+ * relayed paths end to end; NULL when no route is relayed.  Blocking. */
+kvl_err kvl_peer_connect_routes(kvl_agent *agent, const char *name, uint64_t instance,
+                                const char *const *hosts, const uint16_t *ports, size_t n,
+                                uint32_t flags, const kvl_route *routes, size_t n_routes,
+                                const uint8_t *e2e_key, size_t e2e_len, kvl_peer **out);
+
+/* What an agent offers for relays: its end-to-end key (handed out only in
+ * its metadata), the sealed port on each address (relayed connections to
+ * it arrive there), and when it relays (kvl_config.relay) its relay ports
+ * (one per lent address) and counters. */
+typedef struct kvl_relay_info {
+    uint8_t e2e_key[32];
+    uint32_t n_sealed;
+    uint16_t sealed_ports[64];
+    uint32_t n_relay;
+    uint16_t relay_ports[64];
+    uint32_t relayed_conns;     /* relayed connections open now */
+    uint64_t relayed_total;     /* ... ever */
+    uint64_t relayed_bytes;     /* bytes forwarded, both directions */
+    uint64_t relay_refused;     /* requests refused (secret, busy, unreachable, full) */
+    uint64_t relay_yields;      /* times a lent NIC was taken back for the host's own traffic */
+} kvl_relay_info;
+
+/* Thread-safe. */
+kvl_err kvl_agent_relay_info(kvl_agent *agent, kvl_relay_info *out);
 
 /* kvl_peer_connect flags.  SAME_HOST: the peer is another process on this
  * host, in the same PID and network namespace, that takes same-host copies

@@ -14,12 +14,15 @@ extern const kvl_stream_ops kvl_tcp_stream;
 extern const kvl_mover_ops kvl_shm_mover;
 extern const kvl_mover_ops kvl_ucx_mover;
 extern const kvl_mover_ops kvl_fault_mover;
+extern const kvl_relay_ops kvl_relay_transport;
 
 /* In preference order (the asked-for ones first: under "fault" a same-host
  * peer gets the fault mover, not same-host copies). */
 static const kvl_mover_ops *const movers[] = {&kvl_ucx_mover, &kvl_fault_mover, &kvl_shm_mover};
 
 const kvl_stream_ops *kvl_stream_default(void) { return &kvl_tcp_stream; }
+
+const kvl_relay_ops *kvl_relay(void) { return &kvl_relay_transport; }
 
 const kvl_mover_ops *kvl_mover_by_kind(uint32_t kind)
 {

@@ -104,6 +104,16 @@ typedef struct kvl_tp_frame {
     int stage;
 } kvl_tp_frame;
 
+/* A connected socket another transport hands the stream to carry (a
+ * relayed connection: the plaintext end of its tunnel, transport/relay/). */
+typedef struct kvl_tp_wrap {
+    int sample_fd;                /* TCP_INFO comes from this socket (the network one) */
+    struct sockaddr_storage local, peer; /* what addrs() reports */
+    void (*release)(void *arg);   /* once, when the endpoint is freed (or not made) */
+    void *arg;
+    char note[96];                /* what carries the path, for paths() */
+} kvl_tp_wrap;
+
 /* ------------------------------------------------------------------ */
 /* Streams                                                             */
 /* ------------------------------------------------------------------ */
@@ -150,6 +160,13 @@ typedef struct kvl_stream_ops {
     uint64_t (*rx_partial_since)(kvl_ep *ep, uint64_t now);
     /* Stops reading ep; it closes once its queued frames have left. */
     void (*refuse)(kvl_ep *ep);
+    /* Takes a connected socket fd (any family) as a detached, blocking
+     * endpoint, as connect() returns one; w describes it (copied).  On
+     * failure fd is closed and w->release called.  Any thread. */
+    kvl_err (*adopt)(kvl_agent *a, int fd, const kvl_tp_wrap *w, kvl_ep **out);
+    /* Engine thread: takes fd as a connection a listener accepted (as
+     * adopt, but straight into the event loop and kvl_proto_accepted). */
+    void (*accept_fd)(kvl_agent *a, int fd, const kvl_tp_wrap *w);
     /* Engine thread, every monitor tick, for each listener: a listener that
      * stopped accepting after an error (out of kernel memory, ...) resumes. */
     void (*tick)(kvl_ep *listener, uint64_t now);
@@ -358,6 +375,28 @@ uint32_t kvl_movers_caps(const kvl_config *cfg);
 /* Checks cfg.transport at Agent(): every mover it may use is usable. */
 kvl_err kvl_movers_usable(const kvl_config *cfg, uint32_t secret_len);
 
+/* ---- relays (transport/relay/) ---- */
+
+/* The relay transport: relayed paths end to end, and the relay itself. */
+typedef struct kvl_relay_ops {
+    /* Initiator (detached, blocking up to timeout_ms): a connection to
+     * host:port through the relay at via:via_port from local, sealed under
+     * the peer's end-to-end key (key_len 32); the endpoint as connect()
+     * returns one, its handshake still to run (inside the seal). */
+    kvl_err (*connect)(kvl_agent *a, const char *local, const char *via, uint16_t via_port,
+                       const char *host, uint16_t port, const uint8_t *key, size_t key_len,
+                       uint32_t timeout_ms, kvl_ep **out);
+    /* Caller thread, at Agent() after the listeners: the sealed listeners
+     * (cfg.sealed_listen) and the relay (cfg.relay).  stop() undoes it
+     * before the engine stops; safe after a failed start. */
+    kvl_err (*start)(kvl_agent *a);
+    void (*stop)(kvl_agent *a);
+    /* Any thread. */
+    void (*info)(kvl_agent *a, kvl_relay_info *out);
+} kvl_relay_ops;
+
+const kvl_relay_ops *kvl_relay(void);
+
 /* ---- what the core offers a transport (proto.c, engine.c) ---- */
 
 /* A listener accepted ep: the core's connection for it, or NULL (then the
@@ -386,6 +425,9 @@ void kvl_proto_on_error(kvl_conn *c, kvl_err err, const char *why);
 void kvl_proto_release(kvl_agent *a, kvl_tp_hold *h);
 /* Engine: a buffer to drain payload bytes into (contents meaningless). */
 uint8_t *kvl_engine_scratch(kvl_agent *a, size_t *len);
+/* Any thread: fd (and w) go to the engine thread's stream->accept_fd; when
+ * the agent is closing fd is closed and w->release called instead. */
+void kvl_engine_accept(kvl_agent *a, int fd, const kvl_tp_wrap *w);
 /* Engine: the event loop.  ptr comes back in on_event's ep. */
 int kvl_engine_watch(kvl_agent *a, int fd, void *ptr, uint32_t events);
 int kvl_engine_rewatch(kvl_agent *a, int fd, void *ptr, uint32_t events);

@@ -49,7 +49,7 @@ static kvl_peer *peer_new(kvl_agent *a, uint32_t n)
         char local[32], host[32];
         snprintf(local, sizeof local, "10.0.0.%u", 1 + i);
         snprintf(host, sizeof host, "10.0.1.%u", 1 + i);
-        kvl_path_init(&p->paths[i], i, local, host, (uint16_t)(7000 + i), NULL);
+        kvl_path_init(&p->paths[i], i, i, local, host, (uint16_t)(7000 + i), NULL, NULL);
     }
     kvl_peer_update_hint(p);
     return p;
@@ -75,7 +75,7 @@ static void test_init(void)
     kvl_peer *p = peer_new(a, 2);
     kvl_path *pa = &p->paths[1];
     int ep;
-    kvl_path_init(pa, 1, "10.0.0.2", "10.0.1.2", 7001, (kvl_ep *)&ep);
+    kvl_path_init(pa, 1, 1, "10.0.0.2", "10.0.1.2", 7001, NULL, (kvl_ep *)&ep);
     CHECK_EQ_U64(pa->index, 1);
     CHECK(!strcmp(pa->local, "10.0.0.2"));
     CHECK(!strcmp(pa->rhost, "10.0.1.2"));

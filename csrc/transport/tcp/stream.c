@@ -1646,6 +1646,8 @@ static void tcp_tick(kvl_ep *ep, uint64_t now)
         ep->paused_until_ns = 0;
 }
 
+static void take_accepted(kvl_agent *a, int fd, const kvl_tp_wrap *w);
+
 static void accept_all(kvl_ep *l)
 {
     kvl_agent *a = l->a;
@@ -1661,30 +1663,67 @@ static void accept_all(kvl_ep *l)
         }
         if (fd < 0)
             return; /* EAGAIN: all taken */
-        kvl_ep *ep = kvl_tcp_tune(fd, a->cfg.sock_buf_bytes) == KVL_OK
-                         ? kvl_tcp_ep_new(a, fd, 0)
-                         : NULL;
-        if (!ep) {
+        if (kvl_tcp_tune(fd, a->cfg.sock_buf_bytes) != KVL_OK) {
             close(fd);
             continue;
         }
-        if (kvl_engine_watch(a, fd, ep, EPOLLIN) != 0) {
-            ep->fd = -1;
-            close(fd);
-            kvl_tcp_ep_free(ep);
-            continue;
-        }
-        ep->watched = 1;
-        ep->ev_mask = EPOLLIN;
-        ep->io = kvl_tcp_pool_pick(a);
-        ep->acct = 1; /* a peer's answers and bodies: in the agent's budgets */
-        if (!(ep->c = kvl_proto_accepted(a, ep))) {
-            kvl_engine_unwatch(a, fd);
-            ep->fd = -1;
-            close(fd);
-            kvl_tcp_ep_free(ep);
-        }
+        take_accepted(a, fd, NULL);
     }
+}
+
+/* An accepted connection joins the event loop and the core (w: handed over
+ * by another transport, else NULL). */
+static void take_accepted(kvl_agent *a, int fd, const kvl_tp_wrap *w)
+{
+    kvl_ep *ep = kvl_tcp_ep_new(a, fd, 0);
+    if (!ep) {
+        close(fd);
+        if (w && w->release)
+            w->release(w->arg);
+        return;
+    }
+    if (w) {
+        ep->wrapped = 1;
+        ep->wrap = *w;
+    }
+    if (kvl_engine_watch(a, fd, ep, EPOLLIN) != 0) {
+        kvl_tcp_ep_free(ep);
+        return;
+    }
+    ep->watched = 1;
+    ep->ev_mask = EPOLLIN;
+    ep->io = kvl_tcp_pool_pick(a);
+    ep->acct = 1; /* a peer's answers and bodies: in the agent's budgets */
+    if (!(ep->c = kvl_proto_accepted(a, ep))) {
+        kvl_engine_unwatch(a, fd);
+        kvl_tcp_ep_free(ep);
+    }
+}
+
+static void tcp_accept_fd(kvl_agent *a, int fd, const kvl_tp_wrap *w)
+{
+    if (kvl_sock_nonblock(fd, 1) != KVL_OK) {
+        close(fd);
+        if (w->release)
+            w->release(w->arg);
+        return;
+    }
+    take_accepted(a, fd, w);
+}
+
+static kvl_err tcp_adopt(kvl_agent *a, int fd, const kvl_tp_wrap *w, kvl_ep **out)
+{
+    kvl_ep *ep = kvl_sock_nonblock(fd, 0) == KVL_OK ? kvl_tcp_ep_new(a, fd, 0) : NULL;
+    if (!ep) {
+        close(fd);
+        if (w->release)
+            w->release(w->arg);
+        return kvl_fail(KVL_ERR_NOMEM, "adopting a connection: out of memory");
+    }
+    ep->wrapped = 1;
+    ep->wrap = *w;
+    *out = ep;
+    return KVL_OK;
 }
 
 /* The mover of ep made progress: a frame waiting for its writes may go on. */
@@ -1752,7 +1791,7 @@ static int tcp_note(const kvl_ep *ep, char *out, size_t len)
         ep->mv_ops->note(ep->mv, out, len);
         return 1;
     }
-    snprintf(out, len, "%s", ep->mv_note);
+    snprintf(out, len, "%s", ep->mv_note[0] || !ep->wrapped ? ep->mv_note : ep->wrap.note);
     return 0;
 }
 
@@ -1766,6 +1805,11 @@ static int tcp_addrs(const kvl_ep *ep, struct sockaddr_storage *local,
                      struct sockaddr_storage *peer)
 {
     socklen_t ll = sizeof *local, pl = sizeof *peer;
+    if (ep->wrapped) {
+        *local = ep->wrap.local;
+        *peer = ep->wrap.peer;
+        return 0;
+    }
     if (ep->fd < 0 || getsockname(ep->fd, (struct sockaddr *)local, &ll) < 0 ||
         getpeername(ep->fd, (struct sockaddr *)peer, &pl) < 0)
         return -1;
@@ -1879,12 +1923,14 @@ void kvl_tcp_ep_free(kvl_ep *ep)
     free(ep->cov);
     free(ep->held); /* teardown: the agent releases what they held */
     pthread_mutex_destroy(&ep->jmu);
+    if (ep->wrapped && ep->wrap.release)
+        ep->wrap.release(ep->wrap.arg);
     free(ep);
 }
 
 static int tcp_sample_ep(const kvl_ep *ep, kvl_tp_sample *out)
 {
-    if (ep->dead || kvl_tcp_sample(ep->fd, out) != 0)
+    if (ep->dead || kvl_tcp_sample(ep->wrapped ? ep->wrap.sample_fd : ep->fd, out) != 0)
         return -1;
     if (ep->mv && ep->mv_ops->sample) { /* writes the socket does not see */
         out->bytes_acked += ep->put_tx;
@@ -1907,6 +1953,8 @@ const kvl_stream_ops kvl_tcp_stream = {
     .send_all = kvl_tcp_send_all,
     .recv_all = kvl_tcp_recv_all,
     .discard = kvl_tcp_ep_free,
+    .adopt = tcp_adopt,
+    .accept_fd = tcp_accept_fd,
     .attach = tcp_attach,
     .on_event = tcp_on_event,
     .send = tcp_send,

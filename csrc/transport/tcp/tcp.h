@@ -125,6 +125,10 @@ struct kvl_ep {
     kvl_ep *aux_owner;     /* set on a pseudo endpoint: the data endpoint */
     void (*aux_fn)(void *arg); /* NULL once unwatched */
     void *aux_arg;
+    /* a socket another transport handed over (adopt / accept_fd: a relayed
+     * connection's plaintext end); wrapped 0: a TCP socket of our own */
+    int wrapped;
+    kvl_tp_wrap wrap;
 };
 
 /* ---- I/O threads (iopool.c) ---- */

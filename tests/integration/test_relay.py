@@ -1,0 +1,357 @@
+"""Relayed paths (docs/relays.md): a third agent forwards a path's bytes, sealed end to end.
+
+All on loopback: a on 127.0.0.1, b on 127.0.0.2, the relay on 127.0.0.3 (one /24, so the relay
+reaches b).  A hand-written relay (HostileRelay) speaks the relay hop's protocol but does what a
+relay should not: records or flips the bytes it forwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import kvlink
+from kvlink import _relays
+from tests.waits import wait_for, wait_paths
+
+MiB = 1 << 20
+SECRET = "kvlink-relay-test-secret-0123456789"
+OTHER = "another-secret-abcdefghijklmnopqrs"
+
+
+def trio(make_agent: Any, relay_secret: str = SECRET, **cfg: Any) -> tuple[Any, Any, Any]:
+    """Sender a, receiver b, relay r; a routes through r."""
+    r = make_agent("r", nics="127.0.0.3", secret=relay_secret, relay=True, accept_relayed=False)
+    b = make_agent("b", nics="127.0.0.2", secret=SECRET)
+    a = make_agent("a", nics="127.0.0.1", secret=SECRET, **cfg)
+    a.add_relay(r.metadata())
+    return a, b, r
+
+
+def relayed(agent: Any, peer: str) -> list[Any]:
+    return [p for p in agent.paths() if p.peer == peer and p.relay]
+
+
+def test_metadata_offers_sealed_ports_and_the_relay(make_agent):
+    a, b, r = trio(make_agent)
+    md = json.loads(r.metadata())
+    assert md["relay"] and all(h == "127.0.0.3" for h, _ in md["relay"])
+    mb = json.loads(b.metadata())
+    assert len(bytes.fromhex(mb["e2e"])) == 32
+    assert [h for h, _ in mb["sealed"]] == ["127.0.0.2"]
+    assert "relay" not in mb  # b does not relay
+    assert a.relays() == ["r"]
+
+
+def test_push_and_pull_over_a_relay_are_byte_exact(make_agent):
+    a, b, r = trio(make_agent, chunk_bytes=MiB, min_chunk_bytes=MiB)
+    dst = np.zeros(64 * MiB, np.uint8)
+    b.register(dst, name="kv", remote_write=True, remote_read=True)
+    src = np.random.default_rng(7).integers(0, 256, 64 * MiB, dtype=np.uint8)
+    a.register(src)
+    a.add_peer(b.metadata())
+    paths = wait_paths(a, "b", lambda ps: len(ps) == 2 and all(p.state.name == "UP" for p in ps))
+    via = [p for p in paths if p.relay]
+    assert len(via) == 1 and via[0].relay == "r" and via[0].relay_addr.startswith("127.0.0.3:")
+    assert "sealed" in via[0].transport_note
+    for _ in range(3):
+        a.push("b", src=src, dst="kv").wait(timeout_s=60)
+        assert np.array_equal(dst, src)
+    back = np.zeros_like(src)
+    a.register(back)
+    a.pull("b", src="kv", dst=back).wait(timeout_s=60)
+    assert np.array_equal(back, src)
+    assert relayed(a, "b")[0].bytes_sent > 0, "no chunk went over the relayed path"
+    assert relayed(a, "b")[0].bytes_recv > 0, "no pulled chunk came over the relayed path"
+    stats = r.relay_stats()
+    assert stats["relayed_total"] >= 1 and stats["relayed_bytes"] > 0
+
+
+def test_a_relay_without_the_cluster_secret_forwards_nothing(make_agent, caplog):
+    caplog.set_level(logging.WARNING, logger="kvlink")
+    a, b, r = trio(make_agent, relay_secret=OTHER)
+    a.add_peer(b.metadata())  # the direct path works
+    via = wait_paths(a, "b", lambda ps: any(p.relay and p.last_error for p in ps))
+    err = next(p for p in via if p.relay).last_error
+    assert "relays only for holders of its cluster secret" in err, err
+    assert r.relay_stats()["relayed_total"] == 0
+    wait_for(lambda: "does not hold this cluster's secret" in caplog.text, 10, "relay's log")
+
+
+def test_stale_end_to_end_key_is_refused_on_both_ends(make_agent, caplog):
+    caplog.set_level(logging.WARNING, logger="kvlink")
+    a, b, _ = trio(make_agent)
+    md = json.loads(b.metadata())
+    md["e2e"] = os.urandom(32).hex()  # e.g. metadata of b's previous life
+    a.add_peer(md)
+    via = wait_paths(a, "b", lambda ps: any(p.relay and p.last_error for p in ps))
+    err = next(p for p in via if p.relay).last_error
+    assert "did not prove it holds the end-to-end key" in err, err
+    wait_for(lambda: "end-to-end key" in caplog.text, 10, "b's refusal in the log")
+
+
+# ---- a relay that misbehaves ---------------------------------------------------------------
+
+
+class HostileRelay:
+    """Speaks the relay hop (relay.h) without checking anything, then forwards the bytes,
+    recording them, and flips one byte of the a->b stream after ``flip_after`` bytes."""
+
+    def __init__(self, flip_after: int | None = None) -> None:
+        self.flip_after = flip_after
+        self.seen = bytearray()
+        self.flipped = 0
+        self.lock = threading.Lock()
+        self.sock = socket.create_server(("127.0.0.3", 0))
+        self.port = self.sock.getsockname()[1]
+        self.stop = False
+        self.threads: list[threading.Thread] = []
+        self.socks: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def metadata(self) -> dict[str, Any]:
+        return {"name": "evil", "relay": [["127.0.0.3", self.port]]}
+
+    def _accept(self) -> None:
+        self.sock.settimeout(0.2)
+        while not self.stop:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                continue
+            t = threading.Thread(target=self._serve, args=(c,), daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    def _serve(self, c: socket.socket) -> None:
+        self.socks.append(c)
+        with contextlib.suppress(OSError):
+            c.settimeout(10)
+            c.sendall(b"KVR1" + os.urandom(16))
+            head = _recv(c, 11)
+            rest = _recv(c, head[10] + 32)
+            ip = socket.inet_ntoa(head[4:8])
+            port = struct.unpack(">H", head[8:10])[0]
+            t = socket.create_connection((ip, port), timeout=5)
+            self.socks.append(t)
+            c.sendall(b"\0\0")
+            del rest
+            c.settimeout(None)
+            t.settimeout(None)
+            threading.Thread(target=self._pipe, args=(t, c, False), daemon=True).start()
+            self._pipe(c, t, True)
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, forward: bool) -> None:
+        moved = 0
+        with contextlib.suppress(OSError):
+            while not self.stop:
+                data = bytearray(src.recv(1 << 16))
+                if not data:
+                    break
+                with self.lock:
+                    if len(self.seen) < 256 * MiB:
+                        self.seen += data
+                    if forward and self.flip_after is not None and self.flipped == 0:
+                        at = self.flip_after - moved
+                        if 0 <= at < len(data):
+                            data[at] ^= 0x40
+                            self.flipped = 1
+                moved += len(data)
+                dst.sendall(data)
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.stop = True
+        self.sock.close()
+        for s in self.socks:
+            s.close()
+
+
+def _recv(s: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        got = s.recv(n - len(buf))
+        if not got:
+            raise OSError("closed")
+        buf += got
+    return buf
+
+
+@pytest.fixture
+def hostile() -> Iterator[Any]:
+    made: list[HostileRelay] = []
+
+    def make(**kw: Any) -> HostileRelay:
+        made.append(HostileRelay(**kw))
+        return made[-1]
+
+    yield make
+    for h in made:
+        h.close()
+
+
+def test_the_relay_sees_no_payload_and_no_region_key(make_agent, hostile):
+    evil = hostile()
+    b = make_agent("receiver-bravo", nics="127.0.0.2", secret=SECRET)
+    a = make_agent("a", nics="127.0.0.1", secret=SECRET, chunk_bytes=MiB, min_chunk_bytes=MiB)
+    a.add_relay(evil.metadata())
+    dst = np.zeros(16 * MiB, np.uint8)
+    b.register(dst, name="kv", remote_write=True)
+    marker = np.frombuffer(b"KVLINK-PLAINTEXT-MARKER-" * 3, np.uint8)
+    src = np.resize(marker, 16 * MiB)
+    a.register(src)
+    md = json.loads(b.metadata())
+    a.add_peer(md)
+    wait_paths(a, b.name, lambda ps: any(p.relay and p.state.name == "UP" for p in ps))
+    for _ in range(3):
+        a.push(b.name, src=src, dst="kv").wait(timeout_s=60)
+    assert np.array_equal(dst, src)
+    assert relayed(a, b.name)[0].bytes_sent > 0, "no chunk went through the relay"
+    seen = bytes(evil.seen)
+    assert len(seen) > MiB
+    assert b"KVLINK-PLAINTEXT-MARKER-" not in seen
+    for key in md["keys"].values():
+        assert bytes.fromhex(key) not in seen, "a region key crossed the relay in clear"
+    assert b.name.encode() not in seen  # not even the handshake's names
+
+
+def test_a_byte_the_relay_changes_ends_the_connection_never_the_data(make_agent, hostile, caplog):
+    caplog.set_level(logging.WARNING, logger="kvlink")
+    evil = hostile(flip_after=3 * MiB)
+    b = make_agent("b", nics="127.0.0.2", secret=SECRET)
+    a = make_agent("a", nics="127.0.0.1", secret=SECRET, chunk_bytes=MiB, min_chunk_bytes=MiB)
+    a.add_relay(evil.metadata())
+    dst = np.zeros(32 * MiB, np.uint8)
+    b.register(dst, name="kv", remote_write=True)
+    src = np.random.default_rng(3).integers(0, 256, 32 * MiB, dtype=np.uint8)
+    a.register(src)
+    a.add_peer(b.metadata())
+    wait_paths(a, "b", lambda ps: any(p.relay and p.state.name == "UP" for p in ps))
+    for _ in range(4):
+        a.push("b", src=src, dst="kv").wait(timeout_s=60)
+        assert np.array_equal(dst, src)
+        if evil.flipped:
+            break
+    assert evil.flipped, "the relay never got to flip a byte"
+    wait_for(lambda: "failed its end-to-end check" in caplog.text, 10, "b's log of the bad record")
+
+
+def test_a_relay_killed_mid_transfer_costs_only_its_chunks(make_agent):
+    a, b, r = trio(make_agent, chunk_bytes=2 * MiB, min_chunk_bytes=2 * MiB)
+    dst = np.zeros(256 * MiB, np.uint8)
+    b.register(dst, name="kv", remote_write=True)
+    src = np.random.default_rng(5).integers(0, 256, 256 * MiB, dtype=np.uint8)
+    a.register(src)
+    a.add_peer(b.metadata())
+    wait_paths(a, "b", lambda ps: any(p.relay and p.state.name == "UP" for p in ps))
+    x = a.push("b", src=src, dst="kv", notify=b"relay-killed")
+    wait_for(lambda: r.relay_stats()["relayed_bytes"] > 4 * MiB or x.done, 30, "relayed bytes")
+    r.close()
+    x.wait(timeout_s=60)
+    assert np.array_equal(dst, src)
+    got = []
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not got:
+        got += [n for n in b.notifications(timeout_s=0.5) if n.tag == b"relay-killed"]
+    time.sleep(1.5)  # a duplicate would come within the re-send interval (1 s)
+    got += [n for n in b.notifications() if n.tag == b"relay-killed"]
+    assert len(got) == 1
+
+
+# ---- the relay hop's own checks ----------------------------------------------------------
+
+
+def _ask(port: int, target: tuple[str, int], secret: str | None) -> tuple[int, str]:
+    with socket.create_connection(("127.0.0.3", port), timeout=5) as s:
+        hello = _recv(s, 20)
+        assert hello[:4] == b"KVR1"
+        body = b"KVRQ" + socket.inet_aton(target[0]) + struct.pack(">H", target[1])
+        body += bytes([4]) + b"test"
+        mac = (
+            hmac.new(secret.encode(), b"kvlink relay request" + hello[4:] + body, hashlib.sha256)
+            .digest()
+            if secret
+            else bytes(32)
+        )
+        s.sendall(body + mac)
+        status, n = _recv(s, 2)
+        return status, _recv(s, n).decode() if n else ""
+
+
+def test_the_relay_forwards_only_for_members_and_only_to_its_networks(make_agent):
+    r = make_agent("r", nics="127.0.0.3", secret=SECRET, relay=True, accept_relayed=False)
+    port = json.loads(r.metadata())["relay"][0][1]
+    listener = socket.create_server(("127.0.0.2", 0))
+    with listener:
+        ok = ("127.0.0.2", listener.getsockname()[1])
+        status, msg = _ask(port, ok, OTHER)
+        assert status == 1 and "cluster secret" in msg
+        status, msg = _ask(port, ("127.0.1.9", 80), SECRET)
+        assert status == 4 and "lends no NIC on the network of 127.0.1.9" in msg
+        status, msg = _ask(port, ("127.0.0.3", port), SECRET)  # itself
+        assert status == 4
+        status, _ = _ask(port, ok, SECRET)
+        assert status == 0
+    # garbage is closed unanswered; the relay goes on serving
+    with socket.create_connection(("127.0.0.3", port), timeout=5) as s:
+        _recv(s, 20)
+        s.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        s.settimeout(5)
+        with contextlib.suppress(ConnectionResetError):  # closed abortively: the same answer
+            assert s.recv(10) == b""
+    assert r.relay_stats()["refused"] >= 3
+
+
+# ---- planning routes (pure) --------------------------------------------------------------
+
+
+def test_routes_on_the_three_host_testbed():
+    a = ["198.18.0.1", "198.18.1.1", "198.18.2.1"]  # a-b, a-b, a-r
+    lent = [("198.18.2.2", 9000), ("198.18.3.1", 9001), ("198.18.4.1", 9002)]
+    relay = {"name": "r", "relay": lent}
+    peer = {
+        "name": "b",
+        "addrs": [("198.18.0.2", 1), ("198.18.1.2", 1), ("198.18.3.2", 1), ("198.18.4.2", 1)],
+        "sealed": [("198.18.0.2", 2), ("198.18.1.2", 2), ("198.18.3.2", 2), ("198.18.4.2", 2)],
+        "e2e": b"k" * 32,
+    }
+    hosts, routes = _relays.plan_routes(a, peer, [relay], "a")
+    assert hosts == peer["addrs"] + peer["sealed"]
+    direct = [(r.local, hosts[r.remote][0]) for r in routes if not r.via]
+    via = [(r.local, hosts[r.remote], r.via, r.via_port) for r in routes if r.via]
+    # a's relay NIC has no direct path (its link leads to r only)
+    assert direct == [(0, "198.18.0.2"), (1, "198.18.1.2")]
+    assert via == [
+        (2, ("198.18.3.2", 2), "198.18.2.2", 9000),
+        (2, ("198.18.4.2", 2), "198.18.2.2", 9000),
+    ]
+    # without the peer's end-to-end key nothing is relayed
+    _, plain = _relays.plan_routes(a, {**peer, "e2e": None}, [relay], "a")
+    assert not any(r.via for r in plain)
+
+
+def test_bad_relay_metadata_is_refused_saying_why(make_agent, tmp_path):
+    a = make_agent("a", nics="127.0.0.1", secret=SECRET)
+    with pytest.raises(kvlink.InvalidArgumentError, match="does not relay"):
+        a.add_relay(a.metadata())
+    with pytest.raises(kvlink.InvalidArgumentError, match="cannot read relay metadata file"):
+        a.add_relay(str(tmp_path / "missing.json"))
+    with pytest.raises(kvlink.InvalidArgumentError, match="'relay' must be a list"):
+        a.add_relay({"name": "x", "relay": [["127.0.0.3", 0]]})
+    with pytest.raises(kvlink.ConfigError, match="relay_yield_mbps"):
+        kvlink.Config(relay_yield_mbps=-1)

@@ -2,9 +2,12 @@
 
     kvlink testbed up --links 4 --rate 2gbit [--tag tb] [--subnet-base 0]
     kvlink testbed up --links 3 --rates 2gbit,500mbit,none
+    kvlink testbed up --topology "a-b:2x2gbit,a-r:1x8gbit,r-b:2x2gbit" [--tag tb]
+    kvlink testbed up --topology relay3        # the preset of the line above
     kvlink testbed status [--tag tb] [--json]
     kvlink testbed set --link 1 (--rate 200mbit | --down | --up) [--tag tb]
     kvlink testbed run --side a [--tag tb] -- iperf3 -c 198.18.0.2
+    kvlink testbed run --host r [--tag tb] -- ip -br addr      # any host of a topology
     kvlink testbed down [--tag tb]
 
 Every command reads the testbed's state back from the live namespaces, so no state file is
@@ -23,11 +26,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvlink.testbed import (
+    TOPOLOGY_PRESETS,
     Testbed,
     TestbedError,
+    Topology,
     format_rate,
     inspect,
+    inspect_topology,
     parse_rate,
+    parse_topology,
     teardown,
 )
 
@@ -55,10 +62,20 @@ def _rates_arg(text: str) -> list[int | None]:
     return [_rate_arg(item) for item in items]
 
 
+def _topology_arg(text: str) -> str:
+    """argparse type for --topology: the spec (or preset name), checked now."""
+    try:
+        parse_topology(text)
+    except TestbedError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _parser(prog: str = "kvlink testbed") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
-        description="Two network namespaces joined by N rate-limited veth links (needs root).",
+        description="Two network namespaces joined by N rate-limited veth links, or a topology "
+        "of more hosts joined pairwise (needs root).",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log every ip/tc command")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -73,8 +90,9 @@ def _parser(prog: str = "kvlink testbed") -> argparse.ArgumentParser:
         "--links", type=int, help="number of veth pairs (default: as many as --rates, else 4)"
     )
     shape = up.add_mutually_exclusive_group()
+    # SUPPRESS, so that --topology can tell whether --rate was given.
     shape.add_argument(
-        "--rate", type=_rate_arg, default="2gbit",
+        "--rate", type=_rate_arg, default=argparse.SUPPRESS,
         help="rate of every link, e.g. 2gbit, 500mbit, or none (default: 2gbit)",
     )  # fmt: skip
     shape.add_argument(
@@ -85,6 +103,14 @@ def _parser(prog: str = "kvlink testbed") -> argparse.ArgumentParser:
     up.add_argument(
         "--subnet-base", type=int, default=0,
         help="third octet of link 0's subnet 198.18.X.0/24 (default: 0)",
+    )  # fmt: skip
+    presets = ", ".join(f"{name} = {spec}" for name, spec in TOPOLOGY_PRESETS.items())
+    up.add_argument(
+        "--topology", metavar="SPEC", type=_topology_arg,
+        help="hosts joined pairwise instead of --links/--rate/--rates: comma-separated "
+        f"X-Y:NxRATE items (RATE none: unshaped), or a preset ({presets}); links are numbered "
+        "in the order written, and of a link's two hosts the one that sorts first gets .1 "
+        "(default: none, two sides a and b)",
     )  # fmt: skip
 
     tagged("down", "stop everything in the testbed's namespaces and delete them")
@@ -103,22 +129,71 @@ def _parser(prog: str = "kvlink testbed") -> argparse.ArgumentParser:
     change.add_argument("--down", action="store_true", help="take both ends down")
     change.add_argument("--up", action="store_true", help="bring both ends up")
 
-    run = tagged("run", "run a command inside one side's namespace")
-    run.add_argument("--side", choices=("a", "b"), required=True, help="the namespace to run in")
+    run = tagged("run", "run a command inside one side's (or a topology host's) namespace")
+    where = run.add_mutually_exclusive_group(required=True)
+    where.add_argument(
+        "--side", choices=("a", "b"), help="the side to run in (default: none; this or --host)"
+    )
+    where.add_argument(
+        "--host", help="the host of a topology to run in, e.g. r (default: none; this or --side)"
+    )
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     return parser
 
 
-def _cmd_up(args: argparse.Namespace) -> int:
+def _cmd_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.topology is not None:
+        given = [
+            flag
+            for flag, set_ in (
+                ("--links", args.links is not None),
+                ("--rate", hasattr(args, "rate")),
+                ("--rates", args.rates is not None),
+            )
+            if set_
+        ]
+        if given:
+            parser.error(
+                f"up: --topology gives every link's rate; drop {', '.join(given)} "
+                "(write e.g. --topology a-b:4x500mbit)"
+            )
+        return _cmd_up_topology(args)
     links = args.links if args.links is not None else len(args.rates) if args.rates else 4
+    rate = getattr(args, "rate", "2gbit")
     tb = Testbed(
-        links=links, rate=args.rate, rates=args.rates, tag=args.tag, subnet_base=args.subnet_base
+        links=links, rate=rate, rates=args.rates, tag=args.tag, subnet_base=args.subnet_base
     )
     tb.up()
     print(f"testbed {tb.tag!r} up: {tb.namespace('a')} <-> {tb.namespace('b')}, {tb.links} links")
     for i, r in enumerate(tb.rates):
         print(f"  link {i}: {tb.address('a', i)} <-> {tb.address('b', i)}  {r or 'unshaped'}")
     return 0
+
+
+def _cmd_up_topology(args: argparse.Namespace) -> int:
+    topo = Topology(args.topology, tag=args.tag, subnet_base=args.subnet_base)
+    topo.up()
+    names = ", ".join(topo.namespace(h) for h in topo.hosts)
+    print(f"topology {topo.tag!r} up: {names}; {len(topo)} links ({topo.spec})")
+    for link in topo.links():
+        x, y = link.ends
+        print(
+            f"  link {link.index}: {x} {link.addrs[x]} <-> {y} {link.addrs[y]}  "
+            f"{link.rate or 'unshaped'}"
+        )
+    return 0
+
+
+def _is_topology(state: dict[str, Any]) -> bool:
+    """Whether inspect_topology's ``state`` needs the topology view (hosts beyond a and b)."""
+    return bool(set(state["hosts"]) - {"a", "b"})
+
+
+def _attach(tag: str) -> Testbed | Topology:
+    """The live testbed or topology ``tag``, as the class that describes it best."""
+    if _is_topology(inspect_topology(tag)):
+        return Topology.attach(tag)
+    return Testbed.attach(tag)
 
 
 def _cmd_down(args: argparse.Namespace) -> int:
@@ -133,7 +208,37 @@ def _side_text(side: dict[str, Any] | None) -> str:
     return f"{side['device']} {side['address'] or '(no address)'}"
 
 
+def _print_rows(rows: Sequence[Sequence[str]]) -> None:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+
+
+def _topology_status(state: dict[str, Any], as_json: bool) -> int:
+    if as_json:
+        print(json.dumps(state, indent=2))
+        return 0 if state["up"] else EXIT_NOT_UP
+    names = " ".join(host["name"] for host in state["hosts"].values())
+    print(f"topology {state['tag']!r}: {'up' if state['up'] else 'not up'}  [{names}]")
+    rows: list[tuple[str, ...]] = [("link", "hosts", "end .1", "end .2", "state", "rate")]
+    for link in state["links"]:
+        ends = [link["hosts"][h] for h in link["ends"]]
+        cells = [f"{h} {_side_text(end)}" for h, end in zip(link["ends"], ends, strict=True)]
+        cells += ["(missing)"] * (2 - len(cells))
+        admin = "up" if ends and all(e["admin_up"] for e in ends) else "down"
+        rates = {e["rate"] or "unshaped" for e in ends}
+        rows.append(
+            (str(link["link"]), "-".join(link["ends"]), *cells, admin, "/".join(sorted(rates)))
+        )
+    if state["links"]:
+        _print_rows(rows)
+    return 0 if state["up"] else EXIT_NOT_UP
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
+    topo_state = inspect_topology(args.tag)
+    if _is_topology(topo_state):
+        return _topology_status(topo_state, args.json)
     state = inspect(args.tag)
     if args.json:
         print(json.dumps(state, indent=2))
@@ -153,17 +258,12 @@ def _cmd_status(args: argparse.Namespace) -> int:
             rows.append(
                 (str(link["link"]), _side_text(a), _side_text(b), admin, "/".join(sorted(rates)))
             )
-        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        for row in rows:
-            print(
-                "  "
-                + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-            )
+        _print_rows(rows)
     return 0 if state["up"] else EXIT_NOT_UP
 
 
 def _cmd_set(args: argparse.Namespace) -> int:
-    tb = Testbed.attach(args.tag)
+    tb = _attach(args.tag)
     if args.down:
         tb.link_down(args.link)
         print(f"testbed {args.tag!r}: link {args.link} down")
@@ -183,8 +283,8 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         cmd = cmd[1:]
     if not cmd:
         parser.error("run: give the command after --, e.g. `run --side a -- ip addr`")
-    tb = Testbed.attach(args.tag)
-    proc = subprocess.Popen([*tb.exec_prefix(args.side), *cmd])
+    tb = _attach(args.tag)
+    proc = subprocess.Popen([*tb.exec_prefix(args.side or args.host), *cmd])
     while True:
         try:
             code = proc.wait()
@@ -204,7 +304,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "kvlink testbed") -> int
             format="%(levelname)s %(name)s: %(message)s",
         )
         if args.command == "up":
-            return _cmd_up(args)
+            return _cmd_up(args, parser)
         if args.command == "down":
             return _cmd_down(args)
         if args.command == "status":

@@ -1,4 +1,5 @@
-"""Multi-NIC network testbed: two network namespaces joined by shaped veth pairs.
+"""Multi-NIC network testbed: two network namespaces joined by shaped veth pairs, or a
+:class:`Topology` of more hosts (e.g. prefill a, decode b and a relay r) joined pairwise.
 
 A testbed is two namespaces, ``kvl{tag}a`` and ``kvl{tag}b``, joined by ``links`` veth pairs.
 Link ``i`` is ``kvl{tag}a{i}`` (address ``198.18.{subnet_base+i}.1/24``) paired with
@@ -21,22 +22,40 @@ from __future__ import annotations
 #   _netns    names, ip/tc commands, is_available, teardown, inspect
 #   _testbed  TestbedConfig and Testbed (up, reshape, links down/up, run inside, down)
 #   _faults   FaultSchedule and its records
+#   _topology Topology: more hosts than a and b, joined pairwise by shaped links
+#   _iperf    iperf3_aggregate: one iperf3 stream per (src, dst, link) of a topology, at once
 from ._errors import TestbedConfigError, TestbedError
 from ._faults import Fault, FaultKind, FaultSchedule, FiredFault
 from ._faults import FaultSpec as FaultSpec
+from ._iperf import AggregateResult, FlowResult, iperf3_aggregate
 from ._netns import NAME_PREFIX as NAME_PREFIX
 from ._netns import Side, inspect, is_available, teardown
 from ._netns import _list_netns as _list_netns  # the test fixtures list namespaces with it
 from ._rates import MIN_RATE_BPS, RateLike, TbfParams, format_rate, parse_rate, tbf_parameters
 from ._testbed import MAX_LINKS, Testbed, TestbedConfig
+from ._topology import (
+    TOPOLOGY_PRESETS,
+    LinkGroup,
+    LinkGroupLike,
+    TopoLink,
+    Topology,
+    TopologyConfig,
+    inspect_topology,
+    parse_topology,
+)
 
 __all__ = [
     "MAX_LINKS",
     "MIN_RATE_BPS",
+    "TOPOLOGY_PRESETS",
+    "AggregateResult",
     "Fault",
     "FaultKind",
     "FaultSchedule",
     "FiredFault",
+    "FlowResult",
+    "LinkGroup",
+    "LinkGroupLike",
     "RateLike",
     "Side",
     "TbfParams",
@@ -44,10 +63,16 @@ __all__ = [
     "TestbedConfig",
     "TestbedConfigError",
     "TestbedError",
+    "TopoLink",
+    "Topology",
+    "TopologyConfig",
     "format_rate",
     "inspect",
+    "inspect_topology",
+    "iperf3_aggregate",
     "is_available",
     "parse_rate",
+    "parse_topology",
     "tbf_parameters",
     "teardown",
 ]

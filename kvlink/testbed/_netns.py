@@ -14,12 +14,13 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any, Final
 
 from ._errors import TestbedConfigError, TestbedError
-from ._rates import format_rate
+from ._rates import format_rate, tbf_parameters
 
 log = logging.getLogger("kvlink.testbed")
 
@@ -28,6 +29,13 @@ log = logging.getLogger("kvlink.testbed")
 NAME_PREFIX: Final = "kvl"
 # Tags are short so f"kvl{tag}a{i}" stays within IFNAMSIZ-1 = 15 characters for two-digit i.
 _TAG_RE: Final = re.compile(r"[a-z0-9]{1,8}")
+# Host names of a topology: a letter first, so "kvl{tag}{host}" never reads as another tag's
+# legacy side a/b namespace with a digit-led host; the device-name length is checked separately.
+_HOST_RE: Final = re.compile(r"[a-z][a-z0-9]{0,7}")
+# Written on each namespace's loopback as its ifalias, so teardown and attach can tell which tag
+# and host a namespace belongs to from the kernel alone (kvl{tag}{host} alone is ambiguous:
+# tag "tb" with host "ab" and tag "tba" with host "b" are both kvltbab).
+_MARKER: Final = "kvlink-testbed"
 # No ip/tc call should take long; one that hangs (e.g. on a wedged netns mount) must not hang us.
 _CMD_TIMEOUT_S: Final = 30.0
 # How long down() lets processes left in a namespace exit after SIGTERM before SIGKILL.
@@ -148,12 +156,29 @@ def _validate_tag(tag: str) -> str:
     return tag
 
 
+def _validate_host(host: str, *, name: str = "host") -> str:
+    if not isinstance(host, str) or _HOST_RE.fullmatch(host) is None:
+        raise TestbedConfigError(
+            f"{name}: {host!r} must be a lowercase letter followed by up to 7 lowercase letters "
+            "or digits (it becomes part of namespace and interface names), e.g. 'a' or 'r1'"
+        )
+    return host
+
+
+def _host_namespace(tag: str, host: str) -> str:
+    return f"{NAME_PREFIX}{tag}{host}"
+
+
+def _host_device(tag: str, host: str, link: int) -> str:
+    return f"{NAME_PREFIX}{tag}{host}{link}"
+
+
 def _namespace(tag: str, side: Side) -> str:
-    return f"{NAME_PREFIX}{tag}{side.value}"
+    return _host_namespace(tag, side.value)
 
 
 def _device(tag: str, side: Side, link: int) -> str:
-    return f"{NAME_PREFIX}{tag}{side.value}{link}"
+    return _host_device(tag, side.value, link)
 
 
 def _side(side: str | Side) -> Side:
@@ -189,11 +214,161 @@ def _kill_pids(ns: str, pids: list[int]) -> None:
             time.sleep(0.02)
 
 
+def _marker(ns: str) -> tuple[str, str] | None:
+    """(tag, host) written on ``ns``'s loopback by :func:`_claim`, or None (none, or gone)."""
+    done = _cmd([_tool("ip"), "-j", "-n", ns, "link", "show", "lo"], check=False)
+    if done.returncode != 0:
+        return None
+    try:
+        entries = json.loads(done.stdout or "[]")
+    except ValueError:
+        return None
+    alias = str(entries[0].get("ifalias", "")) if entries else ""
+    fields = dict(kv.split("=", 1) for kv in alias.split()[1:] if "=" in kv)
+    if not alias.startswith(_MARKER + " ") or "tag" not in fields or "host" not in fields:
+        return None
+    return fields["tag"], fields["host"]
+
+
+def _claim(tag: str, host: str, *, hint: str = "") -> str:
+    """Create (if missing) and mark the namespace of ``host`` in testbed ``tag``; its name.
+
+    Raises:
+        TestbedError: the namespace belongs to another tag's testbed, or ip failed.
+    """
+    ip = _tool("ip")
+    ns = _host_namespace(tag, host)
+    if ns in _list_netns():
+        mark = _marker(ns)
+        if mark is not None and mark != (tag, host):
+            raise TestbedError(
+                f"namespace {ns} is host {mark[1]!r} of testbed {mark[0]!r}, not host {host!r} "
+                f"of {tag!r}: use a tag that is not a prefix of {mark[0]!r}'s names"
+            )
+    else:
+        _cmd([ip, "netns", "add", ns], hint=hint)
+    marker = f"{_MARKER} tag={tag} host={host}"
+    _cmd([ip, "-n", ns, "link", "set", "lo", "alias", marker], hint=hint)
+    return ns
+
+
+def _tag_namespaces(tag: str, present: set[str] | None = None) -> dict[str, str]:
+    """The live namespaces of testbed ``tag``, keyed by host: every namespace marked with the
+    tag, plus unmarked ``kvl{tag}a``/``kvl{tag}b`` (a testbed made before markers, or one whose
+    up() stopped between creating a namespace and marking it)."""
+    if present is None:
+        present = _list_netns()
+    prefix = f"{NAME_PREFIX}{tag}"
+    found: dict[str, str] = {}
+    for ns in sorted(present):
+        host = ns[len(prefix) :]
+        if not ns.startswith(prefix) or not host:
+            continue
+        mark = _marker(ns)
+        legacy = mark is None and host in (Side.A.value, Side.B.value)
+        if legacy or mark == (tag, host):
+            found[host] = ns
+    return found
+
+
+def _delete_namespace(ns: str, tag: str) -> None:
+    """Stop every process in ``ns``, then delete it (its veths and their peers go with it).
+
+    Raises:
+        TestbedError: the namespace could not be deleted.
+    """
+    _kill_pids(ns, _pids_in(ns))
+    done = _cmd([_tool("ip"), "netns", "del", ns], check=False)
+    if done.returncode != 0 and ns in _list_netns():
+        raise TestbedError(
+            f"could not delete namespace {ns}: {done.stderr.strip()}; "
+            f"check `ip netns pids {ns}` and retry `kvlink testbed down --tag {tag}`"
+        )
+    log.info("testbed %s: deleted namespace %s", tag, ns)
+
+
+def _shape(ns: str, dev: str, rate_bps: int | None, *, hint: str = "") -> None:
+    """Shape the egress of ``dev`` in ``ns`` with tbf at ``rate_bps``; None removes shaping.
+
+    Raises:
+        TestbedError: tc failed.
+    """
+    tc = _tool("tc")
+    if rate_bps is None:
+        done = _cmd([tc, "-n", ns, "qdisc", "del", "dev", dev, "root"], check=False)
+        # Deleting the default (noqueue) root fails harmlessly: already unshaped.
+        if done.returncode != 0 and "handle of zero" not in done.stderr:
+            raise TestbedError(
+                f"could not remove shaping from {dev} in {ns}: {done.stderr.strip()}{hint}"
+            )
+    else:
+        # `replace` on an existing tbf is a change in place: traffic keeps flowing.
+        params = tbf_parameters(rate_bps)
+        _cmd([tc, "-n", ns, "qdisc", "replace", "dev", dev, "root", *params.tc_args()], hint=hint)
+
+
+def _exec_prefix(ns: str) -> list[str]:
+    """The argv prefix that runs a command in namespace ``ns``.
+
+    Raises:
+        TestbedError: `ip` is missing.
+    """
+    return [_tool("ip"), "netns", "exec", ns]
+
+
+class _Processes:
+    """Programs started inside a testbed's namespaces, so that down() can stop them."""
+
+    def __init__(self, tag: str) -> None:
+        self._tag = tag
+        self._lock = threading.Lock()
+        self._procs: list[subprocess.Popen[Any]] = []
+
+    def start(self, ns: str, argv: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen[Any]:
+        """Start ``argv`` in ``ns`` with :class:`subprocess.Popen` and remember it.
+
+        Raises:
+            TestbedConfigError: argv is a string or empty.
+            TestbedError: `ip` is missing or the process could not start.
+        """
+        if isinstance(argv, (str, bytes)) or not argv:
+            raise TestbedConfigError(
+                f"argv: expected a non-empty list of arguments, got {argv!r} "
+                "(use shlex.split for a command line)"
+            )
+        full = [*_exec_prefix(ns), *map(str, argv)]
+        log.debug("testbed %s: run %s", self._tag, shlex.join(full))
+        try:
+            proc: subprocess.Popen[Any] = subprocess.Popen(full, **popen_kwargs)
+        except OSError as exc:
+            raise TestbedError(f"could not start `{shlex.join(full)}`: {exc}") from exc
+        with self._lock:
+            self._procs = [p for p in self._procs if p.poll() is None]
+            self._procs.append(proc)
+        return proc
+
+    def stop_all(self) -> None:
+        """SIGTERM every process still running, SIGKILL those that outlive the grace time."""
+        with self._lock:
+            procs, self._procs = self._procs, []
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=_KILL_GRACE_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
 def teardown(tag: str = "tb") -> bool:
-    """Remove testbed ``tag``: stop processes in its namespaces, then delete both namespaces.
+    """Remove testbed ``tag``: stop processes in its namespaces, then delete every namespace
+    of it (both sides of a :class:`Testbed`, every host of a :class:`Topology`).
 
     Deleting a namespace deletes its veth ends, and with them their peers. Works on a partly
-    built testbed and is a no-op when nothing is there.
+    built testbed and is a no-op when nothing is there. A namespace is the tag's when its
+    loopback carries the tag's marker, or, unmarked, when it is ``kvl{tag}a`` or ``kvl{tag}b``.
 
     Returns:
         True if anything was removed.
@@ -204,29 +379,22 @@ def teardown(tag: str = "tb") -> bool:
     """
     _validate_tag(tag)
     _require_available()
-    ip = _tool("ip")
-    present = _list_netns()
     removed = False
-    for side in Side:
-        ns = _namespace(tag, side)
-        if ns not in present:
-            continue
-        _kill_pids(ns, _pids_in(ns))
-        done = _cmd([ip, "netns", "del", ns], check=False)
-        if done.returncode != 0 and ns in _list_netns():
-            raise TestbedError(
-                f"could not delete namespace {ns}: {done.stderr.strip()}; "
-                f"check `ip netns pids {ns}` and retry `kvlink testbed down --tag {tag}`"
-            )
-        log.info("testbed %s: deleted namespace %s", tag, ns)
+    for ns in _tag_namespaces(tag).values():
+        _delete_namespace(ns, tag)
         removed = True
     return removed
 
 
 def _side_state(tag: str, side: Side) -> dict[int, dict[str, Any]]:
     """Per-link state of one side, keyed by link index, read from the live namespace."""
-    ns = _namespace(tag, side)
-    dev_re = re.compile(re.escape(f"{NAME_PREFIX}{tag}{side.value}") + r"(\d+)")
+    return _host_state(tag, side.value)
+
+
+def _host_state(tag: str, host: str) -> dict[int, dict[str, Any]]:
+    """Per-link state of one host, keyed by link index, read from the live namespace."""
+    ns = _host_namespace(tag, host)
+    dev_re = re.compile(re.escape(f"{NAME_PREFIX}{tag}{host}") + r"(\d+)")
     links: dict[int, dict[str, Any]] = {}
     for entry in _json_cmd([_tool("ip"), "-j", "-n", ns, "addr", "show"]):
         name = str(entry.get("ifname", ""))

@@ -4,7 +4,6 @@ links down and up) and taken down, with programs run inside."""
 from __future__ import annotations
 
 import logging
-import shlex
 import subprocess
 import threading
 from collections.abc import Sequence
@@ -13,13 +12,15 @@ from typing import Any, Final
 
 from ._errors import TestbedConfigError, TestbedError
 from ._netns import (
-    _KILL_GRACE_S,
     Side,
+    _claim,
     _cmd,
     _device,
-    _list_netns,
+    _exec_prefix,
     _namespace,
+    _Processes,
     _require_available,
+    _shape,
     _side,
     _side_state,
     _tool,
@@ -27,7 +28,7 @@ from ._netns import (
     inspect,
     teardown,
 )
-from ._rates import RateLike, _optional_rate, format_rate, tbf_parameters
+from ._rates import RateLike, _optional_rate, format_rate
 
 log = logging.getLogger("kvlink.testbed")
 
@@ -120,7 +121,7 @@ class Testbed:
         )
         self._lock = threading.Lock()
         self._rates: list[int | None] = list(self.config.rates_bps)
-        self._procs: list[subprocess.Popen[Any]] = []
+        self._procs = _Processes(self.tag)
 
     @classmethod
     def attach(cls, tag: str = "tb") -> Testbed:
@@ -251,11 +252,8 @@ class Testbed:
     def _up(self) -> None:
         ip = _tool("ip")
         hint = self._hint()
-        present = _list_netns()
         for side in Side:
-            ns = _namespace(self.tag, side)
-            if ns not in present:
-                _cmd([ip, "netns", "add", ns], hint=hint)
+            ns = _claim(self.tag, side.value, hint=hint)
             _cmd([ip, "-n", ns, "link", "set", "lo", "up"], hint=hint)
         ns_a, ns_b = self.namespace(Side.A), self.namespace(Side.B)
         existing = {side: _side_state(self.tag, side) for side in Side}
@@ -297,17 +295,7 @@ class Testbed:
         Raises:
             TestbedError: not root, iproute2 missing, or a namespace could not be deleted.
         """
-        with self._lock:
-            procs, self._procs = self._procs, []
-        for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=_KILL_GRACE_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        self._procs.stop_all()
         teardown(self.tag)
 
     def __enter__(self) -> Testbed:
@@ -326,24 +314,9 @@ class Testbed:
     # -- changes while up -----------------------------------------------------------------------
 
     def _apply_rate(self, link: int, rate_bps: int | None) -> None:
-        tc = _tool("tc")
         hint = self._hint()
         for side in Side:
-            ns, dev = _namespace(self.tag, side), _device(self.tag, side, link)
-            if rate_bps is None:
-                done = _cmd([tc, "-n", ns, "qdisc", "del", "dev", dev, "root"], check=False)
-                # Deleting the default (noqueue) root fails harmlessly: already unshaped.
-                if done.returncode != 0 and "handle of zero" not in done.stderr:
-                    raise TestbedError(
-                        f"could not remove shaping from {dev} in {ns}: {done.stderr.strip()}{hint}"
-                    )
-            else:
-                # `replace` on an existing tbf is a change in place: traffic keeps flowing.
-                params = tbf_parameters(rate_bps)
-                _cmd(
-                    [tc, "-n", ns, "qdisc", "replace", "dev", dev, "root", *params.tc_args()],
-                    hint=hint,
-                )
+            _shape(_namespace(self.tag, side), _device(self.tag, side, link), rate_bps, hint=hint)
 
     def set_rate(self, link: int, rate: RateLike) -> None:
         """Reshape ``link`` (both ends) to ``rate``; None removes shaping. Works mid-transfer.
@@ -408,7 +381,7 @@ class Testbed:
             TestbedConfigError: side is not "a" or "b".
             TestbedError: `ip` is missing.
         """
-        return [_tool("ip"), "netns", "exec", self.namespace(side)]
+        return _exec_prefix(self.namespace(side))
 
     def run(
         self, side: str | Side, argv: Sequence[str], **popen_kwargs: Any
@@ -421,18 +394,4 @@ class Testbed:
             TestbedConfigError: side is bad, or argv is a string or empty.
             TestbedError: `ip` is missing or the process could not start.
         """
-        if isinstance(argv, (str, bytes)) or not argv:
-            raise TestbedConfigError(
-                f"argv: expected a non-empty list of arguments, got {argv!r} "
-                "(use shlex.split for a command line)"
-            )
-        full = [*self.exec_prefix(side), *map(str, argv)]
-        log.debug("testbed %s: run %s", self.tag, shlex.join(full))
-        try:
-            proc: subprocess.Popen[Any] = subprocess.Popen(full, **popen_kwargs)
-        except OSError as exc:
-            raise TestbedError(f"could not start `{shlex.join(full)}`: {exc}") from exc
-        with self._lock:
-            self._procs = [p for p in self._procs if p.poll() is None]
-            self._procs.append(proc)
-        return proc
+        return self._procs.start(self.namespace(side), argv, **popen_kwargs)

@@ -26,6 +26,7 @@ from ._errors import (
     DiscoveryError,
     DuplicateNameError,
     InvalidArgumentError,
+    KvlinkError,
     NotRegisteredError,
     OutOfBoundsError,
     PeerUnreachableError,
@@ -122,6 +123,10 @@ class Agent:
         self.addresses = _native.agent_addresses(self._a)
         self._relay_addrs = relay_addrs or [h for h, _ in self.addresses]
         self._relays: dict[str, dict[str, Any]] = {}
+        self._discovered_relays: set[str] = set()
+        # its own lock: add_peer of a known peer plans routes inside _alone(), which holds
+        # self._lock
+        self._relay_lock = threading.Lock()
         self._peer_md: dict[str, tuple[int, tuple[tuple[str, int], ...]]] = {}
         self._discover_lock = threading.Lock()
         self._discovery: Any = None
@@ -362,18 +367,15 @@ class Agent:
             ClosedError: the agent is closed.
         """
         ident = self._identity()
-        with self._using() as a:
-            relay = _native.relay_info(a)
+        relay = ident["relay"]
         extra: dict[str, Any] = {}
-        if relay["sealed_ports"]:
-            # relayed paths end here, sealed under "e2e" (docs/relays.md); whoever holds
-            # this metadata may open one, as with the region keys
+        if relay["e2e"]:
+            # relayed paths end at the sealed ports, sealed under "e2e" (docs/relays.md);
+            # whoever holds this metadata may open one, as with the region keys
             extra["e2e"] = relay["e2e"].hex()
-            ports = relay["sealed_ports"]
-            extra["sealed"] = [[h, p] for (h, _), p in zip(self.addresses, ports, strict=True)]
-        if relay["relay_ports"]:
-            ports = relay["relay_ports"]
-            extra["relay"] = [[h, p] for h, p in zip(self._relay_addrs, ports, strict=True)]
+            extra["sealed"] = [[h, p] for h, p in relay["sealed"]]
+        if relay["relay"]:
+            extra["relay"] = [[h, p] for h, p in relay["relay"]]
         return json.dumps(
             {
                 "kvlink": METADATA_VERSION,
@@ -403,7 +405,20 @@ class Agent:
                 for r in self._regions.snapshot()
                 if r.remote_read or r.remote_write
             }
-        return {"instance": self.instance_id, "addrs": list(self.addresses), "keys": keys}
+            relay = _native.relay_info(a)
+        return {
+            "instance": self.instance_id,
+            "addrs": list(self.addresses),
+            "keys": keys,
+            "relay": {
+                "e2e": relay["e2e"] if relay["sealed_ports"] else None,
+                # each list is empty when that side is off, else one port per address
+                "sealed": [
+                    (h, p) for (h, _), p in zip(self.addresses, relay["sealed_ports"], strict=False)
+                ],
+                "relay": list(zip(self._relay_addrs, relay["relay_ports"], strict=False)),
+            },
+        }
 
     def add_peer(self, metadata: bytes | str | dict[str, Any]) -> str:
         """Connects to a peer: a control connection plus one data connection per
@@ -440,7 +455,7 @@ class Agent:
     def _connect(self, a: Any, md: dict[str, Any]) -> Any:
         """The peer of metadata ``md``, connected: directly on every path, and through every
         relay this agent knows that reaches it (docs/relays.md)."""
-        with self._lock:
+        with self._relay_lock:
             relays = list(self._relays.values())
         local = [h for h, _ in self.addresses]
         hosts, routes = _relays.plan_routes(local, md, relays, self.name)
@@ -465,13 +480,30 @@ class Agent:
         if self._closed:
             raise self._closed_error()
         r = _relays.load_relay(metadata)
-        with self._lock:
+        with self._relay_lock:
             self._relays[r["name"]] = r
         return str(r["name"])
 
+    def _discovered_relay(self, name: str, addrs: list[list[Any]]) -> None:
+        """Discovery lists ``name`` as a relay at ``addrs``: route through it."""
+        with self._relay_lock:
+            known = self._relays.get(name)
+        if known is None or [list(a) for a in known["relay"]] != addrs:
+            with contextlib.suppress(KvlinkError):
+                self.add_relay({"name": name, "relay": addrs})
+                with self._relay_lock:
+                    self._discovered_relays.add(name)
+
+    def _forget_relays_except(self, listed: set[str]) -> None:
+        """Relays discovery found earlier and lists no more are not routed through again."""
+        with self._relay_lock:
+            for name in self._discovered_relays - listed:
+                self._relays.pop(name, None)
+            self._discovered_relays &= listed
+
     def relays(self) -> list[str]:
         """The relays this agent routes through (names), sorted."""
-        with self._lock:
+        with self._relay_lock:
             return sorted(self._relays)
 
     def relay_stats(self) -> dict[str, int]:

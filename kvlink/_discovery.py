@@ -156,16 +156,27 @@ class PeerRecord:
     # region id -> access key; None: sealed under a secret this agent lacks
     # (or published without keys because the peer has no secret)
     keys: dict[int, bytes] | None = field(compare=True)
+    # relays (docs/relays.md): the end-to-end key (sealed like the region keys), the sealed
+    # ports relayed paths to it end at, and where it relays when it does
+    e2e: bytes | None = None
+    sealed_addrs: tuple[tuple[str, int], ...] = ()
+    relay_addrs: tuple[tuple[str, int], ...] = ()
 
     def metadata(self) -> dict[str, Any]:
         """The dict ``Agent.add_peer`` takes."""
-        return {
+        md: dict[str, Any] = {
             "kvlink": 1,
             "name": self.name,
             "instance": f"{self.instance:016x}",
             "addrs": [[h, p] for h, p in self.addrs],
             "keys": {str(k): v.hex() for k, v in (self.keys or {}).items()},
         }
+        if self.e2e and self.sealed_addrs:
+            md["e2e"] = self.e2e.hex()
+            md["sealed"] = [[h, p] for h, p in self.sealed_addrs]
+        if self.relay_addrs:
+            md["relay"] = [[h, p] for h, p in self.relay_addrs]
+        return md
 
 
 def make_record(
@@ -175,8 +186,10 @@ def make_record(
     keys: dict[int, bytes],
     secret: bytes | None,
     prefix: str,
+    relay: dict[str, Any] | None = None,
 ) -> bytes:
-    """The bytes an agent publishes (region keys sealed, or left out without a secret)."""
+    """The bytes an agent publishes (region keys sealed, or left out without a secret).
+    ``relay``: its end-to-end key (sealed too), sealed ports and relay addresses."""
     rec: dict[str, Any] = {
         "kvlink": RECORD_VERSION,
         "name": name,
@@ -188,6 +201,15 @@ def make_record(
         nonce = os.urandom(12)
         sealed = _box(secret, prefix).encrypt(nonce, plain, _aad(name, instance, prefix))
         rec["sealed"] = base64.b64encode(nonce + sealed).decode()
+    relay = relay or {}
+    if secret is not None and relay.get("e2e") and relay.get("sealed"):
+        nonce = os.urandom(12)
+        aad = _aad(name, instance, prefix) + b"\0e2e"
+        sealed = _box(secret, prefix).encrypt(nonce, relay["e2e"], aad)
+        rec["sealed_e2e"] = base64.b64encode(nonce + sealed).decode()
+        rec["relay_in"] = [[h, p] for h, p in relay["sealed"]]
+    if relay.get("relay"):
+        rec["relay"] = [[h, p] for h, p in relay["relay"]]
     out = json.dumps(rec, separators=(",", ":")).encode()
     if len(out) > MAX_RECORD_BYTES:
         raise DiscoveryError(
@@ -266,7 +288,45 @@ def parse_record(key_name: str, raw: bytes, secret: bytes | None, prefix: str) -
                 if not rid.isdigit() or int(rid) <= 0 or len(k) != 16:
                     raise ValueError("sealed keys are not region ids to 16-byte keys")
                 keys[int(rid)] = k
-    return PeerRecord(name, instance, tuple((h, p) for h, p in addrs), keys)
+    e2e = None
+    blob_text = rec.get("sealed_e2e")
+    if isinstance(blob_text, str) and secret is not None:
+        from cryptography.exceptions import InvalidTag
+
+        try:
+            blob = base64.b64decode(blob_text, validate=True)
+            aad = _aad(name, instance, prefix) + b"\0e2e"
+            e2e = _box(secret, prefix).decrypt(blob[:12], blob[12:], aad)
+        except (ValueError, InvalidTag):
+            e2e = None
+        if e2e is not None and len(e2e) != 32:
+            raise ValueError("the sealed end-to-end key is not 32 bytes")
+    return PeerRecord(
+        name,
+        instance,
+        tuple((h, p) for h, p in addrs),
+        keys,
+        e2e,
+        _addr_field(rec, "relay_in"),
+        _addr_field(rec, "relay"),
+    )
+
+
+def _addr_field(rec: dict[str, Any], key: str) -> tuple[tuple[str, int], ...]:
+    """An optional list of [host, port] of a record, validated (as 'addrs')."""
+    raw = rec.get(key, [])
+    if not isinstance(raw, list) or len(raw) > MAX_ADDRS or not all(
+        isinstance(a, list)
+        and len(a) == 2
+        and isinstance(a[0], str)
+        and 0 < len(a[0]) <= 47
+        and isinstance(a[1], int)
+        and not isinstance(a[1], bool)
+        and 0 < a[1] < 65536
+        for a in raw
+    ):
+        raise ValueError(f"{key!r} is not a list of at most {MAX_ADDRS} [host, port]")
+    return tuple((h, p) for h, p in raw)
 
 
 # ---- the agent's side ----------------------------------------------------------
@@ -453,7 +513,13 @@ class Discovery:
             self._dirty = False  # a change from here on asks for another write
             md = agent._identity()
             value = make_record(
-                self._name, md["instance"], md["addrs"], md["keys"], self._secret, self.url.prefix
+                self._name,
+                md["instance"],
+                md["addrs"],
+                md["keys"],
+                self._secret,
+                self.url.prefix,
+                md.get("relay"),
             )
             try:
                 self._etcd.put(self._key, value, self._lease)
@@ -471,6 +537,11 @@ class Discovery:
         with self._lock:
             self._seen = table
             managed = dict(self._managed)
+        # members that relay: routed through from the next add_peer on (docs/relays.md)
+        for member in table.values():
+            if member.relay_addrs and member.name != self._name:
+                agent._discovered_relay(member.name, [list(a) for a in member.relay_addrs])
+        agent._forget_relays_except({r.name for r in table.values() if r.relay_addrs})
         for name, had in managed.items():
             rec = table.get(name)
             if rec is None:

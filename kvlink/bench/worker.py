@@ -335,6 +335,12 @@ class Agents:
     def paths(self, agent: str | None = None) -> dict[str, Any]:
         return {"paths": [_path_dict(p) for p in self._agent(agent)[1].paths()]}
 
+    def add_relay(self, metadata: str, agent: str | None = None) -> dict[str, Any]:
+        return {"relay": self._agent(agent)[1].add_relay(metadata)}
+
+    def relay_stats(self, agent: str | None = None) -> dict[str, Any]:
+        return self._agent(agent)[1].relay_stats()
+
     # ---- data --------------------------------------------------------------------------
 
     def fill(self, key: str, seed: int = 0, nbytes: int | None = None) -> dict[str, Any]:

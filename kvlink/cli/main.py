@@ -5,6 +5,7 @@ Commands:
   bench      the same as kvlink-bench; kvlink bench --help
   top        a live view of an agent's paths, from its metrics endpoint; kvlink top --help
   paths      an agent's paths once, as a table or JSON; kvlink paths --help
+  relay      lend this host's idle NICs to the cluster's relayed paths; kvlink relay --help
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-COMMANDS = ("testbed", "bench", "top", "paths")
+COMMANDS = ("testbed", "bench", "top", "paths", "relay")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -36,6 +37,10 @@ def _main(argv: Sequence[str] | None) -> int:
         from . import bench
 
         return bench.main(argv[1:], prog="kvlink bench")
+    if argv[:1] == ["relay"]:
+        from . import relay
+
+        return relay.main(argv[1:], prog="kvlink relay")
     if argv[:1] in (["top"], ["paths"]):
         from . import top
 

@@ -488,3 +488,26 @@ def test_discovery_over_tls(make_agent, tmp_path):
             untrusting.push("rx", src, "kv")
     finally:
         server.close()
+
+
+def test_relays_are_found_through_discovery_and_keep_the_key_sealed(cluster, etcd):
+    relay = cluster("relay-9", nics="127.0.0.3", relay=True, accept_relayed=False)
+    tx = cluster("prefill-0", nics="127.0.0.1")
+    rx = cluster("decode-3", nics="127.0.0.2")
+    dst = np.zeros(8 * MiB, np.uint8)
+    rx.register(dst, remote_write=True, name="kv")
+    src = np.random.default_rng(2).integers(0, 255, 8 * MiB, dtype=np.uint8)
+    tx.register(src)
+    until(lambda: tx.relays() == ["relay-9"], why="the relay found through etcd")
+    assert tx.push("decode-3", src, "kv").wait(10).ok  # looked up and added through etcd
+    assert np.array_equal(dst, src)
+    via = [p for p in tx.paths() if p.peer == "decode-3" and p.relay]
+    assert [p.relay for p in via] == ["relay-9"]
+    until(lambda: any(p.state.name == "UP" for p in tx.paths() if p.relay), why="relayed path up")
+    # the end-to-end key is in the record only sealed under the cluster secret
+    raw = base64.b64decode(etcd_get(etcd, "/t/agents/decode-3")["value"])
+    rec = json.loads(raw)
+    key_hex = json.loads(rx.metadata())["e2e"]
+    assert "sealed_e2e" in rec and key_hex not in raw.decode()
+    relay.close()
+    until(lambda: tx.relays() == [], timeout_s=15, why="the stopped relay forgotten")

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import kvlink
+from kvlink import _relays
 from kvlink._units import parse_size
 
 WHERE = "kv_connector_extra_config"
@@ -61,6 +62,9 @@ class Settings:
     # etcd URL: the worker publishes its agent there and finds peers by name, so cards carry
     # the name and instance only (docs/vllm.md, "Discovery").
     discovery: str | None = None
+    # Relays this worker's agent may route through (docs/relays.md): relay agents' metadata
+    # (JSON) or paths of files holding it; with discovery, relaying members are found there.
+    relays: tuple[str, ...] = ()
 
     def kvlink_config(self) -> kvlink.Config:
         """The kvlink.Config of the worker's agent (KVLINK_* variables fill what is unset).
@@ -82,6 +86,8 @@ class Settings:
             fields["secret"] = self.secret
         if self.discovery is not None:
             fields["discovery"] = self.discovery
+        if self.relays:
+            fields["relays"] = list(self.relays)
         try:
             cfg = kvlink.Config.load(**fields)
         except kvlink.ConfigError as exc:
@@ -191,6 +197,22 @@ def parse_settings(extra: Mapping[str, Any] | None) -> Settings:
 
             parse_url(value, arg=f"{WHERE}['discovery']")  # ConfigError naming the key
             out[key] = value
+        elif key == "relays":
+            if isinstance(value, str):
+                value = [value]
+            if not isinstance(value, (list, tuple)) or not all(
+                isinstance(v, str) and v for v in value
+            ):
+                raise kvlink.ConfigError(
+                    f"{WHERE}['relays']: expected a list of relay metadata (JSON text) or paths "
+                    f"of files holding it (`kvlink relay --metadata-out FILE`), got {value!r:.80}"
+                )
+            for v in value:  # an unreadable file or an agent that does not relay: at start
+                try:
+                    _relays.load_relay(v)
+                except kvlink.KvlinkError as exc:
+                    raise kvlink.ConfigError(f"{WHERE}['relays']: {exc}") from None
+            out[key] = tuple(value)
         elif key == "agent_name":
             if not isinstance(value, str) or not 1 <= len(value.encode()) <= 63:
                 raise kvlink.ConfigError(f"{WHERE}['agent_name']: expected a str of 1..63 bytes")

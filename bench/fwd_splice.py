@@ -2,9 +2,10 @@
 
     python bench/fwd_splice.py LISTEN_ADDR LISTEN_PORT TARGET_ADDR TARGET_PORT [BIND_ADDR]
 
-Accepts one connection, connects to the target (from BIND_ADDR), and moves bytes both ways
-with splice(2) through a 1 MiB pipe per direction, one thread each, until both ends close or
-SIGTERM; then prints {"cpu_s": ..., "bytes": ...} (this process's CPU, bytes forwarded) as JSON.
+Accepts connections (iperf3 opens a control and a data connection), connects each to the
+target (from BIND_ADDR), and moves bytes both ways with splice(2) through a 1 MiB pipe per
+direction, one thread each, until SIGTERM; then prints {"cpu_s": ..., "bytes": ...} (this
+process's CPU, bytes forwarded) as JSON.
 """
 
 from __future__ import annotations
@@ -52,19 +53,13 @@ def main() -> None:
     bind = sys.argv[5] if len(sys.argv) > 5 else None
     signal.signal(signal.SIGTERM, report)
     ls = socket.create_server((host, port))
-    c, _ = ls.accept()
-    t = socket.create_connection((thost, tport), source_address=(bind, 0) if bind else None)
-    for s in (c, t):
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    th = [
-        threading.Thread(target=pump, args=(c, t, 0)),
-        threading.Thread(target=pump, args=(t, c, 1)),
-    ]
-    for x in th:
-        x.start()
-    for x in th:
-        x.join()
-    report()
+    while True:
+        c, _ = ls.accept()
+        t = socket.create_connection((thost, tport), source_address=(bind, 0) if bind else None)
+        for s in (c, t):
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        threading.Thread(target=pump, args=(c, t, 0), daemon=True).start()
+        threading.Thread(target=pump, args=(t, c, 1), daemon=True).start()
 
 
 if __name__ == "__main__":

@@ -13,6 +13,9 @@ run (the issue's targets in brackets):
              iperf3 one stream per link over the direct links alone, and over the direct links
              plus the relay's links (a-b 0, a-b 1, r-b 3, r-b 4) at once.
              [relayed / direct >= 1.8; relayed / iperf3 over the same capacity >= 0.95]
+             For context, what this machine gives any relay: iperf3 a -> b over the direct links
+             plus two streams a -> r -> b through plain splice forwarders in r (no kvlink, no
+             sealing), all at once ("iperf3_plain_relay": a, b and r share its cores).
   kill       the relay's process killed (SIGKILL) at 30% of the median relayed time.
              ideal = 0.3 x relayed + 0.7 x direct (bytes before at the full rate, the rest on
              the direct links); [total / ideal <= 1.15]; every byte checked.
@@ -145,6 +148,40 @@ def iperf(topo: kt.Topology, flows: list[tuple[str, str, int]], nbytes: int) -> 
     return iperf3.aggregate_gbps(iperf3.run(streams, timeout_s=300))
 
 
+def plain_relay(topo: kt.Topology, nbytes: int) -> float:
+    """GB/s of four iperf3 streams at once, ``nbytes`` each: a -> b over links 0 and 1, and
+    a -> r -> b through a plain splice forwarder in r per r-b link (3, 4)."""
+    fwds = [
+        topo.run("r", [sys.executable, os.path.join(HERE, "fwd_splice.py"), topo.address("r", 2),
+                       str(5400 + i), topo.address("b", link), str(5410 + i),
+                       topo.address("r", link)], stdout=subprocess.DEVNULL)
+        for i, link in enumerate((3, 4))
+    ]  # fmt: skip
+    servers = [topo.run("b", ["iperf3", "-s", "-1", "-B", topo.address("b", link), "-p", str(port)],
+                        stdout=subprocess.DEVNULL)
+               for link, port in ((0, 5420), (1, 5421), (3, 5410), (4, 5411))]  # fmt: skip
+    time.sleep(0.7)
+    targets = [(topo.address("b", 0), 5420, topo.address("a", 0)),
+               (topo.address("b", 1), 5421, topo.address("a", 1)),
+               (topo.address("r", 2), 5400, topo.address("a", 2)),
+               (topo.address("r", 2), 5401, topo.address("a", 2))]  # fmt: skip
+    clients = [topo.run("a", ["iperf3", "-c", host, "-p", str(port), "-B", bind, "-n", str(nbytes),
+                              "--json"], stdout=subprocess.PIPE, text=True)
+               for host, port, bind in targets]  # fmt: skip
+    secs = []
+    for c in clients:
+        out, _ = c.communicate(timeout=300)
+        end = json.loads(out)["end"]
+        # as iperf3.Result.seconds: bytes sent over the receiver's rate
+        secs.append(end["sum_sent"]["bytes"] * 8 / end["sum_received"]["bits_per_second"])
+    for p in servers:
+        p.wait(timeout=30)
+    for p in fwds:
+        p.terminate()
+        p.wait(timeout=30)
+    return 4 * nbytes / max(secs) / 1e9
+
+
 def med(xs: list[float]) -> float:
     return statistics.median(xs)
 
@@ -156,12 +193,12 @@ def scenario_aggregate(bed: Bed, iters: int, emit: Emit) -> dict[str, float]:
     for ag in ("a-direct", "a-relay"):  # warm: path estimates, as long-lived agents have
         bed.push(ag)
     runs: dict[str, list[float]] = {"direct": [], "relayed": [], "iperf3_direct": [],
-                                    "iperf3_same": []}  # fmt: skip
+                                    "iperf3_same": [], "iperf3_plain_relay": []}  # fmt: skip
     relayed_share = []
     cpu_r = 0.0
     fwd_bytes = 0
     for it in range(iters):
-        order = ["direct", "relayed", "iperf3_direct", "iperf3_same"]
+        order = ["direct", "relayed", "iperf3_direct", "iperf3_same", "iperf3_plain_relay"]
         if it % 2:
             order.reverse()
         for what in order:
@@ -176,6 +213,8 @@ def scenario_aggregate(bed: Bed, iters: int, emit: Emit) -> dict[str, float]:
                 fwd_bytes += bed.r.call("relay_stats")["relayed_bytes"] - s0
                 runs[what].append(res["gbps"])
                 relayed_share.append(res["relayed_bytes"] / size)
+            elif what == "iperf3_plain_relay":
+                runs[what].append(plain_relay(topo, size // 4))
             else:
                 flows = direct_flows if what == "iperf3_direct" else same_flows
                 runs[what].append(iperf(topo, flows, size // len(flows)))
@@ -187,6 +226,9 @@ def scenario_aggregate(bed: Bed, iters: int, emit: Emit) -> dict[str, float]:
          value=med(runs["relayed"]) / med(runs["direct"]), target=">= 1.8")  # fmt: skip
     emit(kind="ratio", scenario="aggregate", name="relayed/iperf3_same_capacity",
          value=med(runs["relayed"]) / med(runs["iperf3_same"]), target=">= 0.95")  # fmt: skip
+    emit(kind="ratio", scenario="aggregate", name="relayed/iperf3_plain_relay",
+         value=med(runs["relayed"]) / med(runs["iperf3_plain_relay"]),
+         target="(context: this machine's ceiling for any relay)")  # fmt: skip
     emit(kind="ratio", scenario="aggregate", name="direct/iperf3_direct",
          value=med(runs["direct"]) / med(runs["iperf3_direct"]), target="(context)")
     return {"direct_s": size / med(runs["direct"]) / 1e9,

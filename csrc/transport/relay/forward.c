@@ -26,7 +26,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <netinet/tcp.h>
+#include <linux/tcp.h> /* tcp_info with bytes_sent / bytes_received */
 #include <sys/epoll.h>
 #include <sys/random.h>
 #include <sys/socket.h>
@@ -53,7 +53,9 @@ typedef struct fwd_watch {
 typedef struct fwd_nic {
     char ifname[32];
     uint64_t total_prev;       /* rx + tx bytes at the last sample */
-    uint64_t fwd, fwd_prev;    /* bytes we forwarded through it (counted in and out) */
+    uint64_t fwd, fwd_prev;    /* TCP bytes our relayed sockets moved through it, both ways
+                                  (closed ones' in fwd_closed), at this / the last sample */
+    uint64_t fwd_closed;
     double other_Bps;
     int over;                  /* consecutive samples over the limit */
     uint64_t busy_until_ns;    /* taken back until then (0: lent) */
@@ -84,6 +86,7 @@ typedef struct fwd_pair {
     uint32_t src;
     int nic_in, nic_out;
     fwd_dir ct, tc;            /* client -> target, target -> client */
+    uint64_t tcp_c, tcp_t;     /* the last sample of each socket's TCP bytes both ways */
     struct fwd_pair *next, **pprev;
 } fwd_pair;
 
@@ -148,8 +151,14 @@ static void pend_free(kvl_forwarder *f, fwd_pend *p)
     free(p);
 }
 
+static uint64_t tcp_bytes(int fd);
+
 static void pair_free(kvl_forwarder *f, fwd_pair *p, int abortive)
 {
+    /* what its sockets moved since the last sample still counts as ours */
+    uint64_t c = tcp_bytes(p->cfd), t = tcp_bytes(p->tfd);
+    f->nics[p->nic_in].fwd_closed += c > p->tcp_c ? c - p->tcp_c : 0;
+    f->nics[p->nic_out].fwd_closed += t > p->tcp_t ? t - p->tcp_t : 0;
     close_fd(f, p->cfd, abortive);
     close_fd(f, p->tfd, abortive);
     for (int i = 0; i < 2; i++) {
@@ -400,6 +409,8 @@ static void on_pend_target(kvl_forwarder *f, fwd_pend *p)
     q->src = p->src;
     q->nic_in = p->nic_in;
     q->nic_out = p->nic_out;
+    q->tcp_c = tcp_bytes(q->cfd); /* the request and answer were not forwarded bytes */
+    q->tcp_t = tcp_bytes(q->tfd);
     q->wc = (fwd_watch){W_PAIR, q};
     q->wt = (fwd_watch){W_PAIR, q};
     epoll_ctl(f->ep, EPOLL_CTL_DEL, p->tfd, NULL);
@@ -445,8 +456,6 @@ static int pump(kvl_forwarder *f, fwd_pair *q, fwd_dir *d, int src, int dst)
                                SPLICE_F_MOVE | SPLICE_F_NONBLOCK);
             if (n > 0) {
                 d->held -= (size_t)n;
-                f->nics[q->nic_in].fwd += (uint64_t)n;
-                f->nics[q->nic_out].fwd += (uint64_t)n;
                 pthread_mutex_lock(&f->mu);
                 f->bytes += (uint64_t)n;
                 pthread_mutex_unlock(&f->mu);
@@ -477,6 +486,38 @@ static void on_pair(kvl_forwarder *f, fwd_pair *q)
 
 /* ---- lending only what is idle ---- */
 
+/* TCP payload bytes fd sent and received.  Counted where the kernel counts
+ * them, not where splice moves them: a burst into a socket buffer shows on
+ * the NIC at once, while splice takes it later, which would look like
+ * traffic of someone else's. */
+static uint64_t tcp_bytes(int fd)
+{
+    struct tcp_info ti;
+    socklen_t sl = sizeof ti;
+    memset(&ti, 0, sizeof ti);
+    if (fd < 0 || getsockopt(fd, IPPROTO_TCP, TCP_INFO, &ti, &sl) < 0)
+        return 0;
+    return ti.tcpi_bytes_sent + ti.tcpi_bytes_received;
+}
+
+/* Each lent NIC's relayed TCP bytes so far (open pairs sampled now). */
+static void count_ours(kvl_forwarder *f)
+{
+    for (fwd_pair *q = f->pairs; q; q = q->next) {
+        uint64_t c = tcp_bytes(q->cfd), t = tcp_bytes(q->tfd);
+        if (c < q->tcp_c)
+            c = q->tcp_c;
+        if (t < q->tcp_t)
+            t = q->tcp_t;
+        f->nics[q->nic_in].fwd_closed += c - q->tcp_c;
+        f->nics[q->nic_out].fwd_closed += t - q->tcp_t;
+        q->tcp_c = c;
+        q->tcp_t = t;
+    }
+    for (size_t k = 0; k < f->n_nics; k++)
+        f->nics[k].fwd = f->nics[k].fwd_closed;
+}
+
 static int read_counter(const char *ifname, const char *what, uint64_t *out)
 {
     char path[128];
@@ -496,6 +537,7 @@ static void sample(kvl_forwarder *f, uint64_t now)
     double dt = f->t_sample_ns ? (double)(now - f->t_sample_ns) / 1e9 : 0;
     f->t_sample_ns = now;
     double limit = (double)f->a->cfg.relay_yield_mbps * 1e6 / 8;
+    count_ours(f);
     for (size_t k = 0; k < f->n_nics; k++) {
         fwd_nic *n = &f->nics[k];
         uint64_t rx, tx;

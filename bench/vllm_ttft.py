@@ -52,6 +52,7 @@ import os
 import random
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -144,11 +145,49 @@ class Net:
         return [self.tb.device(side, i) for i in range(self.tb.links)] if self.tb else ["lo"]
 
 
+class RelayNet(Net):
+    """The three-host topology "relay3" (a-b:2x2gbit,a-r:1x8gbit,r-b:2x2gbit): prefill in a,
+    decode in b, a `kvlink relay` in r when ``relay``; without it each side uses only its a-b
+    NICs (the same links, direct paths alone)."""
+
+    def __init__(self, name: str, topo: Any, relay_md: str | None) -> None:
+        super().__init__(name, topo)
+        self.relay_md = relay_md
+
+    def addresses(self, side: str) -> list[str]:
+        if self.relay_md:
+            return list(self.tb.addresses(side))
+        return list(self.tb.addresses(side, peer="b" if side == "a" else "a"))
+
+    def devices(self, side: str) -> list[str]:
+        return [self.tb.device(side, lk.index) for lk in self.tb.links(side)]
+
+
 @contextlib.contextmanager
-def network(testbed: str | None, tag: str) -> Iterator[Net]:
+def network(testbed: str | None, tag: str, relay: bool = False,
+            work: Path | None = None) -> Iterator[Net]:
     """Loopback, or a testbed that is torn down on every way out (errors and Ctrl-C too)."""
     if not testbed:
         yield Net("loopback")
+        return
+    if testbed == "relay3":
+        from kvlink.testbed import TOPOLOGY_PRESETS, Topology
+
+        with Topology(TOPOLOGY_PRESETS["relay3"], tag=tag) as topo:
+            md = None
+            if relay:
+                assert work is not None
+                md = str(work / "relay.json")
+                topo.run("r", [sys.executable, "-m", "kvlink.cli.main", "relay", "--name",
+                               "bench-relay", "--nics", ",".join(topo.addresses("r")),
+                               "--metadata-out", md], env={**os.environ, "KVLINK_SECRET": SECRET},
+                         stdout=subprocess.DEVNULL)
+                deadline = time.monotonic() + 30
+                while not os.path.exists(md):
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("kvlink relay wrote no metadata within 30 s")
+                    time.sleep(0.1)
+            yield RelayNet(f"relay3-{'relayed' if relay else 'direct'}", topo, md)
         return
     from kvlink.testbed import Testbed
 
@@ -165,6 +204,8 @@ def connector_setup(connector: str, net: Net, side: str, work: Path, nics: str |
         extra: dict[str, Any] = {"load_timeout_s": 60.0, "lease_s": 60.0}
         if net.tb:
             extra.update(nics=",".join(net.addresses(side)), secret=SECRET)
+            if isinstance(net, RelayNet) and net.relay_md:
+                extra["relays"] = [net.relay_md]
         else:
             extra["nics"] = nics or "loopback:4"
         return extra, env
@@ -198,8 +239,11 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="append rows to this file")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--connector", choices=sorted(MODES), default="kvlink")
-    ap.add_argument("--testbed", choices=["4x2gbit"], default=None,
-                    help="run prefill and decode in the two namespaces of a testbed (root)")
+    ap.add_argument("--testbed", choices=["4x2gbit", "relay3"], default=None,
+                    help="run prefill and decode in the two namespaces of a testbed (root); "
+                    "relay3: a-b:2x2gbit,a-r:1x8gbit,r-b:2x2gbit with --relay on or off")
+    ap.add_argument("--relay", choices=["on", "off"], default="off",
+                    help="relay3: route through a `kvlink relay` in r (kvlink only)")
     ap.add_argument("--testbed-tag", default="v1",
                     help="testbed tag: namespaces kvl<TAG>a and kvl<TAG>b")
     a = ap.parse_args()
@@ -213,7 +257,7 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         if out:
             stack.callback(out.close)
-        net = stack.enter_context(network(a.testbed, a.testbed_tag))
+        net = stack.enter_context(network(a.testbed, a.testbed_tag, a.relay == "on", work))
 
         def emit(row: dict[str, Any]) -> None:
             row = {"bench": "vllm_ttft", "run": run_id, "model": a.model,

@@ -291,7 +291,9 @@ class AgentMetrics(Collector):
         yield from self._own.collect()
 
     def _path_families(self, paths: list[Any]) -> Iterator[Any]:
-        labels = ["agent", "peer", "path", "local", "remote"]
+        # relay: "" for a direct path, else "NAME@HOST:PORT" (hop one local -> it, hop two it ->
+        # remote: docs/relays.md)
+        labels = ["agent", "peer", "path", "local", "remote", "relay"]
 
         def fam(kind: type, name: str, doc: str) -> Any:
             return kind(name, doc, labels=labels)
@@ -339,7 +341,8 @@ class AgentMetrics(Collector):
             "kvlink_path_state", "1 for the path's current state", labels=[*labels, "state"]
         )
         for p in paths:
-            lv = [self.name, p.peer, str(p.index), p.local, p.remote]
+            relay = f"{p.relay}@{p.relay_addr}" if p.relay else ""
+            lv = [self.name, p.peer, str(p.index), p.local, p.remote, relay]
             sent.add_metric(lv, p.bytes_sent)
             recv.add_metric(lv, p.bytes_recv)
             chunks.add_metric(lv, p.chunks_done)

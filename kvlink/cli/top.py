@@ -48,6 +48,7 @@ class PathRow:
     path: int
     local: str
     remote: str
+    relay: str = ""  # "NAME@HOST:PORT" of a relayed path's relay
     state: str = "?"
     sent_bytes: int = 0
     received_bytes: int = 0
@@ -115,7 +116,8 @@ def parse(text: str, t: float) -> Snapshot:
         except (KeyError, ValueError):
             return None
         if key not in paths:
-            paths[key] = PathRow(key[0], key[1], key[2], lv.get("local", ""), lv.get("remote", ""))
+            paths[key] = PathRow(key[0], key[1], key[2], lv.get("local", ""), lv.get("remote", ""),
+                                 lv.get("relay", ""))
         return paths[key]
 
     for fam in text_string_to_metric_families(text):
@@ -205,7 +207,8 @@ def render(now: Snapshot, before: Snapshot | None, url: str) -> Group:
         table.add_row(
             r.peer,
             str(r.path),
-            f"{r.local} -> {r.remote}",
+            f"{r.local} -> {r.relay.split('@')[0]} -> {r.remote}" if r.relay
+            else f"{r.local} -> {r.remote}",
             Text(r.state, style=_STATE_STYLE.get(r.state, "")),
             _rate(moved),
             _rate(r.est_rate_bytes_per_s),

@@ -435,7 +435,7 @@ static void on_pend_target(kvl_forwarder *f, fwd_pend *p)
 
 /* Moves what src has into dst through d's pipe; -1 when the pair must end
  * abortively (an error), 0 otherwise. */
-static int pump(kvl_forwarder *f, fwd_pair *q, fwd_dir *d, int src, int dst)
+static int pump(kvl_forwarder *f, fwd_dir *d, int src, int dst)
 {
     for (;;) {
         int moved = 0;
@@ -476,7 +476,7 @@ static int pump(kvl_forwarder *f, fwd_pair *q, fwd_dir *d, int src, int dst)
 
 static void on_pair(kvl_forwarder *f, fwd_pair *q)
 {
-    if (pump(f, q, &q->ct, q->cfd, q->tfd) != 0 || pump(f, q, &q->tc, q->tfd, q->cfd) != 0) {
+    if (pump(f, &q->ct, q->cfd, q->tfd) != 0 || pump(f, &q->tc, q->tfd, q->cfd) != 0) {
         pair_free(f, q, 1);
         return;
     }

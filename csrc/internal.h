@@ -244,6 +244,8 @@ struct kvl_agent {
     pthread_cond_t probe_cv;
     struct kvl_probe_job *jobs;
     void *relay_state;         /* transport/relay/: sealed listeners, the relay */
+    atomic_int relay_tunnels;  /* relayed connections' tunnels alive (their threads log
+                                  through this agent: close waits for them) */
     /* log records for the application (log.c) */
     pthread_mutex_t log_mu;
     pthread_cond_t log_cv;

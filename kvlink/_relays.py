@@ -113,9 +113,10 @@ def plan_routes(
 
     Direct: each local address to the peer address on its /24 (rail-aligned NICs), else by
     index, except a local address that reaches a relay but no peer address on its /24 (its NIC
-    goes to the relay, not to the peer). Relayed: for each relay, from the first local address
-    on the /24 of one of the relay's addresses, to each of the peer's sealed ports on a /24 the
-    relay has an address on (one path per relay NIC toward the peer). At most 64 in all.
+    goes to the relay, not to the peer). Relayed: for each relay, from every local address on
+    the /24 of one of the relay's addresses (hop one), to each of the peer's sealed ports on
+    another /24 the relay has an address on (hop two): one path per pair of NICs, so both hops
+    spread over the relay's links. At most 64 in all.
     """
     addrs: list[tuple[str, int]] = list(peer["addrs"])
     sealed: list[tuple[str, int]] = list(peer.get("sealed") or [])
@@ -126,17 +127,20 @@ def plan_routes(
         for r in relays:
             if r["name"] in (me, peer["name"]):
                 continue
-            rnets = {_net24(h) for h, _ in r["relay"]}
+            r_hosts = {h for h, _ in r["relay"]}
+            rnets = {_net24(h) for h in r_hosts}
             for li, lh in enumerate(local):
                 ingress = [(h, p) for h, p in r["relay"] if _net24(h) == _net24(lh)]
                 if not ingress:
                     continue
+                feeds_relay.add(li)
                 ih, ip = ingress[0]
                 for si, (sh, _) in enumerate(sealed):
-                    if _net24(sh) in rnets and sh not in {h for h, _ in r["relay"]}:
-                        relayed.append(Route(li, len(addrs) + si, ih, ip, r["name"]))
-                        feeds_relay.add(li)
-                break
+                    if _net24(sh) not in rnets or sh in r_hosts:
+                        continue
+                    if _net24(sh) == _net24(lh) and not lh.startswith("127."):
+                        continue  # a neighbour of this NIC: the direct path goes there
+                    relayed.append(Route(li, len(addrs) + si, ih, ip, r["name"]))
     direct: list[Route] = []
     peer_nets = [_net24(h) for h, _ in addrs]
     for li, lh in enumerate(local):

@@ -36,6 +36,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -662,6 +663,67 @@ def _testbed(args: argparse.Namespace, rep: Reporter) -> tuple[Any, bool]:
     return tb, True
 
 
+def _relay_topology(tag: str) -> Any:
+    """The live topology of ``tag`` when it has a relay host r (``kvlink testbed up --topology
+    relay3``), else None."""
+    from .. import testbed as kt
+
+    state = kt.inspect_topology(tag)
+    if not state.get("up") or "r" not in state.get("hosts", {}):
+        return None
+    return kt.Topology.attach(tag)
+
+
+def cmd_testbed_relay(topo: Any, args: argparse.Namespace, rep: Reporter) -> int:
+    """kvlink a -> b on a topology with a relay r: a `kvlink relay` runs in r and a's agent
+    routes through it (docs/relays.md); iperf3 runs one stream per a-b and r-b link."""
+    import tempfile
+
+    spec = spec_from(args)
+    need = spec.need_bytes
+    with tempfile.TemporaryDirectory(prefix="kvlink-relay-") as work:
+        md = os.path.join(work, "relay.json")
+        relay = subprocess.Popen(
+            [*topo.exec_prefix("r"), sys.executable, "-m", "kvlink.cli.main", "relay",
+             "--name", "bench-relay", "--nics", ",".join(topo.addresses("r")),
+             "--metadata-out", md], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            env=_child_env())  # fmt: skip
+        try:
+            deadline = time.monotonic() + 30
+            while not os.path.exists(md):
+                if relay.poll() is not None or time.monotonic() > deadline:
+                    raise _child_failed(relay, "kvlink relay")
+                time.sleep(0.05)
+            rep.note(f"relaying through r: {', '.join(topo.addresses('r'))} (docs/relays.md)")
+            os.environ["KVLINK_RELAYS"] = md  # a's agent (run_remote's child) routes through r
+            try:
+                b_nics = ",".join(topo.addresses("b"))
+                with spawn_serve(topo.exec_prefix("b"), b_nics, need,
+                                 topo.addresses("b")[0]) as endpoint:  # fmt: skip
+                    rows = run_remote(topo.exec_prefix("a"), endpoint,
+                                      ",".join(topo.addresses("a")), args, rep)  # fmt: skip
+            finally:
+                os.environ.pop("KVLINK_RELAYS", None)
+        finally:
+            relay.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                relay.wait(10)
+    limit = None
+    if "iperf3" in args.compare.split(","):
+        flows = [(src, lk) for src in ("a", "r") for lk in topo.links(src, "b")]
+        per = max(1, need // len(flows))
+        streams = [
+            iperf3.Stream(topo.address("b", lk.index), topo.address(src, lk.index), nbytes=per,
+                          server_prefix=topo.exec_prefix("b"), client_prefix=topo.exec_prefix(src))
+            for src, lk in flows
+        ]  # fmt: skip
+        rep.note("iperf3: one stream per a-b and r-b link at once (the capacity kvlink may use)")
+        limit = report_limit(rep, iperf3_gbps(streams), need, len(streams))
+    for r in with_limit(rows, limit):
+        rep.result(r)
+    return 0
+
+
 def cmd_testbed(args: argparse.Namespace, rep: Reporter) -> int:
     from .. import testbed as kt
 
@@ -669,6 +731,9 @@ def cmd_testbed(args: argparse.Namespace, rep: Reporter) -> int:
     if not ok:
         rep.note(f"testbed unavailable: {why}")
         return 2
+    topo = _relay_topology(args.tag)
+    if topo is not None:
+        return cmd_testbed_relay(topo, args, rep)
     spec = spec_from(args)
     tb, owned = _testbed(args, rep)
     try:

@@ -340,6 +340,16 @@ def test_routes_on_the_three_host_testbed():
         (2, ("198.18.3.2", 2), "198.18.2.2", 9000),
         (2, ("198.18.4.2", 2), "198.18.2.2", 9000),
     ]
+    # the other way (decode's two r-b NICs lead to the relay, prefill's a-r address is the
+    # only one the relay reaches): a relayed path per r-b NIC, and no dead direct path from them
+    b = ["198.18.0.2", "198.18.1.2", "198.18.3.2", "198.18.4.2"]
+    prefill = {"name": "a", "addrs": [(h, 1) for h in a], "sealed": [(h, 2) for h in a],
+               "e2e": b"k" * 32}  # fmt: skip
+    hosts, routes = _relays.plan_routes(b, prefill, [relay], "b")
+    assert [(r.local, hosts[r.remote][0]) for r in routes if not r.via] == [
+        (0, "198.18.0.1"), (1, "198.18.1.1")]  # fmt: skip
+    assert [(r.local, hosts[r.remote], r.via) for r in routes if r.via] == [
+        (2, ("198.18.2.1", 2), "198.18.3.1"), (3, ("198.18.2.1", 2), "198.18.4.1")]  # fmt: skip
     # without the peer's end-to-end key nothing is relayed
     _, plain = _relays.plan_routes(a, {**peer, "e2e": None}, [relay], "a")
     assert not any(r.via for r in plain)

@@ -385,8 +385,13 @@ static kvl_err listen_on(const char *host, uint16_t *port, int *out)
 static void relay_stop(kvl_agent *a)
 {
     relay_state *s = state_of(a);
-    if (!s)
+    if (!s) {
+        /* agent_free: every connection is closed, so every tunnel's plaintext end is:
+         * its threads end at once; they log through a, which must outlive them */
+        for (int i = 0; i < 2000 && atomic_load(&a->relay_tunnels) > 0; i++)
+            usleep(1000);
         return;
+    }
     atomic_store(&s->stop, 1);
     if (s->started)
         pthread_join(s->th, NULL);

@@ -14,6 +14,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "../../internal.h"
 #include "../../log.h"
 #include "tunnel.h"
 
@@ -34,6 +35,7 @@ void kvl_tunnel_release(void *arg)
     kvl_tunnel *t = arg;
     if (atomic_fetch_sub(&t->refs, 1) != 1)
         return;
+    atomic_fetch_sub(&t->a->relay_tunnels, 1);
     close(t->plain);
     close(t->outer);
     kvl_aead_free(t->seal);
@@ -160,6 +162,7 @@ kvl_err kvl_tunnel_start(kvl_agent *a, int plain_fd, int outer_fd, kvl_aead *out
     snprintf(t->what, sizeof t->what, "%s", what);
     atomic_init(&t->refs, 3);
     atomic_init(&t->ended, 0);
+    atomic_fetch_add(&a->relay_tunnels, 1);
     pthread_attr_t at;
     pthread_attr_init(&at);
     pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);

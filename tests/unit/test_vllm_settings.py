@@ -153,3 +153,35 @@ def test_offer_and_fallback_expiry_must_be_finite(bad: object) -> None:
     fb["max_pull_s"] = bad
     with pytest.raises(proto.ParamsError, match="max_pull_s"):
         proto.parse_fallback(fb)
+
+
+def test_relays_setting(tmp_path, make_agent) -> None:  # type: ignore[no-untyped-def]
+    relay = make_agent("relay-x", nics="127.0.0.3", relay=True, accept_relayed=False)
+    path = tmp_path / "relay.json"
+    path.write_bytes(relay.metadata())
+    s = parse_settings({"relays": [str(path)], "nics": "127.0.0.1"})
+    assert s.relays == (str(path),)
+    assert s.kvlink_config().relays == (str(path),)
+    # the worker's agent routes through it with nothing else set
+    agent = make_agent("vllm-worker-0", **dataclasses_fields(s.kvlink_config()))
+    assert agent.relays() == ["relay-x"]
+    with pytest.raises(kvlink.ConfigError, match=r"\['relays'\].*cannot read relay metadata"):
+        parse_settings({"relays": [str(tmp_path / "missing.json")]})
+    not_a_relay = tmp_path / "plain.json"
+    not_a_relay.write_bytes(make_agent("plain", nics="127.0.0.4").metadata())
+    with pytest.raises(kvlink.ConfigError, match=r"\['relays'\].*does not relay"):
+        parse_settings({"relays": str(not_a_relay)})
+    with pytest.raises(kvlink.ConfigError, match=r"\['relays'\]: expected a list"):
+        parse_settings({"relays": [3]})
+
+
+def dataclasses_fields(cfg: kvlink.Config) -> dict[str, object]:
+    """The fields of ``cfg`` that differ from the defaults (for make_agent's overrides)."""
+    import dataclasses
+
+    base = kvlink.Config()
+    return {
+        f.name: getattr(cfg, f.name)
+        for f in dataclasses.fields(cfg)
+        if getattr(cfg, f.name) != getattr(base, f.name) and f.name != "nics"
+    }

@@ -117,7 +117,9 @@ static void ctrl_next_route(kvl_peer *p)
             cur = i;
     for (uint32_t k = 1; k <= p->n_paths; k++) {
         const kvl_path *pa = &p->paths[(cur + k) % p->n_paths];
-        if (pa->conn && !kvl_conn_is_dead(pa->conn)) {
+        /* a relayed path's remote is the peer's sealed port, reached only through its
+         * relay: the control connection goes direct */
+        if (pa->conn && !kvl_conn_is_dead(pa->conn) && !pa->via[0]) {
             kvl_path_route(c, pa->local, pa->rhost, pa->rport);
             return;
         }

@@ -203,8 +203,9 @@ class Config:
     # (their chunks go again on the senders' other paths) and new ones are
     # refused until it has been quiet for a second.  0: never take it back.
     relay_yield_mbps: int = 100
-    # Relayed connections at once (each holds 2 MiB of pipes in the kernel).
-    relay_max_conns: int = 256
+    # Relayed connections at once: each holds 2 MiB of pipes in the kernel and six file
+    # descriptors (two sockets, two pipes), so 128 fits under the usual 1024-descriptor limit.
+    relay_max_conns: int = 128
     # Relays this agent may route through: each an agent's metadata (JSON
     # text) or the path of a file holding it; a comma-separated string of
     # paths works too (KVLINK_RELAYS).  With discovery, members that relay

@@ -228,8 +228,12 @@ def _valid_name(name: object) -> bool:
     )
 
 
-def parse_record(key_name: str, raw: bytes, secret: bytes | None, prefix: str) -> PeerRecord:
-    """A record read from etcd, validated.
+def parse_record(
+    key_name: str, raw: bytes, secret: bytes | None, prefix: str, want_e2e: bool = True
+) -> PeerRecord:
+    """A record read from etcd, validated.  ``want_e2e``: unseal the end-to-end key too (an
+    agent that relays never does: it has no business holding the keys that seal what it
+    forwards, docs/security.md "Relays").
 
     Raises:
         ValueError: anything malformed, with the reason.
@@ -290,7 +294,7 @@ def parse_record(key_name: str, raw: bytes, secret: bytes | None, prefix: str) -
                 keys[int(rid)] = k
     e2e = None
     blob_text = rec.get("sealed_e2e")
-    if isinstance(blob_text, str) and secret is not None:
+    if isinstance(blob_text, str) and secret is not None and want_e2e:
         from cryptography.exceptions import InvalidTag
 
         try:
@@ -366,6 +370,7 @@ class Discovery:
         self._agent = weakref.ref(agent)
         self._name = agent.name
         self._secret = secret
+        self._want_e2e = not cfg.relay  # a relay never unseals others' end-to-end keys
         self._ttl_s = max(1, round(cfg.discovery_ttl_s))
         self._refresh_s = cfg.discovery_refresh_s
         # a key absent this long is taken for gone: long enough for every agent
@@ -493,7 +498,9 @@ class Discovery:
             if not _valid_name(key_name):
                 continue
             try:
-                table[key_name] = parse_record(key_name, kv.value, self._secret, self.url.prefix)
+                table[key_name] = parse_record(
+                    key_name, kv.value, self._secret, self.url.prefix, self._want_e2e
+                )
             except ValueError as exc:
                 log.debug("discovery: ignoring the record of %r: %s", key_name, exc)
         lost = mine is None or mine.value != self._published or mine.lease != self._lease
@@ -619,7 +626,7 @@ class Discovery:
         if kv is None:
             return None
         try:
-            return parse_record(name, kv.value, self._secret, self.url.prefix)
+            return parse_record(name, kv.value, self._secret, self.url.prefix, self._want_e2e)
         except ValueError as exc:
             raise DiscoveryError(
                 f"discovery: etcd {self.url} holds a malformed record for {name!r} ({exc}); "

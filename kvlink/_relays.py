@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import logging
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -16,6 +17,7 @@ from ._errors import InvalidArgumentError
 
 MAX_PATHS = 64
 E2E_KEY_BYTES = 32
+log = logging.getLogger("kvlink")
 
 
 class Route(NamedTuple):
@@ -119,7 +121,8 @@ def plan_routes(
     spread over the relay's links. At most 64 in all.
     """
     addrs: list[tuple[str, int]] = list(peer["addrs"])
-    sealed: list[tuple[str, int]] = list(peer.get("sealed") or [])
+    # the C core takes at most 64 hosts in all
+    sealed: list[tuple[str, int]] = list(peer.get("sealed") or [])[: MAX_PATHS - len(addrs)]
     hosts = addrs + sealed
     relayed: list[Route] = []
     feeds_relay: set[int] = set()
@@ -133,7 +136,6 @@ def plan_routes(
                 ingress = [(h, p) for h, p in r["relay"] if _net24(h) == _net24(lh)]
                 if not ingress:
                     continue
-                feeds_relay.add(li)
                 ih, ip = ingress[0]
                 for si, (sh, _) in enumerate(sealed):
                     if _net24(sh) not in rnets or sh in r_hosts:
@@ -141,6 +143,7 @@ def plan_routes(
                     if _net24(sh) == _net24(lh) and not lh.startswith("127."):
                         continue  # a neighbour of this NIC: the direct path goes there
                     relayed.append(Route(li, len(addrs) + si, ih, ip, r["name"]))
+                    feeds_relay.add(li)  # its link leads to a relay that reaches the peer
     direct: list[Route] = []
     peer_nets = [_net24(h) for h, _ in addrs]
     for li, lh in enumerate(local):
@@ -152,5 +155,11 @@ def plan_routes(
             continue  # this NIC's link leads to the relay, not to the peer
         else:
             direct.append(Route(li, li % len(addrs)))
-    routes = (direct + relayed)[:MAX_PATHS]
-    return hosts, routes
+    routes = direct + relayed
+    if len(routes) > MAX_PATHS:
+        log.warning(
+            "peer %r: %d paths planned (%d relayed), more than %d: the last %d relayed "
+            "ones are left out",
+            peer["name"], len(routes), len(relayed), MAX_PATHS, len(routes) - MAX_PATHS,
+        )  # fmt: skip
+    return hosts, routes[:MAX_PATHS]

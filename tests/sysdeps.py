@@ -28,6 +28,9 @@ TOOLS: dict[str, str] = {
     "etcd": "etcd-server",
     # kvlink-bench's rows name the commit they ran (tests/unit/test_bench_table.py)
     "git": "git",
+    # relayed paths seal with OpenSSL's libcrypto, loaded at run time (docs/relays.md); the
+    # openssl package pulls in the library under whichever name the release gives it
+    "libcrypto": "openssl",
 }
 # the smallest libFuzzer program: clang links it only with the runtime installed
 _FUZZ_PROBE = b"int LLVMFuzzerTestOneInput(const char *d, unsigned long n) { return 0; }\n"
@@ -38,6 +41,10 @@ _SBIN = "/usr/local/sbin:/usr/sbin:/sbin"
 def find_tool(name: str) -> str | None:
     """Path of system tool ``name``, or None when it is not installed (or, for clang, when
     it cannot link a libFuzzer program: the compiler and its runtime are separate packages)."""
+    if name.startswith("lib"):  # a shared library, not a program
+        import ctypes.util
+
+        return ctypes.util.find_library(name[3:])
     path = shutil.which(name) or shutil.which(name, path=_SBIN)
     if path is not None and name == "clang":
         probe = subprocess.run(

@@ -43,7 +43,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         help="this host's own traffic on a lent NIC above this takes it back "
         "(0: never; default 100)",
     )
-    p.add_argument("--max-conns", type=int, default=256, help="relayed connections at once")
+    p.add_argument("--max-conns", type=int, default=128,
+                   help="relayed connections at once (six descriptors each; default 128)")
     p.add_argument(
         "--metadata-out",
         metavar="FILE",

@@ -27,6 +27,8 @@ import kvlink
 from kvlink import _relays
 from tests.waits import wait_for, wait_paths
 
+pytestmark = pytest.mark.tools("libcrypto")
+
 MiB = 1 << 20
 SECRET = "kvlink-relay-test-secret-0123456789"
 OTHER = "another-secret-abcdefghijklmnopqrs"
@@ -307,6 +309,23 @@ def test_the_relay_forwards_only_for_members_and_only_to_its_networks(make_agent
         assert status == 4
         status, _ = _ask(port, ok, SECRET)
         assert status == 0
+        # a member speaking anything but the sealed protocol gets nothing through: the
+        # relay connected, but moves no byte that does not start with the hello's magic
+        with socket.create_connection(("127.0.0.3", port), timeout=5) as s:
+            hello = _recv(s, 20)
+            body = b"KVRQ" + socket.inet_aton(ok[0]) + struct.pack(">H", ok[1]) + b"\x04test"
+            mac = hmac.new(SECRET.encode(), b"kvlink relay request" + hello[4:] + body,
+                           hashlib.sha256).digest()  # fmt: skip
+            s.sendall(body + mac)
+            assert _recv(s, 2) == b"\0\0"
+            s.sendall(b"GET / HTTP/1.0\r\n\r\n")
+            listener.settimeout(5)
+            conns = [listener.accept()[0] for _ in range(2)]  # the earlier OK's and this one
+            for c in conns:
+                with c:
+                    c.settimeout(5)
+                    with contextlib.suppress(ConnectionResetError):
+                        assert c.recv(100) == b"", "the relay forwarded a non-kvlink stream"
     # garbage is closed unanswered; the relay goes on serving
     with socket.create_connection(("127.0.0.3", port), timeout=5) as s:
         _recv(s, 20)
@@ -353,6 +372,16 @@ def test_routes_on_the_three_host_testbed():
     # without the peer's end-to-end key nothing is relayed
     _, plain = _relays.plan_routes(a, {**peer, "e2e": None}, [relay], "a")
     assert not any(r.via for r in plain)
+
+
+def test_a_relay_without_a_secret_stays_on_loopback(make_agent):
+    from kvlink import _nics
+
+    real = [a for a in _nics.resolve("auto") if not a.startswith("127.")]
+    if not real:
+        pytest.skip("this host has no non-loopback IPv4 address to try")
+    with pytest.raises(kvlink.KvlinkError, match="would relay on .* without a cluster secret"):
+        make_agent("r-open", nics="127.0.0.3", relay=True, relay_nics=real[0])
 
 
 def test_bad_relay_metadata_is_refused_saying_why(make_agent, tmp_path):

@@ -18,7 +18,7 @@ import pytest
 import kvlink.testbed as kt
 from kvlink.bench import Worker, share_run_secret
 
-pytestmark = [pytest.mark.root, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.root, pytest.mark.timeout(180), pytest.mark.tools("libcrypto", "iperf3")]
 
 MiB = 1 << 20
 TAG = "rlt"

@@ -41,6 +41,8 @@
 #define KVL_RELAY_HOLD_MS 1000
 #define KVL_RELAY_PENDING 64       /* requests being read or connected at once */
 #define KVL_RELAY_PER_SOURCE 64    /* relayed connections from one source address */
+#define KVL_RELAY_PENDING_PER_SOURCE 8 /* ... of them still in their request: one silent
+                                          client cannot hold every pending slot */
 #define KVL_RELAY_OVERHEAD 1.07    /* headers and acknowledgements per forwarded byte */
 
 enum { W_LISTEN, W_PEND_C, W_PEND_T, W_PAIR };
@@ -71,6 +73,7 @@ typedef struct fwd_pend {
     size_t got;
     char name[64], target[32];
     uint64_t deadline_ns;
+    int dead;                  /* freed this batch: its memory goes at the batch's end */
     struct fwd_pend *next, **pprev;
 } fwd_pend;
 
@@ -78,6 +81,8 @@ typedef struct fwd_dir {
     int pipe[2];
     size_t held;               /* bytes in the pipe */
     int eof, shut;             /* source ended; its end passed on (shutdown(SHUT_WR)) */
+    int opened;                /* its first bytes were "KVE1": a sealed connection, not some
+                                  other protocol aimed at a neighbour's service */
 } fwd_dir;
 
 typedef struct fwd_pair {
@@ -87,6 +92,7 @@ typedef struct fwd_pair {
     int nic_in, nic_out;
     fwd_dir ct, tc;            /* client -> target, target -> client */
     uint64_t tcp_c, tcp_t;     /* the last sample of each socket's TCP bytes both ways */
+    int dead;                  /* freed this batch: its memory goes at the batch's end */
     struct fwd_pair *next, **pprev;
 } fwd_pair;
 
@@ -105,6 +111,12 @@ struct kvl_forwarder {
     size_t n_pend;
     fwd_pair *pairs;
     size_t n_pairs;
+    /* unlinked this batch; an event of the same batch may still name them */
+    void *grave[256];
+    size_t n_grave;
+    uint64_t listen_paused_ns; /* accept failed (out of descriptors): not accepting till then */
+    uint64_t t_log_ns;         /* the last refusal logged (at most one a second) */
+    int pipe_small_logged;
     uint64_t t_sample_ns;
     pthread_t th;
     int started;
@@ -140,6 +152,23 @@ static void close_fd(kvl_forwarder *f, int fd, int abortive)
     close(fd);
 }
 
+/* Frees what the batch unlinked (or at once when the list is full: then the
+ * caller's event is the pair's last one in the batch, as in teardown). */
+static void bury(kvl_forwarder *f, void *obj)
+{
+    if (f->n_grave < sizeof f->grave / sizeof *f->grave)
+        f->grave[f->n_grave++] = obj;
+    else
+        free(obj);
+}
+
+static void empty_grave(kvl_forwarder *f)
+{
+    for (size_t i = 0; i < f->n_grave; i++)
+        free(f->grave[i]);
+    f->n_grave = 0;
+}
+
 static void pend_free(kvl_forwarder *f, fwd_pend *p)
 {
     close_fd(f, p->cfd, 1);
@@ -148,7 +177,8 @@ static void pend_free(kvl_forwarder *f, fwd_pend *p)
     if (p->next)
         p->next->pprev = p->pprev;
     f->n_pend--;
-    free(p);
+    p->dead = 1;
+    bury(f, p);
 }
 
 static uint64_t tcp_bytes(int fd);
@@ -172,7 +202,8 @@ static void pair_free(kvl_forwarder *f, fwd_pair *p, int abortive)
     pthread_mutex_lock(&f->mu);
     f->conns_now--;
     pthread_mutex_unlock(&f->mu);
-    free(p);
+    p->dead = 1;
+    bury(f, p);
 }
 
 /* Answers a pending request and drops it (status != OK). */
@@ -206,16 +237,34 @@ static size_t per_source(kvl_forwarder *f, uint32_t src)
     return k;
 }
 
+static size_t pend_from(kvl_forwarder *f, uint32_t src)
+{
+    size_t k = 0;
+    for (fwd_pend *q = f->pend; q; q = q->next)
+        k += q->src == src;
+    return k;
+}
+
 static void accept_all(kvl_forwarder *f, size_t li)
 {
     for (;;) {
         struct sockaddr_in pa;
         socklen_t pl = sizeof pa;
         int fd = accept4(f->lfd[li], (struct sockaddr *)&pa, &pl, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0 && errno != EAGAIN && errno != EINTR && errno != ECONNABORTED) {
+            /* out of descriptors or memory: the connection stays queued and the
+             * listener would fire again at once; stop listening for 100 ms */
+            for (size_t i = 0; i < f->n; i++)
+                watch_fd(f, f->lfd[i], &f->lw[i], 0, EPOLL_CTL_MOD);
+            f->listen_paused_ns = kvl_now_ns() + 100000000ull;
+            return;
+        }
         if (fd < 0)
             return;
+        kvl_relay_tune(fd);
         fwd_pend *p = NULL;
         if (f->n_pend >= KVL_RELAY_PENDING ||
+            pend_from(f, pa.sin_addr.s_addr) >= KVL_RELAY_PENDING_PER_SOURCE ||
             f->n_pairs + f->n_pend >= f->a->cfg.relay_max_conns ||
             per_source(f, pa.sin_addr.s_addr) >= KVL_RELAY_PER_SOURCE ||
             !(p = calloc(1, sizeof *p))) {
@@ -274,10 +323,14 @@ static void on_request(kvl_forwarder *f, fwd_pend *p, size_t len)
         kvl_hmac_update(&h, r, len - KVL_SHA256_BYTES);
         kvl_hmac_final(&h, m);
         if (!kvl_ct_equal(m, r + len - KVL_SHA256_BYTES, sizeof m)) {
-            kvl_log(a, KVL_LOG_WARNING, NULL, -1,
-                    "relay: refused a request claiming to be '%s': it does not hold this "
-                    "cluster's secret",
-                    p->name);
+            uint64_t now = kvl_now_ns();
+            if (now - f->t_log_ns >= 1000000000ull) { /* a peer's refusals: one a second */
+                f->t_log_ns = now;
+                kvl_log(a, KVL_LOG_WARNING, NULL, -1,
+                        "relay: refused a request claiming to be '%s': it does not hold this "
+                        "cluster's secret",
+                        p->name);
+            }
             refuse(f, p, KVL_RELAY_AUTH,
                    "agent '%s' relays only for holders of its cluster secret", a->name);
             return;
@@ -362,11 +415,19 @@ static void on_pend_client(kvl_forwarder *f, fwd_pend *p)
         on_request(f, p, need);
 }
 
-static int pipe_new(int fds[2])
+static int pipe_new(kvl_forwarder *f, int fds[2])
 {
     if (pipe2(fds, O_CLOEXEC | O_NONBLOCK) < 0)
         return -1;
-    fcntl(fds[0], F_SETPIPE_SZ, KVL_RELAY_PIPE);
+    if (fcntl(fds[0], F_SETPIPE_SZ, KVL_RELAY_PIPE) < 0 && !f->pipe_small_logged) {
+        /* unprivileged, past fs/pipe-user-pages-soft: pipes stay small (slower, not wrong) */
+        f->pipe_small_logged = 1;
+        kvl_log(f->a, KVL_LOG_WARNING, NULL, -1,
+                "relay: cannot grow a pipe to %u bytes (%s): relayed connections forward "
+                "through smaller ones; raise fs.pipe-max-size / pipe-user-pages-soft or run "
+                "the relay with CAP_SYS_RESOURCE",
+                KVL_RELAY_PIPE, strerror(errno));
+    }
     return 0;
 }
 
@@ -382,12 +443,12 @@ static void on_pend_target(kvl_forwarder *f, fwd_pend *p)
         return;
     }
     fwd_pair *q = calloc(1, sizeof *q);
-    if (!q || pipe_new(q->ct.pipe) != 0) {
+    if (!q || pipe_new(f, q->ct.pipe) != 0) {
         free(q);
         refuse(f, p, KVL_RELAY_BUSY, "%s", "the relay is out of memory or descriptors");
         return;
     }
-    if (pipe_new(q->tc.pipe) != 0) {
+    if (pipe_new(f, q->tc.pipe) != 0) {
         close(q->ct.pipe[0]);
         close(q->ct.pipe[1]);
         free(q);
@@ -437,6 +498,20 @@ static void on_pend_target(kvl_forwarder *f, fwd_pend *p)
  * abortively (an error), 0 otherwise. */
 static int pump(kvl_forwarder *f, fwd_dir *d, int src, int dst)
 {
+    if (!d->opened) {
+        /* both ends of a relayed connection start with the sealed protocol's
+         * magic (relay.h): anything else is not forwarded, so a member cannot
+         * use the relay to speak HTTP, SSH, ... to a neighbour's services */
+        char m[4];
+        ssize_t n = recv(src, m, sizeof m, MSG_PEEK | MSG_DONTWAIT);
+        if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR))
+            return -1;
+        if (n < (ssize_t)sizeof m)
+            return 0; /* the rest arrives with the next edge */
+        if (memcmp(m, KVL_E2E_MAGIC, sizeof m) != 0)
+            return -1;
+        d->opened = 1;
+    }
     for (;;) {
         int moved = 0;
         if (!d->eof && d->held < KVL_RELAY_PIPE) {
@@ -601,29 +676,30 @@ static void *fwd_main(void *arg)
     while (!atomic_load(&f->stop)) {
         int n = epoll_wait(f->ep, evs, 64, KVL_RELAY_TICK_MS / 2);
         for (int i = 0; i < n; i++) {
+            /* an event's object may have been unlinked by an earlier event of
+             * this batch: it stays allocated (the grave) until the batch ends */
             fwd_watch *w = evs[i].data.ptr;
             if (w->kind == W_LISTEN)
                 accept_all(f, (size_t)((fwd_watch *)w - f->lw));
-            else if (w->kind == W_PEND_C)
+            else if (w->kind == W_PEND_C && !((fwd_pend *)w->obj)->dead)
                 on_pend_client(f, w->obj);
-            else if (w->kind == W_PEND_T)
+            else if (w->kind == W_PEND_T && !((fwd_pend *)w->obj)->dead)
                 on_pend_target(f, w->obj);
-            else if (w->kind == W_PAIR) {
-                /* both of a pair's fds may be in this batch: the first event
-                 * may free it */
-                fwd_pair *q = w->obj;
-                int live = 0;
-                for (fwd_pair *x = f->pairs; x && !live; x = x->next)
-                    live = x == q;
-                if (live)
-                    on_pair(f, q);
-            }
+            else if (w->kind == W_PAIR && !((fwd_pair *)w->obj)->dead)
+                on_pair(f, w->obj);
         }
+        empty_grave(f);
         uint64_t now = kvl_now_ns();
         if (now >= next_tick) {
             next_tick = now + KVL_RELAY_TICK_MS * 1000000ull;
             sample(f, now);
             expire(f, now);
+            empty_grave(f);
+            if (f->listen_paused_ns && now >= f->listen_paused_ns) {
+                f->listen_paused_ns = 0;
+                for (size_t i = 0; i < f->n; i++)
+                    watch_fd(f, f->lfd[i], &f->lw[i], EPOLLIN, EPOLL_CTL_MOD);
+            }
         }
     }
     return NULL;
@@ -667,6 +743,7 @@ void kvl_forwarder_stop(kvl_forwarder *f)
         pend_free(f, f->pend);
     while (f->pairs)
         pair_free(f, f->pairs, 1);
+    empty_grave(f);
     for (size_t i = 0; i < f->n; i++)
         close(f->lfd[i]);
     if (f->ep >= 0)
@@ -689,6 +766,18 @@ kvl_err kvl_forwarder_start(kvl_agent *a, kvl_forwarder **out, uint16_t *ports)
     if (!addrs || !n)
         n = a->n_addrs;
     kvl_err e = f->ep < 0 ? kvl_fail_errno("relay: epoll_create1") : KVL_OK;
+    if (!e && n > KVL_MAX_PATHS)
+        e = kvl_fail(KVL_ERR_INVALID_ARG, "relay: %zu lent addresses (at most %d)", n,
+                     KVL_MAX_PATHS);
+    for (size_t i = 0; !e && !a->secret_len && !a->cfg.allow_unauthenticated && i < n; i++) {
+        const char *host = addrs && a->cfg.n_relay_addrs ? addrs[i] : own[i];
+        if (strncmp(host, "127.", 4) != 0)
+            e = kvl_fail(KVL_ERR_INVALID_ARG,
+                         "agent '%s' would relay on %s without a cluster secret: anyone who "
+                         "reaches it could use it; give every agent the secret (Config.secret "
+                         "or KVLINK_SECRET), or on a trusted network allow_unauthenticated=True",
+                         a->name, host);
+    }
     for (size_t i = 0; !e && i < n; i++) {
         const char *host = addrs && a->cfg.n_relay_addrs ? addrs[i] : own[i];
         struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(a->cfg.relay_port)};

@@ -44,6 +44,7 @@ typedef struct relay_state {
     int started;
     atomic_int stop;
     atomic_int pending;        /* key-exchange threads alive */
+    atomic_ullong log_t;       /* the last refusal logged (at most one a second) */
     kvl_forwarder *fwd;
     uint16_t relay_ports[KVL_MAX_PATHS];
 } relay_state;
@@ -126,7 +127,7 @@ static void wrap_of(kvl_tunnel *t, kvl_tp_wrap *w, const char *note)
     getsockname(fd, (struct sockaddr *)&w->local, &ll);
     getpeername(fd, (struct sockaddr *)&w->peer, &pl);
     w->sample_fd = fd;
-    w->release = kvl_tunnel_release;
+    w->release = kvl_tunnel_close;
     w->arg = t;
     snprintf(w->note, sizeof w->note, "%s", note);
 }
@@ -271,11 +272,13 @@ static void *sealed_main(void *arg)
     uint64_t deadline = kvl_now_ns() + (uint64_t)a->cfg.connect_timeout_ms * 1000000ull;
     uint8_t na[4 + KVL_RELAY_NONCE], ans[4 + KVL_RELAY_NONCE + KVL_SHA256_BYTES];
     uint8_t proof[KVL_SHA256_BYTES], want[KVL_SHA256_BYTES];
-    char src[64] = "?";
+    char src[64] = "?", ip[INET_ADDRSTRLEN];
     struct sockaddr_in pa;
     socklen_t pl = sizeof pa;
-    if (getpeername(fd, (struct sockaddr *)&pa, &pl) == 0)
-        snprintf(src, sizeof src, "%s:%u", inet_ntoa(pa.sin_addr), ntohs(pa.sin_port));
+    if (getpeername(fd, (struct sockaddr *)&pa, &pl) == 0 &&
+        inet_ntop(AF_INET, &pa.sin_addr, ip, sizeof ip))
+        snprintf(src, sizeof src, "%s:%u", ip, ntohs(pa.sin_port));
+    kvl_relay_tune(fd); /* keep-alives and a user timeout: a vanished relay ends it */
     if (kvl_relay_recv(fd, na, sizeof na, deadline, &s->stop) != 0 ||
         memcmp(na, KVL_E2E_MAGIC, 4) != 0)
         goto drop;
@@ -289,7 +292,8 @@ static void *sealed_main(void *arg)
         goto drop;
     mac(s->e2e, sizeof s->e2e, "kvlink e2e client", na + 4, ans + 4, want);
     if (!kvl_ct_equal(want, proof, sizeof want)) {
-        kvl_log(a, KVL_LOG_WARNING, NULL, -1,
+        if (kvl_relay_log_ok(&s->log_t))
+            kvl_log(a, KVL_LOG_WARNING, NULL, -1,
                 "refused a relayed connection from %s: it does not hold this agent's "
                 "end-to-end key (its metadata of this agent is stale, or it never had it)",
                 src);
@@ -334,8 +338,11 @@ static void *accept_main(void *arg)
             if (!(p[i].revents & POLLIN))
                 continue;
             int fd = accept4(s->fds[i], NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
-            if (fd < 0)
+            if (fd < 0) {
+                if (errno != EAGAIN && errno != EINTR && errno != ECONNABORTED)
+                    usleep(100000); /* out of descriptors or memory: no busy loop */
                 continue;
+            }
             if (atomic_fetch_add(&s->pending, 1) >= KVL_SEALED_PENDING) {
                 atomic_fetch_sub(&s->pending, 1);
                 close(fd); /* full: the initiator retries on its next probe */
@@ -386,17 +393,18 @@ static void relay_stop(kvl_agent *a)
 {
     relay_state *s = state_of(a);
     if (!s) {
-        /* agent_free: every connection is closed, so every tunnel's plaintext end is:
-         * its threads end at once; they log through a, which must outlive them */
-        for (int i = 0; i < 2000 && atomic_load(&a->relay_tunnels) > 0; i++)
+        /* agent_free: every endpoint is freed, and freeing one ends its tunnel
+         * (kvl_tunnel_close): the threads return at once; they log through a,
+         * which must outlive them */
+        while (atomic_load(&a->relay_tunnels) > 0)
             usleep(1000);
         return;
     }
     atomic_store(&s->stop, 1);
     if (s->started)
         pthread_join(s->th, NULL);
-    /* key exchanges see stop within 100 ms */
-    for (int i = 0; i < 600 && atomic_load(&s->pending) > 0; i++)
+    /* key exchanges see stop within 100 ms (their waits poll it) */
+    while (atomic_load(&s->pending) > 0)
         usleep(10000);
     for (size_t i = 0; i < s->n; i++)
         close(s->fds[i]);

@@ -42,6 +42,11 @@ int kvl_relay_dial(const char *local, struct sockaddr_in *to, uint32_t timeout_m
  * ends the wait early.  0, or -1 (errno: ETIMEDOUT, ECONNRESET, ...). */
 int kvl_relay_send(int fd, const void *buf, size_t len, uint64_t deadline_ns);
 int kvl_relay_recv(int fd, void *buf, size_t len, uint64_t deadline_ns, atomic_int *stop);
+/* Keep-alives and TCP_USER_TIMEOUT on an accepted socket, as dialled ones get. */
+void kvl_relay_tune(int fd);
+/* 1 at most once a second per *last (refusals a peer can cause are logged
+ * rate-limited); any thread. */
+int kvl_relay_log_ok(atomic_ullong *last);
 /* The /24 of an IPv4 address in network order. */
 static inline uint32_t kvl_relay_net24(uint32_t be) { return ntohl(be) >> 8; }
 

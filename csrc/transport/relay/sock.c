@@ -11,6 +11,24 @@
 
 #include "relay.h"
 
+void kvl_relay_tune(int fd)
+{
+    int one = 1, idle = 2, intvl = 1, cnt = 3;
+    unsigned ut = 5000;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
+    setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle);
+    setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &intvl, sizeof intvl);
+    setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &cnt, sizeof cnt);
+    setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &ut, sizeof ut);
+}
+
+int kvl_relay_log_ok(atomic_ullong *last)
+{
+    unsigned long long now = kvl_now_ns(), prev = atomic_load(last);
+    return now - prev >= 1000000000ull && atomic_compare_exchange_strong(last, &prev, now);
+}
+
 int kvl_relay_dial(const char *local, struct sockaddr_in *to, uint32_t timeout_ms, char *why,
                    size_t why_len)
 {
@@ -28,14 +46,7 @@ int kvl_relay_dial(const char *local, struct sockaddr_in *to, uint32_t timeout_m
         close(fd);
         return -1;
     }
-    int one = 1, idle = 2, intvl = 1, cnt = 3;
-    unsigned ut = 5000;
-    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
-    setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle);
-    setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &intvl, sizeof intvl);
-    setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &cnt, sizeof cnt);
-    setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &ut, sizeof ut);
+    kvl_relay_tune(fd);
     int rc = connect(fd, (struct sockaddr *)to, sizeof *to);
     if (rc < 0 && errno == EINPROGRESS) {
         struct pollfd p = {.fd = fd, .events = POLLOUT};

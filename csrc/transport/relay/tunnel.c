@@ -51,6 +51,14 @@ static void end_both(kvl_tunnel *t)
     shutdown(t->outer, SHUT_RDWR);
 }
 
+void kvl_tunnel_close(void *arg)
+{
+    kvl_tunnel *t = arg;
+    /* a pump blocked on the network (a relay that stopped reading) returns now */
+    end_both(t);
+    kvl_tunnel_release(t);
+}
+
 static int write_all(int fd, const uint8_t *p, size_t len)
 {
     while (len) {

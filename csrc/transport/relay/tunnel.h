@@ -23,5 +23,8 @@ kvl_err kvl_tunnel_start(kvl_agent *a, int plain_fd, int outer_fd, kvl_aead *out
 int kvl_tunnel_outer_fd(const kvl_tunnel *t);
 /* Drops one reference; the last closes both sockets and frees t. */
 void kvl_tunnel_release(void *t);
+/* The caller's release: ends both directions at once (a pump blocked on a
+ * network that stopped moving returns), then drops the caller's reference. */
+void kvl_tunnel_close(void *t);
 
 #endif

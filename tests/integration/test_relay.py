@@ -380,7 +380,7 @@ def test_a_relay_without_a_secret_stays_on_loopback(make_agent):
     real = [a for a in _nics.resolve("auto") if not a.startswith("127.")]
     if not real:
         pytest.skip("this host has no non-loopback IPv4 address to try")
-    with pytest.raises(kvlink.KvlinkError, match="would relay on .* without a cluster secret"):
+    with pytest.raises(kvlink.KvlinkError, match=r"would relay on .* without a cluster secret"):
         make_agent("r-open", nics="127.0.0.3", relay=True, relay_nics=real[0])
 
 

@@ -394,3 +394,56 @@ def test_bad_relay_metadata_is_refused_saying_why(make_agent, tmp_path):
         a.add_relay({"name": "x", "relay": [["127.0.0.3", 0]]})
     with pytest.raises(kvlink.ConfigError, match="relay_yield_mbps"):
         kvlink.Config(relay_yield_mbps=-1)
+
+
+def test_garbage_and_silence_on_the_relay_and_sealed_ports(make_agent):
+    """A hostile client of the two new ports: random bytes, half requests, silent sockets,
+    a flood past the pending bound.  Both ports shed them within their deadline and keep
+    serving: a relayed push works during and after."""
+    a, b, r = trio(make_agent, chunk_bytes=MiB, min_chunk_bytes=MiB, connect_timeout_s=1.0)
+    relay_port = json.loads(r.metadata())["relay"][0][1]
+    sealed_port = json.loads(b.metadata())["sealed"][0][1]
+    rng = np.random.default_rng(11)
+    held: list[socket.socket] = []
+    for i in range(150):
+        port = relay_port if i % 2 else sealed_port
+        host = "127.0.0.3" if i % 2 else "127.0.0.2"
+        try:
+            s = socket.create_connection((host, port), timeout=2)
+        except OSError:
+            continue  # shed at accept: what a flood should get
+        kind = i % 5
+        with contextlib.suppress(OSError):
+            if kind == 0:
+                s.sendall(rng.integers(0, 256, int(rng.integers(1, 4096)), np.uint8).tobytes())
+            elif kind == 1:
+                s.sendall(b"KVRQ" + bytes(7))  # a request cut short
+            elif kind == 2:
+                s.sendall(b"KVE1" + rng.integers(0, 256, 60, np.uint8).tobytes())
+            elif kind == 3:
+                s.sendall(b"KVRQ" + bytes(6) + b"\xff" + bytes(40))  # name length 255
+        held.append(s)  # kind 4: silent
+    dst = np.zeros(16 * MiB, np.uint8)
+    b.register(dst, name="kv", remote_write=True)
+    src = np.random.default_rng(12).integers(0, 256, 16 * MiB, dtype=np.uint8)
+    a.register(src)
+    a.add_peer(b.metadata())
+    wait_paths(a, "b", lambda ps: any(p.relay and p.state.name == "UP" for p in ps), 20)
+    a.push("b", src=src, dst="kv").wait(timeout_s=60)
+    assert np.array_equal(dst, src)
+    # every held connection is closed by its port within the handshake deadline (1 s) + slack
+    deadline = time.monotonic() + 10
+    for s in held:
+        s.settimeout(max(0.1, deadline - time.monotonic()))
+        try:
+            while s.recv(4096):
+                pass
+        except (ConnectionResetError, OSError) as exc:
+            assert not isinstance(exc, TimeoutError), "a port kept a hostile socket open"
+        s.close()
+    assert time.monotonic() < deadline
+    assert r.relay_stats()["refused"] > 0
+    # and both still serve
+    dst[:] = 0
+    a.push("b", src=src, dst="kv").wait(timeout_s=60)
+    assert np.array_equal(dst, src)

@@ -114,7 +114,11 @@ def test_link_cut_mid_transfer_completes_verified(pair):
     faults.join()
     assert p.verified(), "every byte verified after losing a link"
     assert info["retries"] >= 1, "the cut link's chunks were sent again elsewhere"
-    cut = p.paths()[1]
+    # a silent path is STALLED (its chunks moved) and cut 2 s of silence later: the transfer
+    # may end before that, so wait for the cut rather than race it
+    deadline = time.monotonic() + 15
+    while (cut := p.paths()[1])["state"] == "STALLED" and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert cut["state"] in ("DOWN", "PROBING"), cut
     # stalled for lack of progress, then cut ("path cut"), then re-probed in
     # vain while the link stays down ("...; down since: ..."); which of these

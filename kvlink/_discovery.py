@@ -253,22 +253,7 @@ def parse_record(
     if not isinstance(inst, str) or not re.fullmatch(r"[0-9a-f]{16}", inst):
         raise ValueError("'instance' is not 16 hex digits")
     instance = int(inst, 16)
-    addrs = rec.get("addrs")
-    if (
-        not isinstance(addrs, list)
-        or not 0 < len(addrs) <= MAX_ADDRS
-        or not all(
-            isinstance(a, list)
-            and len(a) == 2
-            and isinstance(a[0], str)
-            and 0 < len(a[0]) <= 47
-            and isinstance(a[1], int)
-            and not isinstance(a[1], bool)
-            and 0 < a[1] < 65536
-            for a in addrs
-        )
-    ):
-        raise ValueError(f"'addrs' is not a list of 1..{MAX_ADDRS} [host, port]")
+    addrs = _addr_field(rec, "addrs", required=True)
     keys: dict[int, bytes] | None = None
     sealed = rec.get("sealed")
     if sealed is not None and secret is not None:
@@ -308,7 +293,7 @@ def parse_record(
     return PeerRecord(
         name,
         instance,
-        tuple((h, p) for h, p in addrs),
+        addrs,
         keys,
         e2e,
         _addr_field(rec, "relay_in"),
@@ -316,10 +301,18 @@ def parse_record(
     )
 
 
-def _addr_field(rec: dict[str, Any], key: str) -> tuple[tuple[str, int], ...]:
-    """An optional list of [host, port] of a record, validated (as 'addrs')."""
-    raw = rec.get(key, [])
-    if not isinstance(raw, list) or len(raw) > MAX_ADDRS or not all(
+def _addr_field(
+    rec: dict[str, Any], key: str, required: bool = False
+) -> tuple[tuple[str, int], ...]:
+    """A record's list of [host, port] under ``key``, validated: at most MAX_ADDRS entries,
+    and at least one when ``required``.
+
+    Raises:
+        ValueError: malformed, naming the key.
+    """
+    raw = rec.get(key, None if required else [])
+    lo = 1 if required else 0
+    if not isinstance(raw, list) or not lo <= len(raw) <= MAX_ADDRS or not all(
         isinstance(a, list)
         and len(a) == 2
         and isinstance(a[0], str)
@@ -329,7 +322,7 @@ def _addr_field(rec: dict[str, Any], key: str) -> tuple[tuple[str, int], ...]:
         and 0 < a[1] < 65536
         for a in raw
     ):
-        raise ValueError(f"{key!r} is not a list of at most {MAX_ADDRS} [host, port]")
+        raise ValueError(f"{key!r} is not a list of {lo}..{MAX_ADDRS} [host, port]")
     return tuple((h, p) for h, p in raw)
 
 

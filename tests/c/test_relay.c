@@ -101,7 +101,11 @@ static kvl_agent *make(const char *name, const char *addr, int relay)
                     .stall_factor = 4, .probe_backoff_max_ms = 2000, .hedge = 1,
                     .window_chunks = 2, .window_bytes = 4u << 20, .close_linger_ms = 2000,
                     .sealed_listen = !relay, .relay = relay, .relay_max_conns = 64,
-                    .relay_yield_mbps = 0};
+                    .relay_yield_mbps = 0,
+                    /* every UP path takes chunks in turn: the measured-rate
+                     * scheduler may leave a slow (sanitized) relayed path
+                     * idle, and this test is about what crosses it */
+                    .round_robin = 1};
     kvl_agent *a = NULL;
     CHECKF(kvl_agent_create(&c, &a) == KVL_OK, "%s: %s", name, kvl_last_error());
     return a;

@@ -679,6 +679,11 @@ class Discovery:
         return rec is not None and rec.keys is not None
 
     @property
+    def etcd(self) -> Etcd:
+        """The etcd client (thread-safe), shared with the KV store's index."""
+        return self._etcd
+
+    @property
     def lease(self) -> int:
         return self._lease
 

@@ -28,6 +28,7 @@ from ._errors import DiscoveryError
 # discovery asks for is a prefix range of at most MAX_KEYS records of at most
 # 64 KiB each, base64-encoded.
 MAX_RESPONSE_BYTES = 48 * 1024 * 1024
+MAX_TXN_OPS = 128  # etcd --max-txn-ops default
 # etcd's gRPC code for "unauthenticated" and the token errors that mean
 # "authenticate again".
 _UNAUTHENTICATED = 16
@@ -253,6 +254,49 @@ class Etcd:
 
     def delete(self, key: bytes) -> None:
         self._post("kv/deleterange", {"key": _b64(key)})
+
+    def txn(self, ops: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Runs ``ops`` (``{"put": (key, value, lease)}``, ``{"delete": key}`` or
+        ``{"range": (prefix, limit)}``) as one etcd transaction without conditions, at
+        most MAX_TXN_OPS of them (etcd's default limit); returns one answer per op:
+        ``{}`` for a put or delete, ``{"kvs": [KeyValue, ...]}`` for a range."""
+        if len(ops) > MAX_TXN_OPS:
+            raise DiscoveryError(
+                f"{len(ops)} operations in one etcd transaction (at most {MAX_TXN_OPS})"
+            )
+        body = []
+        for op in ops:
+            if "put" in op:
+                key, value, lease = op["put"]
+                put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+                if lease:
+                    put["lease"] = str(lease)
+                body.append({"request_put": put})
+            elif "delete" in op:
+                body.append({"request_delete_range": {"key": _b64(op["delete"])}})
+            else:
+                prefix, limit = op["range"]
+                body.append(
+                    {
+                        "request_range": {
+                            "key": _b64(prefix),
+                            "range_end": _b64(prefix_end(prefix)),
+                            "limit": limit,
+                        }
+                    }
+                )
+        data = self._post("kv/txn", {"success": body})
+        raw = data.get("responses", [])
+        if not isinstance(raw, list) or len(raw) != len(ops):
+            raise DiscoveryError("etcd answered a transaction with the wrong number of responses")
+        out: list[dict[str, Any]] = []
+        for op, r in zip(ops, raw, strict=False):
+            if "range" in op:
+                rr = r.get("response_range", {}) if isinstance(r, dict) else {}
+                out.append({"kvs": self._kvs(rr if isinstance(rr, dict) else {}, op["range"][1])})
+            else:
+                out.append({})
+        return out
 
     def _range(self, body: dict[str, Any], limit: int) -> list[KeyValue]:
         return self._kvs(self._post("kv/range", {**body, "limit": limit}), limit)

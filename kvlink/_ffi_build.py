@@ -85,6 +85,32 @@ def cdef_text() -> str:
     return "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
 
 
+def uring_flags() -> tuple[list[str], list[str]]:
+    """(compile flags, link flags) that build csrc/blockio.c on io_uring through liburing,
+    or ([], []) when liburing's headers are missing: the store's disk tier then uses a
+    thread pool and says so in its log (docs/store.md).  `make` installs liburing-dev
+    where it can (tests/sysdeps.py).  KVLINK_BUILD_URING=0 builds without it.
+
+    liburing is linked statically when its archive is there, so the built module needs
+    no liburing at run time."""
+    if os.environ.get("KVLINK_BUILD_URING") == "0":
+        return [], []
+    probe = subprocess.run(
+        [os.environ.get("CC", "cc"), "-E", "-x", "c", "-", "-o", os.devnull],
+        input=b"#include <liburing.h>\n",
+        capture_output=True,
+        check=False,
+    )
+    if probe.returncode != 0:
+        return [], []
+    for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib"):
+        if (Path(d) / "liburing.a").is_file():
+            return ["-DKVL_HAVE_URING"], [str(Path(d) / "liburing.a")]
+    return ["-DKVL_HAVE_URING"], ["-luring"]
+
+
+URING_CFLAGS, URING_LDFLAGS = uring_flags()
+
 ffibuilder = FFI()
 ffibuilder.cdef(cdef_text())
 ffibuilder.set_source(
@@ -92,7 +118,8 @@ ffibuilder.set_source(
     '#include "kvlink.h"',
     sources=SOURCES,
     include_dirs=[str(CSRC / "include"), str(CSRC)],
-    extra_compile_args=CFLAGS + ucx_cflags(),
+    extra_compile_args=CFLAGS + ucx_cflags() + URING_CFLAGS,
+    extra_link_args=URING_LDFLAGS,
     libraries=["pthread", "dl"],
 )
 

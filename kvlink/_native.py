@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from ._args import timeout_arg
 from ._config import Config, Scheduler
 from ._errors import ErrorCode, error_for
@@ -833,6 +835,72 @@ def crc32c(data: bytes, crc: int = 0) -> int:
     return int(lib.kvl_crc32c(crc, ffi.from_buffer(data), len(data)))
 
 
+# ---- the store's local moves (csrc/blockio.c) ------------------------------------
+
+
+def blockio_open(depth: int, threads: int, force_threads: bool) -> tuple[Handle, str]:
+    """kvl_blockio_open: (an I/O engine freed by the garbage collector, its backend)."""
+    out = ffi.new("kvl_blockio **")
+    check(lib.kvl_blockio_open(depth, threads, 1 if force_threads else 0, out))
+    io = ffi.gc(out[0], lib.kvl_blockio_close)
+    return io, cstr(lib.kvl_blockio_backend(io))
+
+
+def blockio_close(io: Handle) -> None:
+    """Frees ``io`` now (it must be idle); the handle must not be used again."""
+    ffi.release(io)  # runs the destructor (kvl_blockio_close) now, once
+
+
+def blockio_run(io: Handle, ops: Any) -> None:
+    """kvl_blockio_run over ``ops``, a ``kvl_io[]`` from :func:`new_ios` (filled
+    by the caller; each op's ``result`` is set).  Raises SystemError naming the first op
+    that failed."""
+    check(lib.kvl_blockio_run(io, ops, len(ops)))
+
+
+def new_ios(rows: Sequence[tuple[int, bool, int, int, int]]) -> Any:
+    """A ``kvl_io[]`` from (fd, write, buffer address, len, offset) rows."""
+    ops = ffi.new("kvl_io[]", len(rows))
+    for op, (fd, write, addr, n, off) in zip(ops, rows, strict=False):
+        op.fd = fd
+        op.write = 1 if write else 0
+        op.buf = ffi.cast("void *", addr)
+        op.len = n
+        op.offset = off
+    return ops
+
+
+def copy_batch(dst: Any, src: Any, length: Any) -> None:
+    """kvl_copy_batch: copies length[i] bytes from address src[i] to dst[i] (three
+    equal-length integer arrays).  The caller guarantees every range is valid."""
+    n = len(dst)
+    if n == 0:
+        return
+    ops = ffi.new("kvl_copy[]", n)
+    buf = ffi.buffer(ops)
+    view = np.frombuffer(buf, dtype=np.uint64).reshape(n, 3)
+    view[:, 0] = dst
+    view[:, 1] = src
+    view[:, 2] = length
+    lib.kvl_copy_batch(ops, n)
+
+
+def crc32c_spans(addresses: Sequence[int], lengths: Sequence[int], crc: int = 0) -> int:
+    """kvl_crc32c_spans: crc32c over the memory spans in order (addresses are raw
+    pointers the caller keeps valid)."""
+    n = len(addresses)
+    spans = ffi.new("kvl_span[]", n)
+    for sp, a, ln in zip(spans, addresses, lengths, strict=False):
+        sp.p = ffi.cast("void *", int(a))
+        sp.len = int(ln)
+    return int(lib.kvl_crc32c_spans(crc, spans, n))
+
+
+def crc32c_at(address: int, nbytes: int, crc: int = 0) -> int:
+    """kvl_crc32c over raw memory the caller keeps valid."""
+    return int(lib.kvl_crc32c(crc, ffi.cast("void *", address), nbytes))
+
+
 # ---- planner -------------------------------------------------------------------
 
 
@@ -849,7 +917,6 @@ def make_plan(
     Raises:
         InvalidArgumentError: what kvl_plan_make rejects.
     """
-    import numpy as np
 
     plan = ffi.new("kvl_plan *")
     check(

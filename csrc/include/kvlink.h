@@ -692,6 +692,65 @@ kvl_err kvl_cuda_load_lib(const char *const *libs, size_t n);
  * Does not block; thread-safe. */
 kvl_err kvl_cuda_pci_bus_id(int32_t device, char *out, size_t len);
 
+/* ---- the KV store's local moves (csrc/blockio.c, docs/store.md) ---------- */
+
+/* One file read or write of a batch. */
+typedef struct kvl_io {
+    int32_t fd;         /* an open file, the caller's; with O_DIRECT, buf, len and offset
+                           must be aligned as the file system asks (4096 covers them) */
+    int32_t write;      /* 1: write len bytes from buf at offset; 0: read them into buf */
+    void *buf;          /* the caller's memory, borrowed until kvl_blockio_run returns */
+    uint64_t len;
+    uint64_t offset;
+    int64_t result;     /* out: len when done in full, else -errno (-EIO: end of file) */
+} kvl_io;
+
+typedef struct kvl_blockio kvl_blockio;
+
+/* Opens a file I/O engine: an io_uring of depth entries (1..4096) when kvlink
+ * was built with liburing and the kernel allows one, else `threads` (1..64)
+ * threads doing pread / pwrite (force_threads 1 chooses them).
+ * kvl_blockio_backend says which and why.  *out is the caller's until
+ * kvl_blockio_close.  Does not block; thread-safe. */
+kvl_err kvl_blockio_open(uint32_t depth, uint32_t threads, int32_t force_threads,
+                         kvl_blockio **out);
+
+/* "io_uring (depth N)" or "threads (N; why not io_uring)"; owned by io. */
+const char *kvl_blockio_backend(const kvl_blockio *io);
+
+/* Runs ops[0..n) (at most 2^24) and returns when every one has ended: KVL_OK
+ * when each moved its len bytes, else KVL_ERR_SYSTEM naming the first that did
+ * not (each op's result says how it ended).  No timeout: an I/O the kernel has
+ * started cannot be called back, and the buffers are in use until it ends.
+ * Short transfers are resumed.  Blocks (call with the GIL released);
+ * thread-safe: batches on one io run one after another. */
+kvl_err kvl_blockio_run(kvl_blockio *io, kvl_io *ops, size_t n);
+
+/* Waits for nothing (no batch may be running) and frees io.  NULL is a no-op. */
+void kvl_blockio_close(kvl_blockio *io);
+
+/* One memory copy of a batch. */
+typedef struct kvl_copy {
+    void *dst;
+    const void *src;
+    uint64_t len;
+} kvl_copy;
+
+/* memcpy of every op in order (a store block into an engine's pages: one op
+ * per layer and block).  The caller guarantees the ranges are valid and that
+ * no op's dst overlaps its src.  Blocks for the copy; thread-safe. */
+void kvl_copy_batch(const kvl_copy *ops, size_t n);
+
+/* A read-only span of memory. */
+typedef struct kvl_span {
+    const void *p;
+    uint64_t len;
+} kvl_span;
+
+/* crc32c over spans[0..n) in order, continuing from crc (0 to start): the
+ * checksum of a block scattered over an engine's layers.  Thread-safe. */
+uint32_t kvl_crc32c_spans(uint32_t crc, const kvl_span *spans, size_t n);
+
 /* ---- benchmarks ----------------------------------------------------------- */
 
 /* What kvl_bench_tcp_move measured. */

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 from .. import _native
 
@@ -55,7 +56,7 @@ def pack_slot_header(h: SlotHeader) -> bytes:
     return _SLOT.pack(SLOT_MAGIC, VERSION, crc, *fields)
 
 
-def parse_slot_header(raw: bytes | memoryview) -> SlotHeader | None:
+def parse_slot_header(raw: Any) -> SlotHeader | None:
     """The header in ``raw`` (a slot's first bytes), or None when it is not a valid
     kvlink slot header (never written, torn, foreign, another version)."""
     if len(raw) < _SLOT.size:
@@ -83,7 +84,7 @@ def pack_slab_header(h: SlabHeader) -> bytes:
     return _SLAB.pack(SLAB_MAGIC, VERSION, crc, *fields).ljust(PAGE, b"\0")
 
 
-def parse_slab_header(raw: bytes) -> SlabHeader | None:
+def parse_slab_header(raw: Any) -> SlabHeader | None:
     """The slab header in a file's first bytes, or None when it is not one of ours
     (or of another version)."""
     if len(raw) < _SLAB.size:

@@ -112,15 +112,15 @@ class RemoteIndex:
             return
         if lease != self._lease:
             with self._lock:
-                for key, slot in self._held():
-                    self._pending.setdefault(key, slot)
+                for key, held_slot in self._held():
+                    self._pending.setdefault(key, held_slot)
             self._lease = lease
         with self._lock:
             batch = list(self._pending.items())
             self._pending.clear()
         for i in range(0, len(batch), MAX_TXN_OPS):
             part = batch[i : i + MAX_TXN_OPS]
-            ops = []
+            ops: list[dict[str, Any]] = []
             for key, slot in part:
                 if slot is None:
                     ops.append({"delete": self._key(key)})

@@ -43,7 +43,7 @@ from ._format import (
     slot_bytes,
 )
 from ._remote import Location, RemoteIndex
-from ._tiers import DiskTier, HostTier, address, aligned
+from ._tiers import DiskTier, HostTier, address, aligned, ffi_buffer
 
 log = logging.getLogger("kvlink.store")
 
@@ -870,16 +870,17 @@ class Store:
             step = max(1, self.host.n_slots // 4)
             parts = [local[j : j + step] for j in range(0, len(local), step)] or [[]]
             for n, part in enumerate(parts):
-                held: list[int] = []
+                held: list[tuple[int, int]] = []
+                keep: list[Any] = []
                 try:
-                    for i in self._bring_up(ks, part, load, held, deadline):
+                    for i in self._bring_up(ks, part, load, held, deadline, keep):
                         load._fail(i, "evicted while the load ran")
                     self._copy_out(
                         ks, held, addrs, load, remote if n == len(parts) - 1 else None, deadline
                     )
                 finally:
                     with self._mu:
-                        for i in held:
+                        for i, _at in held:
                             e = self._index.get(ks[i])
                             if e is not None:
                                 e.busy -= 1
@@ -899,7 +900,7 @@ class Store:
     def _copy_out(
         self,
         ks: list[bytes],
-        held: list[int],
+        held: list[tuple[int, int]],
         addrs: np.ndarray[Any, Any],
         load: Load,
         remote: list[tuple[Any, list[tuple[int, int]]]] | None,
@@ -912,11 +913,10 @@ class Store:
         piece = self.block_bytes // npieces
         n_layers = len(load._layers)
         per_layer = npieces // n_layers
-        with self._mu:
-            slots = [self._index[ks[i]].host for i in held]
-        base = np.array([self.host.addr(s) + PAGE for s in slots], dtype=np.int64)  # type: ignore[arg-type]
+        base = np.array([at + PAGE for _i, at in held], dtype=np.int64)
         src_all = base[:, None] + np.arange(npieces, dtype=np.int64)[None, :] * piece
-        dst_all = addrs[held] if held else np.empty((0, npieces), np.int64)
+        rows = [i for i, _at in held]
+        dst_all = addrs[rows] if held else np.empty((0, npieces), np.int64)
         if remote is None:
             _native.copy_batch(
                 dst_all.reshape(-1), src_all.reshape(-1), np.full(dst_all.size, piece, np.int64)
@@ -935,10 +935,19 @@ class Store:
             load._layer(layer)
 
     def _bring_up(
-        self, ks: list[bytes], idxs: list[int], load: Load, held: list[int], deadline: float
+        self,
+        ks: list[bytes],
+        idxs: list[int],
+        load: Load,
+        held: list[tuple[int, int]],
+        deadline: float,
+        keep: list[Any],
     ) -> list[int]:
-        """Marks host hits busy (into ``held``), reads disk hits up into the host tier
-        and checks every one of them; returns the indices not held here."""
+        """Marks host hits busy and reads disk hits up into the host tier (into a
+        private buffer when the host tier is full of pinned blocks: ``keep`` holds it),
+        checks every copy, and appends (index, address of its slot) to ``held`` for
+        each one that passed; the entries of ``held`` stay busy.  Returns the indices
+        no longer held here."""
         missing: list[int] = []
         promote: list[tuple[int, _Entry]] = []
         with self._mu:
@@ -952,96 +961,112 @@ class Store:
                     missing.append(i)
                 elif e.host is not None:
                     e.busy += 1
-                    held.append(i)
+                    held.append((i, self.host.addr(e.host)))
                     load.tiers[i] = Tier.HOST
                 else:
                     e.loading = True
+                    e.busy += 1
                     promote.append((i, e))
-        if promote:
-            got = self._promote([e for _i, e in promote])
+        # every host copy is checked before it is served
+        for i, at in list(held):
             with self._mu:
-                for (i, e), ok in zip(promote, got, strict=False):
-                    if ok:
-                        e.busy += 1
-                        held.append(i)
+                e = self._index[ks[i]]
+            if _native.crc32c_at(at + PAGE, self.block_bytes) != e.crc:
+                load._fail(i, "its host copy failed its crc32c")
+                held.remove((i, at))
+                with self._mu:
+                    e.busy -= 1
+                    self._stats.discarded += 1
+                    if e.busy == 0 and e.pins == 0 and e.host is not None:
+                        self._drop_host(e, evicted=False)
+                continue
+            with self._mu:
+                self._stats.hits["host"] += 1
+        if promote:
+            got = self._promote([e for _i, e in promote], keep)
+            with self._mu:
+                for (i, _e), slot_at in zip(promote, got, strict=True):
+                    if slot_at is not None:
+                        held.append((i, slot_at))
                         load.tiers[i] = Tier.DISK
                         self._stats.hits["disk"] += 1
                     else:
                         load._fail(i, "its copy on disk failed its checks")
-        # every host copy is checked before it is served
-        for i in list(held):
-            with self._mu:
-                e = self._index[ks[i]]
-            assert e.host is not None
-            if load.tiers[i] is Tier.HOST:
-                if _native.crc32c_at(self.host.addr(e.host) + PAGE, self.block_bytes) != e.crc:
-                    load._fail(i, "its host copy failed its crc32c")
-                    held.remove(i)
-                    with self._mu:
-                        e.busy -= 1
-                        self._stats.discarded += 1
-                        if e.busy == 0 and e.pins == 0:
-                            self._drop_host(e, evicted=False)
-                    continue
-                with self._mu:
-                    self._stats.hits["host"] += 1
         return missing
 
-    def _promote(self, entries: list[_Entry]) -> list[bool]:
-        """Reads disk copies into host slots (entries marked loading; cleared here).
-        Each result says whether that entry is now in the host tier."""
+    def _promote(self, entries: list[_Entry], keep: list[Any] | None = None) -> list[int | None]:
+        """Reads disk copies into host slots.  The entries are loading and busy; loading
+        ends here, busy stays for the ones that passed their checks (the caller ends
+        it).  When the host tier has no room and ``keep`` is given, they are read into a
+        private buffer appended to ``keep`` instead.  Each result is the address of the
+        checked slot, or None."""
         assert self.disk is not None
+        bounce = None
         with self._mu:
             try:
                 slots = self._host_alloc(len(entries))
             except StoreFullError:
-                for e in entries:
-                    e.loading = False
-                self._cv.notify_all()
-                return [False] * len(entries)
+                if keep is None:
+                    for e in entries:
+                        e.loading = False
+                        e.busy -= 1
+                    self._cv.notify_all()
+                    return [None] * len(entries)
+                slots = []
+        if not slots:
+            bounce, bmap = aligned(len(entries) * self.slot_bytes)
+            keep.append(bmap)  # type: ignore[union-attr]
+            addrs = [address(bounce) + j * self.slot_bytes for j in range(len(entries))]
+        else:
+            addrs = [self.host.addr(s) for s in slots]
         rows = []
-        for e, s in zip(entries, slots, strict=True):
+        for e, at in zip(entries, addrs, strict=True):
             assert e.disk is not None
-            rows.append(self.disk.io(e.disk, False, self.host.addr(s)))
+            rows.append(self.disk.io(e.disk, False, at))
         try:
             _native.blockio_run(self.disk.reader, _native.new_ios(rows))
             io_ok = True
         except KvlinkError as exc:
             log.error("store: reading %d blocks from %s failed: %s", len(rows), self.disk.dir, exc)
             io_ok = False
-        out = []
+        out: list[int | None] = []
         with self._mu:
-            for e, s in zip(entries, slots, strict=False):
-                h = parse_slot_header(self.host.view(s, 0, 128)) if io_ok else None
+            for j, (e, at) in enumerate(zip(entries, addrs, strict=True)):
+                raw = bytes(ffi_buffer(at, 128)) if io_ok else b""
+                h = parse_slot_header(raw) if io_ok else None
                 good = (
                     h is not None
                     and h.key == e.key
                     and h.payload_len == self.block_bytes
                     and h.payload_crc == e.crc
-                    and _native.crc32c_at(self.host.addr(s) + PAGE, self.block_bytes) == e.crc
+                    and _native.crc32c_at(at + PAGE, self.block_bytes) == e.crc
                 )
                 e.loading = False
+                self._stats.bytes_read["disk"] += self.slot_bytes if io_ok else 0
                 if good:
-                    e.host = s
-                    self._host_lru.insert(e.key)
+                    out.append(at)
                     if self._disk_lru is not None:
                         self._disk_lru.touch(e.key)
-                    if self._remote is not None:
-                        self._remote.publish(e.key, s)
-                    self._stats.bytes_read["disk"] += self.slot_bytes
-                else:
-                    self.host.free.append(s)
-                    self._stats.discarded += 1
-                    log.warning(
-                        "store: block %s on disk failed its checks; discarded", e.key.hex()[:16]
-                    )
-                    if e.disk is not None and self._disk_lru is not None and self.disk is not None:
-                        self.disk.free.append(e.disk)
-                        self._disk_lru.remove(e.key, evicted=False)
-                        e.disk = None
-                    if e.host is None and e.pins == 0 and e.busy == 0:
-                        self._index.pop(e.key, None)
-                out.append(good)
+                    if slots:
+                        e.host = slots[j]
+                        self._host_lru.insert(e.key)
+                        if self._remote is not None:
+                            self._remote.publish(e.key, slots[j])
+                    continue
+                out.append(None)
+                e.busy -= 1
+                if slots:
+                    self.host.free.append(slots[j])
+                self._stats.discarded += 1
+                log.warning(
+                    "store: block %s on disk failed its checks; discarded", e.key.hex()[:16]
+                )
+                if e.disk is not None and self._disk_lru is not None and self.disk is not None:
+                    self.disk.free.append(e.disk)
+                    self._disk_lru.remove(e.key, evicted=False)
+                    e.disk = None
+                if e.host is None and e.pins == 0 and e.busy == 0:
+                    self._index.pop(e.key, None)
             self._cv.notify_all()
         return out
 
@@ -1221,21 +1246,29 @@ class Store:
         try:
             promote: list[_Entry] = []
             fetch: list[int] = []
+            # at most half the host tier: a prefetch must leave room for loads and puts
+            keys = pf.keys[: max(1, self.host.n_slots // 2)]
             with self._mu:
-                for i, k in enumerate(pf.keys):
+                for i, k in enumerate(keys):
                     e = self._index.get(k)
                     if e is None:
-                        fetch = list(range(i, len(pf.keys)))
+                        fetch = list(range(i, len(keys)))
                         break
                     if pf._add_pin(k):
                         e.pins += 1
                     if e.host is None and not e.loading:
                         e.loading = True
+                        e.busy += 1
                         promote.append(e)
             if promote:
-                self._promote(promote)
+                got = self._promote(promote)
+                with self._mu:
+                    for e, at in zip(promote, got, strict=True):
+                        if at is not None:
+                            e.busy -= 1
+                    self._cv.notify_all()
             if fetch and self._remote is not None:
-                self._fetch_remote(pf, [pf.keys[i] for i in fetch])
+                self._fetch_remote(pf, [keys[i] for i in fetch])
         except Exception:
             log.exception("store: prefetch failed")
         finally:
@@ -1344,7 +1377,7 @@ class Store:
             if used > c.high_watermark * self.host.n_slots:
                 self._evict_host(used - int(c.low_watermark * self.host.n_slots))
             if self._wt_queue and self.disk is not None:
-                batch = []
+                batch: list[_Entry] = []
                 while self._wt_queue and len(batch) < 256:
                     e = self._index.get(self._wt_queue.popleft())
                     if e is not None and e.host is not None and e.disk is None and not e.loading:
@@ -1392,6 +1425,29 @@ class Store:
                 ):
                     raise StoreTimeoutError(f"write-through not on disk within {timeout_s} s")
 
+    def _write_back_all(self) -> None:
+        """At close: blocks only the host tier holds go down to disk, so a restarted
+        store still has them (nothing to do without a disk tier)."""
+        if self.disk is None:
+            return
+        with self._mu:
+            todo = [e for e in self._index.values() if e.host is not None and e.disk is None]
+            while todo:
+                part, todo = todo[:256], todo[256:]
+                part = [e for e in part if e.busy == 0 and not e.loading and e.host is not None]
+                slots = self._disk_alloc(len(part))
+                part = part[: len(slots)]
+                for e, s in zip(part, slots, strict=True):
+                    e.disk = s
+                    e.busy += 1
+                if not part:
+                    break
+                self._write_down(part)
+                for e in part:
+                    e.busy -= 1
+                    if e.disk is not None and self._disk_lru is not None:
+                        self._disk_lru.insert(e.key)
+
     # ---- stats and close ------------------------------------------------------------------
 
     def stats(self) -> StoreStats:
@@ -1432,6 +1488,7 @@ class Store:
             self.flush(timeout_s=10.0)
         except StoreError as exc:
             log.warning("store: closing without every write-through on disk: %s", exc)
+        self._write_back_all()
         self._closed = True
         self._wake.set()
         self._thread.join(timeout=10)

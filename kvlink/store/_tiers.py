@@ -48,6 +48,11 @@ def address(arr: np.ndarray[Any, Any]) -> int:
     return int(arr.__array_interface__["data"][0])
 
 
+def ffi_buffer(addr: int, nbytes: int) -> memoryview:
+    """The ``nbytes`` at raw address ``addr`` (memory the caller keeps alive)."""
+    return memoryview(_native.ffi.buffer(_native.ffi.cast("char *", addr), nbytes))
+
+
 class HostTier:
     """``n_slots`` slots in one page-aligned block of host memory, registered with the
     agent so peers pull slots straight out of it (``remote_read``)."""
@@ -58,7 +63,14 @@ class HostTier:
         self.mem, self._map = aligned(n_slots * slot_bytes)
         self.base = address(self.mem)
         self.free: list[int] = list(range(n_slots - 1, -1, -1))
-        self.region = agent.register(self.mem, remote_read=True, name=name) if agent else None
+        self.region = None
+        if agent is not None:
+            if any(r.name == name for r in agent.regions()):
+                raise ConfigError(
+                    f"name: agent {agent.name!r} already has a region named {name!r} (another "
+                    "store?); give each store on one agent its own StoreConfig(name=...)"
+                )
+            self.region = agent.register(self.mem, remote_read=True, name=name)
 
     def addr(self, slot: int) -> int:
         return self.base + slot * self.slot_bytes

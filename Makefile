@@ -18,8 +18,9 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e '.[test,bench,ucx]'
 	touch $(STAMP)
 
-# Rebuild the C core whenever a C source or the header changed.
-kvlink/_kvlink_c.abi3.so: $(STAMP) $(wildcard csrc/*.c csrc/*.h csrc/include/*.h csrc/transport/*.h csrc/transport/*/*.[ch]) kvlink/_ffi_build.py
+# Rebuild the C core whenever a C source or the header changed (or liburing's header
+# appeared: the store's disk tier then builds on io_uring).
+kvlink/_kvlink_c.abi3.so: $(STAMP) $(wildcard csrc/*.c csrc/*.h csrc/include/*.h csrc/transport/*.h csrc/transport/*/*.[ch]) kvlink/_ffi_build.py $(wildcard /usr/include/liburing.h)
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	touch $@
 

@@ -31,7 +31,13 @@ TOOLS: dict[str, str] = {
     # relayed paths seal with OpenSSL's libcrypto, loaded at run time (docs/relays.md); the
     # openssl package pulls in the library under whichever name the release gives it
     "libcrypto": "openssl",
+    # the KV store's disk tier submits its I/O through io_uring with liburing, linked into
+    # the C core at build time (docs/store.md); without it the store uses a thread pool
+    "liburing.h": "liburing-dev",
 }
+# What building the C core uses when present (installed before the first build, by
+# `make`'s venv step): liburing for the store's io_uring.
+BUILD_TOOLS = ["liburing.h"]
 # the smallest libFuzzer program: clang links it only with the runtime installed
 _FUZZ_PROBE = b"int LLVMFuzzerTestOneInput(const char *d, unsigned long n) { return 0; }\n"
 # Non-root PATHs often lack the sbin directories, where ip and tc live.
@@ -41,6 +47,17 @@ _SBIN = "/usr/local/sbin:/usr/sbin:/sbin"
 def find_tool(name: str) -> str | None:
     """Path of system tool ``name``, or None when it is not installed (or, for clang, when
     it cannot link a libFuzzer program: the compiler and its runtime are separate packages)."""
+    if name.endswith(".h"):  # a C header the build includes
+        cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+        if cc is None:
+            return None
+        probe = subprocess.run(
+            [cc, "-E", "-x", "c", "-", "-o", os.devnull],
+            input=f"#include <{name}>\n".encode(),
+            capture_output=True,
+            check=False,
+        )
+        return f"/usr/include/{name}" if probe.returncode == 0 else None
     if name.startswith("lib"):  # a shared library, not a program
         import ctypes.util
 
@@ -71,6 +88,28 @@ def install_hint(names: list[str]) -> str:
     """What a user runs to get ``names``."""
     packages = " ".join(_packages(names))
     return f"run `make sysdeps` as root, or `apt-get install -y {packages}`"
+
+
+def ensure_build_deps() -> None:
+    """Installs what the C core's build uses when present (BUILD_TOOLS), where we can;
+    never fails: without them kvlink builds without those features and says so."""
+    gone = [n for n in BUILD_TOOLS if find_tool(n) is None]
+    apt = shutil.which("apt-get")
+    if not gone or os.geteuid() != 0 or apt is None:
+        if gone:
+            print(
+                f"sysdeps: {', '.join(gone)} missing: the store's disk tier will use a thread "
+                f"pool instead of io_uring. To install: {install_hint(gone)}",
+                file=sys.stderr,
+            )
+        return
+    packages = _packages(gone)
+    print(f"sysdeps: installing {' '.join(packages)} (for the build)", flush=True)
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    argv = [apt, "install", "-y", "-qq", "--no-install-recommends", *packages]
+    if subprocess.run(argv, env=env, check=False).returncode != 0:
+        subprocess.run([apt, "update", "-qq"], env=env, check=False)
+        subprocess.run(argv, env=env, check=False)
 
 
 def ensure_venv() -> int:
@@ -136,4 +175,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(ensure_venv() if sys.argv[1:] == ["--venv"] else main())
+    if sys.argv[1:] == ["--venv"]:
+        ensure_build_deps()
+        sys.exit(ensure_venv())
+    sys.exit(main())

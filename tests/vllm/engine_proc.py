@@ -16,6 +16,10 @@ stderr). Requests:
 - ``{"op": "card"}`` -> this instance's kvlink card (push mode's proxy needs it)
 - ``{"op": "metrics"}`` -> the ``kvlink_vllm_*`` lines of this process's Prometheus registry,
   where vLLM's own stat logger puts them (``--log-stats``)
+- ``{"op": "store"}`` -> KvlinkStoreConnector's store counters (``kvlink.store.StoreStats``)
+- ``{"op": "store_scramble", "keep_crc": bool}``: overwrites every block in the store's host
+  tier with random (finite, float32) values; ``keep_crc`` false leaves their checksums (loads must refuse them),
+  true updates them (loads accept them: a negative control that the KV is really used)
 - ``{"op": "exit"}``
 """
 
@@ -53,6 +57,36 @@ def running_transfers(w: Any) -> int | None:
         return len(m._live) + len(m._inbound)
 
 
+def scramble(store: Any, keep_crc: bool) -> int:
+    """Random bytes in every host-tier block of ``store`` (see the ``store_scramble`` op)."""
+    import numpy as np
+
+    from kvlink import _native
+    from kvlink.store._format import PAGE, SlotHeader, pack_slot_header
+
+    rng = np.random.default_rng()  # other bytes on every call
+    n = 0
+    with store._mu:
+        for key, e in store._index.items():
+            if e.host is None:
+                continue
+            payload = store.host.view(e.host, PAGE, store.block_bytes)
+            # finite floats: random bit patterns hold NaNs, which would poison the engine's
+            # blocks beyond this one negative control
+            payload[:] = rng.standard_normal(payload.size // 4).astype(np.float32).view(np.uint8)
+            if keep_crc:
+                e.crc = _native.crc32c(payload.tobytes())
+                hdr = pack_slot_header(SlotHeader(key, store.block_bytes, e.crc, 1,
+                                                  store.slot_bytes))
+                store.host.view(e.host, 0, len(hdr))[:] = np.frombuffer(hdr, dtype=np.uint8)
+                if e.disk is not None:  # the disk copy would disagree: forget it
+                    store.disk.free.append(e.disk)
+                    store._disk_lru.remove(key, evicted=False)
+                    e.disk = None
+            n += 1
+    return n
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -64,6 +98,8 @@ def main() -> None:
     ap.add_argument("--no-connector", action="store_true")
     ap.add_argument("--connector", default="KvlinkConnector",
                     help="another vLLM connector (e.g. NixlConnector) for comparisons")
+    ap.add_argument("--prefix-caching", action="store_true",
+                    help="vLLM's own prefix cache on (off by default)")
     ap.add_argument("--log-stats", action="store_true",
                     help="vLLM's stat loggers on (its Prometheus metrics in this process)")
     a = ap.parse_args()
@@ -74,7 +110,7 @@ def main() -> None:
 
     ktc = None
     if not a.no_connector:
-        ours = a.connector == "KvlinkConnector"
+        ours = a.connector in ("KvlinkConnector", "KvlinkStoreConnector")
         ktc = KVTransferConfig(
             kv_connector=a.connector,
             kv_connector_module_path="kvlink.integrations.vllm" if ours else None,
@@ -89,7 +125,7 @@ def main() -> None:
         llm = LLM(
             model=a.model, dtype="float32", max_model_len=a.max_model_len, block_size=32,
             enforce_eager=True, max_num_seqs=16, max_num_batched_tokens=max(a.max_model_len, 2048),
-            seed=0, enable_prefix_caching=False, kv_transfer_config=ktc,
+            seed=0, enable_prefix_caching=a.prefix_caching, kv_transfer_config=ktc,
             disable_log_stats=not a.log_stats,
         )
     except Exception as exc:
@@ -178,6 +214,14 @@ def main() -> None:
 
                 text = generate_latest(REGISTRY).decode()
                 answer({"lines": [ln for ln in text.splitlines() if "kvlink_vllm_" in ln]})
+            elif op == "store":
+                import dataclasses
+
+                st = worker_connector()._worker.store
+                answer({"store": dataclasses.asdict(st.stats())})
+            elif op == "store_scramble":
+                answer({"scrambled": scramble(worker_connector()._worker.store,
+                                              bool(req.get("keep_crc")))})
             elif op == "exit":
                 answer({"bye": True})
                 break

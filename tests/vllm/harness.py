@@ -62,6 +62,7 @@ class Instance:
         connector: str | None = None,
         log_stats: bool = False,
         prefix: list[str] | None = None,
+        prefix_caching: bool = False,
     ) -> None:
         """``prefix`` runs the engine under another command, e.g. a testbed namespace's
         ``ip netns exec NS`` (it must exec the engine, so that the pid is the engine's)."""
@@ -77,6 +78,8 @@ class Instance:
             cmd += ["--connector", connector]
         if log_stats:
             cmd.append("--log-stats")
+        if prefix_caching:
+            cmd.append("--prefix-caching")
         if nice:
             cmd = ["nice", "-n", str(nice), *cmd]
         if prefix:

@@ -34,6 +34,111 @@ class Mode(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
+class StoreSettings:
+    """``kv_connector_extra_config["store"]`` of ``KvlinkStoreConnector`` (docs/vllm.md,
+    "Reuse"): the worker's kvlink.store.  Sizes are bytes (ints or "8GiB")."""
+
+    host_bytes: int = 1 << 30  # registered host memory: what a restart of the turn hits first
+    disk_path: str | None = None  # a directory on local NVMe; None: no disk tier
+    disk_bytes: int = 0
+    eviction: str = "lru"  # or "arc"
+    write_policy: str = "write-back"  # or "write-through"
+    # A request whose prefix is on disk or another host waits in vLLM's queue (other requests
+    # run) while it moves up: "timeout" waits base + per block, capped; "wait" until it is up
+    # (at most load_timeout_s); "best-effort" not at all: only what is in host memory hits.
+    prefetch: str = "timeout"
+    prefetch_base_s: float = 0.05
+    prefetch_per_block_s: float = 0.002
+    prefetch_cap_s: float = 1.0
+    # Part of every block key beside the model, dtype and layout, e.g. a weights revision.
+    namespace: str = ""
+
+    def store_config(self, block_bytes: int, name: str) -> Any:
+        from kvlink.store import StoreConfig
+
+        return StoreConfig(
+            block_bytes=block_bytes,
+            host_bytes=self.host_bytes,
+            disk_path=self.disk_path,
+            disk_bytes=self.disk_bytes if self.disk_path else 0,
+            eviction=self.eviction,
+            write_policy=self.write_policy,
+            prefetch_base_s=self.prefetch_base_s,
+            prefetch_per_block_s=self.prefetch_per_block_s,
+            prefetch_cap_s=self.prefetch_cap_s,
+            name=name,
+        )
+
+
+_STORE_KEYS = tuple(f.name for f in dataclasses.fields(StoreSettings))
+
+
+def _size(key: str, value: Any) -> int:
+    try:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ValueError(f"expected bytes as an int or a size string, got {value!r}")
+        n = parse_size(value)
+    except ValueError as exc:
+        raise kvlink.ConfigError(f"{WHERE}[{key}]: {exc}") from None
+    if n <= 0:
+        raise kvlink.ConfigError(f"{WHERE}[{key}]: expected a positive size, got {value!r}")
+    return n
+
+
+def parse_store(value: Any) -> StoreSettings:
+    """``kv_connector_extra_config["store"]`` as :class:`StoreSettings`.
+
+    Raises:
+        kvlink.ConfigError: an unknown key (naming the closest) or a bad value (naming it).
+    """
+    if value is None:
+        return StoreSettings()
+    if not isinstance(value, Mapping):
+        raise kvlink.ConfigError(f"{WHERE}['store']: expected a dict, got {type(value).__name__}")
+    out: dict[str, Any] = {}
+    for key, v in value.items():
+        where = f"'store']['{key}'"
+        if key not in _STORE_KEYS:
+            match = difflib.get_close_matches(str(key), _STORE_KEYS, n=1, cutoff=0.6)
+            hint = f" (did you mean {match[0]!r}?)" if match else ""
+            raise kvlink.ConfigError(
+                f"{WHERE}['store']: unknown key {key!r}{hint}; keys: " + ", ".join(_STORE_KEYS)
+            )
+        if key in ("host_bytes", "disk_bytes"):
+            out[key] = _size(where, v)
+        elif key == "disk_path":
+            if v is None:
+                continue
+            if not isinstance(v, str) or not v:
+                raise kvlink.ConfigError(f"{WHERE}[{where}]: expected a directory path")
+            out[key] = v
+        elif key in ("eviction", "write_policy", "prefetch"):
+            allowed = {
+                "eviction": ("lru", "arc"),
+                "write_policy": ("write-back", "write-through"),
+                "prefetch": ("timeout", "wait", "best-effort"),
+            }[key]
+            if v not in allowed:
+                raise kvlink.ConfigError(
+                    f"{WHERE}[{where}]: {v!r} is not one of " + ", ".join(map(repr, allowed))
+                )
+            out[key] = v
+        elif key in ("prefetch_base_s", "prefetch_per_block_s", "prefetch_cap_s"):
+            out[key] = _seconds(f"'store']['{key}", v, 0.0, 600.0)
+        elif key == "namespace":
+            if not isinstance(v, str):
+                raise kvlink.ConfigError(f"{WHERE}[{where}]: expected a str")
+            out[key] = v
+    st = StoreSettings(**out)
+    if st.disk_path is not None and st.disk_bytes == 0:
+        raise kvlink.ConfigError(
+            f"{WHERE}['store']['disk_bytes']: disk_path is set; give the disk tier's capacity "
+            "(e.g. '100GiB')"
+        )
+    return st
+
+
+@dataclasses.dataclass(frozen=True)
 class Settings:
     """Validated ``kv_connector_extra_config`` (docs/vllm.md lists every key)."""
 
@@ -65,6 +170,8 @@ class Settings:
     # Relays this worker's agent may route through (docs/relays.md): relay agents' metadata
     # (JSON) or paths of files holding it; with discovery, relaying members are found there.
     relays: tuple[str, ...] = ()
+    # KvlinkStoreConnector only: the store (StoreSettings); the P/D connector ignores it.
+    store: StoreSettings = dataclasses.field(default_factory=StoreSettings)
 
     def kvlink_config(self) -> kvlink.Config:
         """The kvlink.Config of the worker's agent (KVLINK_* variables fill what is unset).
@@ -213,6 +320,8 @@ def parse_settings(extra: Mapping[str, Any] | None) -> Settings:
                 except kvlink.KvlinkError as exc:
                     raise kvlink.ConfigError(f"{WHERE}['relays']: {exc}") from None
             out[key] = tuple(value)
+        elif key == "store":
+            out[key] = parse_store(value)
         elif key == "agent_name":
             if not isinstance(value, str) or not 1 <= len(value.encode()) <= 63:
                 raise kvlink.ConfigError(f"{WHERE}['agent_name']: expected a str of 1..63 bytes")

@@ -18,8 +18,9 @@ stderr). Requests:
   where vLLM's own stat logger puts them (``--log-stats``)
 - ``{"op": "store"}`` -> KvlinkStoreConnector's store counters (``kvlink.store.StoreStats``)
 - ``{"op": "store_scramble", "keep_crc": bool}``: overwrites every block in the store's host
-  tier with random (finite, float32) values; ``keep_crc`` false leaves their checksums (loads must refuse them),
-  true updates them (loads accept them: a negative control that the KV is really used)
+  tier with random (finite, float32) values; ``keep_crc`` false leaves their checksums (loads
+  must refuse them), true updates them (loads accept them: a negative control that the KV is
+  really used)
 - ``{"op": "exit"}``
 """
 

@@ -870,19 +870,28 @@ def new_ios(rows: Sequence[tuple[int, bool, int, int, int]]) -> Any:
     return ops
 
 
-def copy_batch(dst: Any, src: Any, length: Any) -> None:
-    """kvl_copy_batch: copies length[i] bytes from address src[i] to dst[i] (three
-    equal-length integer arrays).  The caller guarantees every range is valid."""
+def copy_plan(dst: Any, src: Any, length: Any) -> Any:
+    """A ``kvl_copy[]`` from three equal-length integer arrays (addresses and byte counts),
+    for :func:`copy_run`.  The caller guarantees every range is valid."""
     n = len(dst)
-    if n == 0:
-        return
-    ops = ffi.new("kvl_copy[]", n)
-    buf = ffi.buffer(ops)
-    view = np.frombuffer(buf, dtype=np.uint64).reshape(n, 3)
+    ops = ffi.new("kvl_copy[]", max(1, n))
+    view = np.frombuffer(ffi.buffer(ops), dtype=np.uint64).reshape(-1, 3)[:n]
     view[:, 0] = dst
     view[:, 1] = src
     view[:, 2] = length
-    lib.kvl_copy_batch(ops, n)
+    return ops
+
+
+def copy_run(plan: Any, start: int, count: int) -> None:
+    """kvl_copy_batch over ``plan[start : start + count]``."""
+    if count:
+        lib.kvl_copy_batch(plan + start, count)
+
+
+def copy_batch(dst: Any, src: Any, length: Any) -> None:
+    """kvl_copy_batch: copies length[i] bytes from address src[i] to dst[i] (three
+    equal-length integer arrays).  The caller guarantees every range is valid."""
+    copy_run(copy_plan(dst, src, length), 0, len(dst))
 
 
 def crc32c_spans(addresses: Sequence[int], lengths: Sequence[int], crc: int = 0) -> int:

@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -336,7 +338,37 @@ def build_parser(prog: str = "kvlink-bench") -> argparse.ArgumentParser:
         "<!-- kvlink-bench table: end --> of FILE.md, keeping the rest of it as it is "
         "(default: print the table)",
     )  # fmt: skip
+    so = sub.add_parser(
+        "store", help="kvlink.store's tiers against fio and memcpy",
+        description="kvlink.store's disk tier (write-back, read-up) against fio (O_DIRECT, "
+        "1 MiB, iodepth 32) on the same directory, its host tier into an engine layout against "
+        "memcpy, and lookup and load latency; every block checked. Throughput in GB/s.",
+    )  # fmt: skip
+    so.add_argument("--dir", default=None,
+                    help="a directory on the disk to measure (default: the temp directory)")
+    so.add_argument("--size", type=_size, default=1 << 30,
+                    help="bytes of blocks moved each way (default: 1GiB)")
+    so.add_argument("--block", type=_size, default=1 << 20,
+                    help="bytes of one block, all layers (default: 1MiB)")
+    so.add_argument("--layers", type=int_range(1, 1024), default=32,
+                    help="layers a block spreads over in the engine layout (default: 32)")
+    so.add_argument("--iters", type=int_range(1), default=3, help="rounds (default: 3)")
+    so.add_argument("--json", action="store_true", help="one JSON object per row")
     return ap
+
+
+def cmd_store(args: argparse.Namespace) -> int:
+    from ..bench import store
+
+    if shutil.which("fio") is None:
+        print("kvlink-bench store: fio is not installed (apt-get install fio): it is the "
+              "baseline", file=sys.stderr)  # fmt: skip
+        return 2
+    for row in store.run(args.dir, args.size, args.block, args.layers, args.iters,
+                         lambda s: print(s, file=sys.stderr)):  # fmt: skip
+        print(json.dumps(row) if args.json else
+              "  ".join(f"{k}={v}" for k, v in row.items()))  # fmt: skip
+    return 0
 
 
 def cmd_table(args: argparse.Namespace) -> int:
@@ -867,6 +899,8 @@ def _main(argv: Sequence[str] | None, prog: str) -> int:
     args = build_parser(prog).parse_args(argv)
     if args.command == "table":
         return cmd_table(args)
+    if args.command == "store":
+        return cmd_store(args)
     err = check_environment()
     if err:
         print(f"kvlink-bench: {err}", file=sys.stderr)

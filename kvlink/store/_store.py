@@ -13,6 +13,7 @@ import contextlib
 import enum
 import hashlib
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -302,10 +303,10 @@ class Prefetch:
     """Moves a prefix up to the host tier (``Store.prefetch``).  Holds a pin on every
     block it brought up or found there until :meth:`release` (or ``prefetch_pin_s``)."""
 
-    def __init__(self, store: Store, keys: list[bytes], deadline: float | None) -> None:
+    def __init__(self, store: Store, keys: list[bytes], deadline: float) -> None:
         self._store = store
         self.keys = keys
-        self.deadline = deadline  # time.monotonic() the policy waits until, None: no wait
+        self.deadline = deadline  # time.monotonic() the policy waits until (inf: until done)
         self._cv = threading.Condition()
         self._done = False
         self._pinned: list[bytes] = []
@@ -332,10 +333,10 @@ class Prefetch:
         not up by then is recomputed past what is ready."""
         end = self.deadline if timeout_s is None else time.monotonic() + timeout_s
         with self._cv:
-            if end is not None:
-                self._cv.wait_for(lambda: self._done, max(0.0, end - time.monotonic()))
+            left = None if math.isinf(end) else max(0.0, end - time.monotonic())
+            self._cv.wait_for(lambda: self._done, left)
             missed = not self._done
-        if missed and end is not None:
+        if missed:
             self._store._count("prefetch_missed")
         return self.ready()
 
@@ -917,17 +918,17 @@ class Store:
         src_all = base[:, None] + np.arange(npieces, dtype=np.int64)[None, :] * piece
         rows = [i for i, _at in held]
         dst_all = addrs[rows] if held else np.empty((0, npieces), np.int64)
+        # one plan, layer-major: each layer is one call into the C core
+        def order(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+            return a.reshape(len(held), n_layers, per_layer).transpose(1, 0, 2).reshape(-1)
+
+        count = len(held) * per_layer
+        plan = _native.copy_plan(order(dst_all), order(src_all), np.full(count * n_layers, piece))
         if remote is None:
-            _native.copy_batch(
-                dst_all.reshape(-1), src_all.reshape(-1), np.full(dst_all.size, piece, np.int64)
-            )
+            _native.copy_run(plan, 0, count * n_layers)
             return
         for layer in range(n_layers):
-            cols = slice(layer * per_layer, (layer + 1) * per_layer)
-            dst = dst_all[:, cols].reshape(-1)
-            _native.copy_batch(
-                dst, src_all[:, cols].reshape(-1), np.full(dst.size, piece, np.int64)
-            )
+            _native.copy_run(plan, layer * count, count)
             for t, _blocks in remote:
                 # the whole transfer's outcome is checked at the end
                 with contextlib.suppress(KvlinkError):
@@ -1230,9 +1231,9 @@ class Store:
         now = time.monotonic()
         c = self.config
         if pol is PrefetchPolicy.BEST_EFFORT:
-            deadline: float | None = now
+            deadline = now
         elif pol is PrefetchPolicy.WAIT:
-            deadline = None if timeout_s is None else now + timeout_s
+            deadline = math.inf if timeout_s is None else now + timeout_s
         else:
             wait = min(c.prefetch_cap_s, c.prefetch_base_s + c.prefetch_per_block_s * len(ks))
             deadline = now + (wait if timeout_s is None else min(wait, timeout_s))

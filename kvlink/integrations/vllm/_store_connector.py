@@ -599,11 +599,11 @@ class _StoreWorker:
                     self._prefetches[req] = pf
                     while len(self._prefetches) > _MAX_PREFETCHES:
                         self._prefetches.pop(next(iter(self._prefetches))).release()
-            if not pf.done and pf.deadline is not None and time.monotonic() < pf.deadline:
+            if not pf.done and time.monotonic() < pf.deadline:
                 pending = True
-            elif not pf.done:
+            elif not pf.done and pf.deadline > 0:
                 self._interval.add("store_prefetch_missed", 1)
-                pf.deadline = None  # counted once; it goes on in the background
+                pf.deadline = 0.0  # counted once; it goes on in the background
             host = pf.ready()
         return {"host": host, "hits": hits, "pending": pending}
 

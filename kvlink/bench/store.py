@@ -70,7 +70,7 @@ def run(
     nbytes = n * block_bytes
     slot = slot_bytes(block_bytes)
     tmp = Path(tempfile.mkdtemp(prefix="kvlink-bench-store-", dir=directory))
-    agent = kvlink.Agent("bench-store", kvlink.Config(nics=["127.0.0.1"]))
+    agent = kvlink.Agent("bench-store", kvlink.Config(nics=("127.0.0.1",)))
     try:
         # an engine's paged cache: one tensor per layer, [blocks, bytes of a layer's block]
         piece = block_bytes // layers
@@ -91,7 +91,12 @@ def run(
         backend = st.stats().io_backend
         try:
             st.put(keys, src_layout, range(n))
-            w_s, r_s, h_s, m_s, fw, fr = [], [], [], [], [], []
+            w_s: list[float] = []
+            r_s: list[float] = []
+            h_s: list[float] = []
+            m_s: list[float] = []
+            fw: list[float] = []
+            fr: list[float] = []
             flat_src = np.concatenate([s.reshape(-1) for s in src])
             flat_dst = np.empty_like(flat_src)
             for it in range(iters):
@@ -101,7 +106,7 @@ def run(
                 # read back: drop the host copies, prefetch everything up again
                 _drop_host(st)
                 pf = st.prefetch(keys, policy=PrefetchPolicy.WAIT)
-                r_s.append(_timed(lambda pf=pf: pf.wait()))
+                r_s.append(_timed(pf.wait))
                 pf.release()
                 if pf.ready() != n:
                     raise RuntimeError(f"prefetch brought up {pf.ready()} of {n} blocks")
@@ -114,10 +119,9 @@ def run(
                 # host tier into the engine's layout, against one memcpy of as many bytes
                 _put_all(st, keys, src_layout, n)
                 ld = st.get(keys, dst_layout, range(n))
-                t = _timed(lambda ld=ld: ld.wait())
+                h_s.append(_timed(ld.wait))
                 if not ld.ok:
                     raise RuntimeError(f"load failed: {ld.reasons}")
-                h_s.append(t)
                 m_s.append(_timed(lambda: _native.copy_batch(
                     np.array([flat_dst.__array_interface__["data"][0]]),
                     np.array([flat_src.__array_interface__["data"][0]]),
@@ -126,7 +130,7 @@ def run(
                 if not np.array_equal(engine[layer], src[layer]):
                     raise RuntimeError(f"layer {layer} differs after the load")
             moved_r = n * slot
-            rows = [
+            rows: list[tuple[str, float, float, str, str]] = [
                 ("Store disk tier write-back, 1 MiB blocks",
                  n * slot / statistics.median(w_s) / 1e9, statistics.median(fw),
                  "fio O_DIRECT 1 MiB iodepth 32 write, same directory",

@@ -232,7 +232,8 @@ def test_a_corrupted_host_copy_is_never_served(agent, stores):
 
 def test_pins_hold_blocks_and_a_full_tier_says_what_to_do(agent, stores):
     src = Engine(agent, 10)
-    st = stores(agent, host_bytes=4 * SLOT)
+    # (no background eviction: this test decides what is evicted)
+    st = stores(agent, host_bytes=4 * SLOT, high_watermark=1.0, low_watermark=0.99)
     keys = keys_for(6)
     st.put(keys[:4], src.layout, range(4))
     assert st.pin(keys[:4]) == 4

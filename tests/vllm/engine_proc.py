@@ -99,6 +99,10 @@ def main() -> None:
     ap.add_argument("--no-connector", action="store_true")
     ap.add_argument("--connector", default="KvlinkConnector",
                     help="another vLLM connector (e.g. NixlConnector) for comparisons")
+    ap.add_argument("--num-blocks", type=int, default=None,
+                    help="KV cache blocks of the engine (num_gpu_blocks_override)")
+    ap.add_argument("--kv-offloading-bytes", type=float, default=None,
+                    help="vLLM's own CPU offloading (kv_offloading_size, GiB), no connector")
     ap.add_argument("--prefix-caching", action="store_true",
                     help="vLLM's own prefix cache on (off by default)")
     ap.add_argument("--log-stats", action="store_true",
@@ -128,6 +132,9 @@ def main() -> None:
             enforce_eager=True, max_num_seqs=16, max_num_batched_tokens=max(a.max_model_len, 2048),
             seed=0, enable_prefix_caching=a.prefix_caching, kv_transfer_config=ktc,
             disable_log_stats=not a.log_stats,
+            **({"num_gpu_blocks_override": a.num_blocks} if a.num_blocks else {}),
+            **({"kv_offloading_size": a.kv_offloading_bytes}
+               if a.kv_offloading_bytes else {}),
         )
     except Exception as exc:
         answer({"ready": False, "error": f"{type(exc).__name__}: {exc}"})
@@ -168,7 +175,8 @@ def main() -> None:
                     if m is not None and getattr(m, "first_token_latency", None):
                         ttft = m.first_token_latency
                     res.append({"tokens": list(c.token_ids), "finish": c.finish_reason,
-                                "params": o.kv_transfer_params, "ttft_s": ttft})
+                                "params": o.kv_transfer_params, "ttft_s": ttft,
+                                "cached_tokens": o.num_cached_tokens})
                 # t_end: this host's monotonic clock, which every instance on it shares
                 answer({"outputs": res, "wall_s": wall, "t_end": t + wall})
             elif op == "pump":

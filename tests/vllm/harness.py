@@ -63,6 +63,7 @@ class Instance:
         log_stats: bool = False,
         prefix: list[str] | None = None,
         prefix_caching: bool = False,
+        engine_args: list[str] | None = None,
     ) -> None:
         """``prefix`` runs the engine under another command, e.g. a testbed namespace's
         ``ip netns exec NS`` (it must exec the engine, so that the pid is the engine's)."""
@@ -80,6 +81,7 @@ class Instance:
             cmd.append("--log-stats")
         if prefix_caching:
             cmd.append("--prefix-caching")
+        cmd += engine_args or []
         if nice:
             cmd = ["nice", "-n", str(nice), *cmd]
         if prefix:

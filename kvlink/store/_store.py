@@ -1114,7 +1114,14 @@ class Store:
             by_agent.setdefault(ls[0].agent, []).append((i, ls[0]))
         out = []
         assert layout is None or isinstance(layout, PagedLayout)
-        for agent, items in by_agent.items():
+        # at most a quarter of the scratch pages per transfer: several loads share them
+        step = SCRATCH_PAGES // 4
+        parts = [
+            (agent, items[j : j + step])
+            for agent, items in by_agent.items()
+            for j in range(0, len(items), step)
+        ]
+        for agent, items in parts:
             pages = self._scratch_take(len(items))
             if not pages:
                 for i, _l in items:

@@ -226,8 +226,8 @@ def main() -> None:
             elif op == "store":
                 import dataclasses
 
-                st = worker_connector()._worker.store
-                answer({"store": dataclasses.asdict(st.stats())})
+                w = worker_connector()._worker
+                answer({"store": dataclasses.asdict(w.store.stats()), "socket": w.socket_path})
             elif op == "store_scramble":
                 answer({"scrambled": scramble(worker_connector()._worker.store,
                                               bool(req.get("keep_crc")))})

@@ -114,6 +114,48 @@ def test_loaded_kv_is_used_and_bad_blocks_are_recomputed(insts):
     assert after["failed"] > before["failed"] and after["discarded"] > before["discarded"]
 
 
+def test_a_hostile_lookup_client_is_cut_and_lookups_go_on(insts):
+    """Another process of the same user on the store's lookup socket: oversized frames,
+    garbage, bad keys and a connection flood end those connections, never the worker."""
+    import socket
+    import struct
+
+    inst = insts["host"]
+    path = inst.call({"op": "store"})["socket"]
+    bad = [
+        struct.pack("<I", 1 << 30),  # a length over the limit
+        struct.pack("<I", 5) + b"nojsn",
+        struct.pack("<I", 2) + b"[]",
+        _frame({"op": "lookup", "keys": ["zz" * 32]}),
+        _frame({"op": "save", "req": "x", "keys": ["00" * 32], "blocks": ["no"]}),
+        _frame({"op": "lookup", "keys": list(range(70000))}),
+    ]
+    for payload in bad:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(10)
+            s.connect(path)
+            s.sendall(payload)
+            assert s.recv(16) == b""  # closed, no answer
+    flood = []
+    for _ in range(20):  # more connections than the worker serves at once
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(10)
+        s.connect(path)
+        flood.append(s)
+    for s in flood:
+        s.close()
+    texts = conversation(7, 100, 2, 40)
+    assert run_turns(inst, texts) == run_turns(insts["plain"], texts)
+
+
+def _frame(msg: dict[str, Any]) -> bytes:
+    import json
+    import struct
+
+    data = json.dumps(msg).encode()
+    return struct.pack("<I", len(data)) + data
+
+
 def test_a_typo_in_the_store_settings_fails_at_start(vllm_model, log_dir):
     inst = harness.Instance("typo", vllm_model, role="kv_both", log_dir=log_dir,
                             connector="KvlinkStoreConnector",

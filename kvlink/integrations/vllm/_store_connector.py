@@ -63,6 +63,7 @@ log = logging.getLogger("vllm.kvlink")
 _MAX_MESSAGE = 4 << 20  # a lookup of 65536 keys in hex fits
 _MAX_KEYS = 65536
 _MAX_PREFETCHES = 4096  # requests waiting with a prefetch; beyond, the oldest is released
+_MAX_CLIENTS = 8  # lookup connections at once
 
 
 # ---------------------------------------------------------------------------------------------
@@ -447,6 +448,7 @@ class _StoreWorker:
         self._stop = False
         self._lock = threading.Lock()
         self._prefetches: dict[str, Prefetch] = {}
+        self._clients = 0
         self._loads: list[tuple[StoreLoad, Load]] = []
         self._errors: set[int] = set()
         self._saver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvlink-save")
@@ -537,9 +539,26 @@ class _StoreWorker:
                 conn, _ = self._server.accept()
             except OSError:
                 return
+            with self._lock:
+                full = self._clients >= _MAX_CLIENTS
+                if not full:
+                    self._clients += 1
+            if full:  # the scheduler side holds one connection; more is someone else
+                log.warning("kvlink store: more than %d lookup connections; refused one",
+                            _MAX_CLIENTS)
+                conn.close()
+                continue
             threading.Thread(target=self._client, args=(conn,), daemon=True).start()
 
     def _client(self, conn: socket.socket) -> None:
+        try:
+            self._serve_client(conn)
+        finally:
+            with self._lock:
+                self._clients -= 1
+
+    def _serve_client(self, conn: socket.socket) -> None:
+        conn.settimeout(None)  # the scheduler side stays connected between lookups
         with conn:
             while not self._stop:
                 try:

@@ -34,6 +34,8 @@ TOOLS: dict[str, str] = {
     # the KV store's disk tier submits its I/O through io_uring with liburing, linked into
     # the C core at build time (docs/store.md); without it the store uses a thread pool
     "liburing.h": "liburing-dev",
+    # kvlink-bench store's baseline (tests/integration/test_bench_cli.py runs it briefly)
+    "fio": "fio",
 }
 # What building the C core uses when present (installed before the first build, by
 # `make`'s venv step): liburing for the store's io_uring.

@@ -87,7 +87,8 @@ def run(
         keys = block_keys("bench", list(range(n * 16)), 16)
         st = Store(agent, StoreConfig(block_bytes=block_bytes, host_bytes=(2 * n + 4) * slot,
                                       disk_path=str(tmp / "store"), disk_bytes=(n + 2) * slot,
-                                      high_watermark=1.0, low_watermark=0.99, remote=False))
+                                      high_watermark=1.0, low_watermark=0.99, remote=False,
+                                      io_depth=32))  # fio's depth
         backend = st.stats().io_backend
         try:
             st.put(keys, src_layout, range(n))

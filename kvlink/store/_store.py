@@ -566,27 +566,16 @@ class Store:
                     break
         if not victims:
             return False
-        to_write = []
-        if self.disk is not None:
-            to_write = [e for e in victims if e.disk is None]
-            slots = self._disk_alloc(len(to_write))
-            to_write = to_write[: len(slots)]  # the rest find no disk slot: dropped below
-            for e, s in zip(to_write, slots, strict=False):
-                e.disk = s
-                e.busy += 1
-        writing = {id(e) for e in to_write}
+        to_write = [e for e in victims if e.disk is None] if self.disk is not None else []
+        down = {id(e) for e in to_write}
         for e in victims:
-            if id(e) not in writing:
+            if id(e) not in down:
                 self._drop_host(e, evicted=True)
         if to_write:
-            self._write_down(to_write)
-            for e in to_write:
-                e.busy -= 1
-                if e.disk is not None and self._disk_lru is not None:
-                    self._disk_lru.insert(e.key)
+            self._copy_down(to_write)
+            for e in to_write:  # written, or no disk slot for it: dropped
                 if e.pins == 0 and e.busy == 0 and e.host is not None:
                     self._drop_host(e, evicted=True)
-            self._cv.notify_all()
         return True
 
     def _drop_host(self, e: _Entry, *, evicted: bool) -> None:
@@ -626,6 +615,25 @@ class Store:
                     self._stats.dropped += 1
         take = min(n, len(self.disk.free))
         return [self.disk.free.pop() for _ in range(take)]
+
+    def _copy_down(self, entries: list[_Entry]) -> list[_Entry]:
+        """Writes the host copies of ``entries`` into new disk slots (lock held; released
+        during the I/O).  Entries that find no disk slot are left as they are.  Returns the
+        ones now on disk."""
+        slots = self._disk_alloc(len(entries))
+        part = entries[: len(slots)]
+        for e, s in zip(part, slots, strict=True):
+            e.disk = s
+            e.busy += 1
+        if not part:
+            return []
+        self._write_down(part)
+        for e in part:
+            e.busy -= 1
+            if e.disk is not None and self._disk_lru is not None:
+                self._disk_lru.insert(e.key)
+        self._cv.notify_all()
+        return [e for e in part if e.disk is not None]
 
     def _write_down(self, entries: list[_Entry]) -> None:
         """Writes the host copies of ``entries`` to their disk slots (lock held on entry
@@ -1390,18 +1398,7 @@ class Store:
                     e = self._index.get(self._wt_queue.popleft())
                     if e is not None and e.host is not None and e.disk is None and not e.loading:
                         batch.append(e)
-                slots = self._disk_alloc(len(batch))
-                batch = batch[: len(slots)]
-                for e, s in zip(batch, slots, strict=False):
-                    e.disk = s
-                    e.busy += 1
-                if batch:
-                    self._write_down(batch)
-                    for e in batch:
-                        e.busy -= 1
-                        if e.disk is not None and self._disk_lru is not None:
-                            self._disk_lru.insert(e.key)
-                    self._cv.notify_all()
+                self._copy_down(batch)
             now = time.monotonic()
             expired = [p for p in self._prefetches if p.done and (p._released or p.expires < now)]
             over = len(self._prefetches) - len(expired) - MAX_PREFETCHES
@@ -1443,18 +1440,8 @@ class Store:
             while todo:
                 part, todo = todo[:256], todo[256:]
                 part = [e for e in part if e.busy == 0 and not e.loading and e.host is not None]
-                slots = self._disk_alloc(len(part))
-                part = part[: len(slots)]
-                for e, s in zip(part, slots, strict=True):
-                    e.disk = s
-                    e.busy += 1
-                if not part:
-                    break
-                self._write_down(part)
-                for e in part:
-                    e.busy -= 1
-                    if e.disk is not None and self._disk_lru is not None:
-                        self._disk_lru.insert(e.key)
+                if part and not self._copy_down(part):
+                    break  # no disk slot left
 
     # ---- stats and close ------------------------------------------------------------------
 

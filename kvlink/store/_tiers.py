@@ -37,10 +37,13 @@ MAX_FILE_BYTES = 4 << 30  # one slab file: few files, none a file system finds a
 SCAN_BATCH_BYTES = 64 << 20  # re-indexing reads this much per batch
 
 
-def aligned(nbytes: int) -> tuple[np.ndarray[Any, Any], mmap.mmap]:
+def aligned(nbytes: int, populate: bool = False) -> tuple[np.ndarray[Any, Any], mmap.mmap]:
     """Page-aligned, zeroed memory (anonymous mmap) as a uint8 array, and the map that
-    owns it."""
-    m = mmap.mmap(-1, max(nbytes, PAGE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    owns it; ``populate`` faults every page in now (MAP_POPULATE), not on the data path."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    if populate:
+        flags |= getattr(mmap, "MAP_POPULATE", 0)
+    m = mmap.mmap(-1, max(nbytes, PAGE), flags=flags)
     return np.frombuffer(m, dtype=np.uint8, count=nbytes), m
 
 
@@ -60,7 +63,8 @@ class HostTier:
     def __init__(self, agent: Any, n_slots: int, slot_bytes: int, name: str) -> None:
         self.n_slots = n_slots
         self.slot_bytes = slot_bytes
-        self.mem, self._map = aligned(n_slots * slot_bytes)
+        # pages faulted in at open: a put or load never waits for the kernel to zero a page
+        self.mem, self._map = aligned(n_slots * slot_bytes, populate=True)
         self.base = address(self.mem)
         self.free: list[int] = list(range(n_slots - 1, -1, -1))
         self.region = None

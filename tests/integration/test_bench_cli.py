@@ -255,3 +255,29 @@ def test_testbed_built_for_the_run_takes_subnet_base_and_is_removed(bench_tag):
     assert "198.18.9.0/24, 198.18.10.0/24" in notes
     status = kvlink_cli("testbed", "status", "--tag", bench_tag, "--json")
     assert status.returncode == 3  # not up: removed after the run
+
+
+@pytest.mark.tools("fio")
+def test_store_rows_against_fio_and_memcpy(tmp_path):
+    """kvlink-bench store: the disk tier both ways against fio, the host tier against memcpy
+    (every block checked by the command itself), latency; rows for kvlink-bench table."""
+    out = bench("store", "--size", "32MiB", "--block", "1MiB", "--layers", "8", "--iters", "1",
+                "--dir", str(tmp_path), "--json", timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    figures = [r for r in rows if "ratio" in r]
+    assert len(figures) == 3
+    for r in figures:
+        assert r["section"] == "store" and r["gbps"] > 0 and r["limit_gbps"] > 0
+        assert r["ratio"] == pytest.approx(r["gbps"] / r["limit_gbps"], rel=0.01)
+    assert "fio O_DIRECT" in figures[0]["baseline"] and "memcpy" in figures[2]["baseline"]
+    (lat,) = [r for r in rows if "lookup_64_us" in r]
+    assert lat["load_1_block_us"] > 0 and lat["load_64_blocks_ms"] > 0
+    assert os.listdir(tmp_path) == []  # its files are gone
+
+
+def test_store_without_fio_says_so(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no fio on it
+    out = subprocess.run([sys.executable, "-m", "kvlink.cli.bench", "store"],
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 2 and "fio is not installed" in out.stderr

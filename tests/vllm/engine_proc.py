@@ -58,6 +58,16 @@ def running_transfers(w: Any) -> int | None:
         return len(m._live) + len(m._inbound)
 
 
+def store_worker(conn: Any) -> Any:
+    """KvlinkStoreConnector's worker side: the connector's own, or its sub-connector's under
+    MultiConnector."""
+    for c in [conn, *getattr(conn, "_connectors", [])]:
+        w = getattr(c, "_worker", None)
+        if w is not None and hasattr(w, "store"):
+            return w
+    raise RuntimeError("no KvlinkStoreConnector in this engine")
+
+
 def scramble(store: Any, keep_crc: bool) -> int:
     """Random bytes in every host-tier block of ``store`` (see the ``store_scramble`` op)."""
     import numpy as np
@@ -192,6 +202,9 @@ def main() -> None:
             elif op == "stats":
                 conn = worker_connector()
                 w = getattr(conn, "_worker", None)
+                for sub in getattr(conn, "_connectors", []):  # MultiConnector: the P/D one
+                    if hasattr(getattr(sub, "_worker", None), "stats"):
+                        w = sub._worker
                 if not hasattr(w, "stats"):
                     w = None  # another connector
                 if req.get("drain") and w and w.agent:
@@ -226,10 +239,10 @@ def main() -> None:
             elif op == "store":
                 import dataclasses
 
-                w = worker_connector()._worker
+                w = store_worker(worker_connector())
                 answer({"store": dataclasses.asdict(w.store.stats()), "socket": w.socket_path})
             elif op == "store_scramble":
-                answer({"scrambled": scramble(worker_connector()._worker.store,
+                answer({"scrambled": scramble(store_worker(worker_connector()).store,
                                               bool(req.get("keep_crc")))})
             elif op == "exit":
                 answer({"bye": True})

@@ -3,14 +3,16 @@ into a kvlink.store (host memory, local NVMe, other hosts' stores), and a new re
 prompt starts with stored blocks loads them instead of recomputing them.
 
 The scheduler side decides per request how many leading blocks to load; it asks the worker's
-store over a Unix socket (the path comes in the worker's handshake metadata), since the store
-lives with the KV tensors in the worker process. A request whose blocks are on disk or on
-another host stays in vLLM's waiting queue while they move up to host memory (prefetch, with
-a deadline): vLLM keeps scheduling the others meanwhile (``get_num_new_matched_tokens``
-answers None), so no request waits for another's loads. Loads run inside the forward pass,
-layer by layer; blocks that fail their checks are reported as load errors and vLLM recomputes
-exactly those. Stores run in a background thread while the blocks are held
-(``request_finished`` delays their release), so the engine's step never waits for them.
+store over a Unix socket (in a private directory, named after the engine id, so both sides find
+it without vLLM's handshake channel, which MultiConnector gives to one sub-connector only),
+since the store lives with the KV tensors in the worker process. A request whose blocks are on
+disk or on another host stays in vLLM's waiting queue while they move up to host memory
+(prefetch, with a deadline): vLLM keeps scheduling the others meanwhile
+(``get_num_new_matched_tokens`` answers None), so no request waits for another's loads. Loads
+run inside the forward pass, layer by layer; blocks that fail their checks are reported as load
+errors and vLLM recomputes exactly those. Stores run in a background thread while the blocks
+are held (``request_finished`` delays their release), so the engine's step never waits for
+them.
 
 With disaggregation, combine it with KvlinkConnector through vLLM's MultiConnector
 (docs/vllm.md, "Reuse").
@@ -21,10 +23,12 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import os
 import socket
+import stat
 import struct
 import tempfile
 import threading
@@ -95,15 +99,29 @@ class StoreMetadata(KVConnectorMetadata):
     releases: list[str] = dataclasses.field(default_factory=list)  # prefetches to let go
 
 
-@dataclasses.dataclass
-class StoreHandshake(KVConnectorHandshakeMetadata):
-    """Where the worker's store answers lookups (a Unix socket path)."""
-
-    socket: str
-
-
 # ---------------------------------------------------------------------------------------------
 # The lookup channel: length-prefixed JSON over a Unix socket
+
+
+def socket_path(engine_id: str) -> str:
+    """Where the worker of engine ``engine_id`` answers lookups: a socket in a directory only
+    this user can enter.
+
+    Raises:
+        kvlink.ConfigError: the directory exists but is not this user's alone.
+    """
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    d = os.path.join(base, f"kvlink-store-{os.getuid()}")
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    st = os.lstat(d)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise kvlink.ConfigError(
+            f"{d}: not a directory of this user's alone (mode {stat.filemode(st.st_mode)}, "
+            f"uid {st.st_uid}); remove it or set XDG_RUNTIME_DIR to a private directory"
+        )
+    name = hashlib.sha256(engine_id.encode()).hexdigest()[:24]
+    return os.path.join(d, f"{name}.sock")
+
 
 
 def _send(sock: socket.socket, msg: dict[str, Any]) -> None:
@@ -211,9 +229,7 @@ class KvlinkStoreConnector(KVConnectorBase_V1):
         self._worker.register(kv_caches)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
-        assert self._worker is not None
-        path = self._worker.socket_path
-        return None if path is None else StoreHandshake(path)
+        return None  # the scheduler side finds the worker's socket by the engine id
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self._worker is not None
@@ -325,7 +341,9 @@ class _StoreScheduler:
         self.settings = settings
         self.block_size = int(vllm_config.cache_config.block_size)
         self.namespace = _namespace(settings, vllm_config)
-        self._client: _LookupClient | None = None
+        tc = vllm_config.kv_transfer_config
+        assert tc is not None
+        self._client = _LookupClient(socket_path(str(tc.engine_id)), settings.connect_timeout_s)
         self._keys: dict[str, list[bytes]] = {}  # request -> its prompt's block keys
         self._local: dict[str, int] = {}  # request -> locally computed tokens at the match
         self._loads: list[StoreLoad] = []
@@ -333,14 +351,13 @@ class _StoreScheduler:
         self._warned = False
 
     def set_handshake(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
-        if len(metadata) != 1:
+        # Another sub-connector's (MultiConnector hands every one the first it gets): only the
+        # number of workers matters here.
+        if len(metadata) > 1:
             raise kvlink.ConfigError(
                 f"KvlinkStoreConnector supports one worker per engine (tensor_parallel_size=1), "
                 f"got {len(metadata)} workers"
             )
-        (meta,) = metadata.values()
-        assert isinstance(meta, StoreHandshake)
-        self._client = _LookupClient(meta.socket, self.settings.connect_timeout_s)
 
     def _prompt_keys(self, request: Request) -> list[bytes]:
         keys = self._keys.get(request.request_id)
@@ -354,7 +371,7 @@ class _StoreScheduler:
         return keys
 
     def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if self._client is None or num_computed_tokens % self.block_size:
+        if num_computed_tokens % self.block_size:
             return 0, False
         keys = self._prompt_keys(request)
         first = num_computed_tokens // self.block_size
@@ -408,7 +425,7 @@ class _StoreScheduler:
         toks = list(request.all_token_ids)
         n = min(len(toks) - 1, request.num_computed_tokens) // self.block_size
         n = min(n, len(block_ids))
-        if n <= 0 or self._client is None:
+        if n <= 0:
             return False, None
         keys = block_keys(self.namespace, toks[: n * self.block_size], self.block_size)
         # Straight to the worker (not in the next step's metadata): the blocks' KV is complete
@@ -422,8 +439,7 @@ class _StoreScheduler:
         return True, None  # vLLM keeps the blocks until get_finished names the request
 
     def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
+        self._client.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -443,7 +459,6 @@ class _StoreWorker:
         self.layout: kv.PagedLayout | None = None
         self.layer_index: dict[str, int] = {}
         self.socket_path: str | None = None
-        self._sock_dir: str | None = None
         self._server: socket.socket | None = None
         self._stop = False
         self._lock = threading.Lock()
@@ -453,6 +468,7 @@ class _StoreWorker:
         self._errors: set[int] = set()
         self._saver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvlink-save")
         self._saving: dict[str, concurrent.futures.Future[Any]] = {}
+        self._saving_keys: dict[str, set[bytes]] = {}
         self._interval = StoreConnectorStats()
         self._last: dict[str, int] = {}
 
@@ -495,8 +511,9 @@ class _StoreWorker:
             self.store = Store(self.agent, self.settings.store.store_config(block_bytes, "kvstore"))
         except kvlink.ConfigError as exc:
             raise kvlink.ConfigError(f"kv_connector_extra_config['store']: {exc}") from exc
-        self._sock_dir = tempfile.mkdtemp(prefix="kvlink-store-")  # 0700: this user only
-        self.socket_path = os.path.join(self._sock_dir, "lookup.sock")
+        self.socket_path = socket_path(self.engine_id)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)  # a crashed run's
         srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         srv.bind(self.socket_path)
         srv.listen(4)
@@ -525,10 +542,9 @@ class _StoreWorker:
         if self.agent is not None:
             self.agent.close()
             self.agent = None
-        if self._sock_dir is not None:
+        if self.socket_path is not None:
             with contextlib.suppress(OSError):
-                os.unlink(os.path.join(self._sock_dir, "lookup.sock"))
-                os.rmdir(self._sock_dir)
+                os.unlink(self.socket_path)
 
     # -- lookups from the scheduler side -------------------------------------------------------
 
@@ -593,11 +609,16 @@ class _StoreWorker:
             with self._lock:
                 if req in self._saving:
                     raise ValueError(f"a second save for request {req!r}")
+                self._saving_keys[req] = set(keys)
                 self._saving[req] = self._saver.submit(self._save, save)
             return {}
-        # read your writes: a conversation's next turn finds what its last turn stored
+        # read your writes: a conversation's next turn finds what its last turn stored (only
+        # saves of these keys are waited for: a new prompt never waits for others' saves)
+        wanted = set(keys)
         with self._lock:
-            inflight = list(self._saving.values())
+            inflight = [
+                f for r, f in self._saving.items() if self._saving_keys.get(r, set()) & wanted
+            ]
         concurrent.futures.wait(inflight, timeout=1.0)
         look = store.lookup(keys)
         hits = look.hits
@@ -689,6 +710,7 @@ class _StoreWorker:
             done = {r for r, f in self._saving.items() if f.done()}
             for r in done:
                 del self._saving[r]
+                self._saving_keys.pop(r, None)
         return done
 
     def take_load_errors(self) -> set[int]:

@@ -56,7 +56,7 @@ def main() -> int:
             rd.register(t, name=f"d{i}")
         sl = kv.PagedLayout.from_tensors(own, src)
         dl = kv.PagedLayout.from_tensors(rd, dst)
-        cfg = StoreConfig(block_bytes=block, host_bytes=(n + 4) * slot_bytes(block))
+        cfg = StoreConfig(block_bytes=block, host_bytes=2 * n * slot_bytes(block))  # no eviction
         so, sr = Store(own, cfg), Store(rd, cfg)
         keys = block_keys("bench", list(range(n * 16)), 16)
         so.put(keys, sl, range(n))

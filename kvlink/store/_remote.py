@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +30,8 @@ log = logging.getLogger("kvlink.store")
 
 MAX_HOLDERS = 4  # holders read per key: enough to skip a dead one
 MAX_QUEUED = 1 << 20  # keys waiting to be published or withdrawn
+RECENT_S = 2.0  # lookup answers reused this long
+MAX_RECENT = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,7 @@ class RemoteIndex:
         self._flush_s = flush_s
         self._lock = threading.Lock()
         self._pending: dict[bytes, int | None] = {}  # key -> slot to publish, None: withdraw
+        self._recent: OrderedDict[bytes, tuple[float, list[Location]]] = OrderedDict()
         self._lease = 0
         self._stop = False
         self._wake = threading.Event()
@@ -146,11 +151,37 @@ class RemoteIndex:
 
     def lookup(self, keys: Sequence[bytes]) -> list[list[Location]]:
         """Other agents' copies of each key (at most MAX_HOLDERS each; this agent's
-        own are left out).
+        own are left out).  Answers younger than RECENT_S are reused: a scheduler's lookup
+        and the load right after it cost one etcd round trip, not two (a stale answer costs
+        a failed block at worst, as any entry).
 
         Raises:
             DiscoveryError: etcd did not answer.
         """
+        now = time.monotonic()
+        found: dict[bytes, list[Location]] = {}
+        with self._lock:
+            for k in keys:
+                hit = self._recent.get(k)
+                if hit is not None and now - hit[0] < RECENT_S:
+                    found[k] = hit[1]
+        ask = [k for k in dict.fromkeys(keys) if k not in found]
+        for k, locs in zip(ask, self._ask(ask), strict=True):
+            found[k] = locs
+        with self._lock:
+            for k in ask:
+                self._recent[k] = (now, found[k])
+                self._recent.move_to_end(k)
+            while len(self._recent) > MAX_RECENT:
+                self._recent.popitem(last=False)
+        return [found[k] for k in keys]
+
+    def forget(self, key: bytes) -> None:
+        """Drops a remembered answer (its holder failed us)."""
+        with self._lock:
+            self._recent.pop(key, None)
+
+    def _ask(self, keys: Sequence[bytes]) -> list[list[Location]]:
         out: list[list[Location]] = []
         for i in range(0, len(keys), MAX_TXN_OPS):
             part = keys[i : i + MAX_TXN_OPS]

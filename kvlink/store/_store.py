@@ -1156,30 +1156,38 @@ class Store:
         pages: list[int],
         addrs: np.ndarray[Any, Any],
         layout: PagedLayout | None,
-    ) -> list[Any]:
-        from .._segments import Segment
+    ) -> np.ndarray[Any, Any]:
+        """The segments pulling ``items`` from their holder: per block its slot header into
+        a scratch page, then each piece of its payload into the layout (numpy, no loop per
+        piece)."""
+        from .._segments import SEGMENT_DTYPE
 
         assert layout is not None
+        k, npieces = len(items), addrs.shape[1]
         piece = layout.block_bytes
-        per_layer = layout.planes
-        rows = []
-        for (i, loc), p in zip(items, pages, strict=False):
-            rows.append(Segment(loc.region, loc.offset, self._scratch_region.id, p * PAGE, PAGE, 0))
-            for j in range(addrs.shape[1]):
-                a = int(addrs[i, j])
-                rid, off = self._region_of(a, piece)
-                rows.append(
-                    Segment(
-                        loc.region, loc.offset + PAGE + j * piece, rid, off, piece, j // per_layer
-                    )
-                )
-        return rows
-
-    def _region_of(self, addr: int, n: int) -> tuple[int, int]:
-        r = self.agent._regions.containing(addr, n)
-        if r is None:
-            raise InvalidArgumentError("layout: a block lies outside every registered region")
-        return r.id, addr - r.address
+        bases = []
+        for rid in layout.regions:
+            r = self.agent._regions.get(rid)
+            if r is None:
+                raise InvalidArgumentError(f"layout: region {rid} is no longer registered")
+            bases.append(r.address)
+        rid_of = np.repeat(np.asarray(layout.regions, np.uint64), layout.planes)
+        base_of = np.repeat(np.asarray(bases, np.int64), layout.planes)
+        rows = np.zeros((k, npieces + 1), dtype=SEGMENT_DTYPE)
+        src_reg = np.array([loc.region for _i, loc in items], dtype=np.uint64)[:, None]
+        src_off = np.array([loc.offset for _i, loc in items], dtype=np.int64)[:, None]
+        rows["src_region"] = src_reg
+        rows["src_offset"][:, 0] = src_off[:, 0]
+        rows["dst_region"][:, 0] = self._scratch_region.id
+        rows["dst_offset"][:, 0] = np.asarray(pages, dtype=np.int64) * PAGE
+        rows["len"][:, 0] = PAGE
+        idx = np.array([i for i, _loc in items], dtype=np.int64)
+        rows["src_offset"][:, 1:] = src_off + PAGE + np.arange(npieces, dtype=np.int64) * piece
+        rows["dst_region"][:, 1:] = rid_of[None, :]
+        rows["dst_offset"][:, 1:] = addrs[idx] - base_of[None, :]
+        rows["len"][:, 1:] = piece
+        rows["layer"][:, 1:] = np.arange(npieces, dtype=np.uint32) // layout.planes
+        return rows.reshape(-1)
 
     def _finish_remote(
         self,
@@ -1200,6 +1208,8 @@ class Store:
             for i, p in items:
                 if not ok:
                     load._fail(i, f"pull failed: {why}")
+                    if self._remote is not None:
+                        self._remote.forget(ks[i])
                     continue
                 h = parse_slot_header(self._scratch[p * PAGE : p * PAGE + 128])
                 crc = _native.crc32c_spans(addrs[i].tolist(), [piece] * addrs.shape[1])
@@ -1210,6 +1220,8 @@ class Store:
                     or h.payload_crc != crc
                 ):
                     load._fail(i, "the remote copy changed or failed its crc32c")
+                    if self._remote is not None:
+                        self._remote.forget(ks[i])
                     with self._mu:
                         self._stats.discarded += 1
                     continue

@@ -69,28 +69,37 @@ def main() -> int:
         look64 = [0.0] * 50
         for i in range(50):
             t = time.perf_counter()
-            lk = sr.lookup(keys[:64])
+            # etcd itself, not the store's 2 s memory of answers
+            lk = sr._remote._ask(keys[:64])  # type: ignore[union-attr]
             look64[i] = time.perf_counter() - t
-            assert lk.tiers[0] is Tier.REMOTE
+            assert lk[0] and lk[0][0].agent == "owner"
         loads, pulls = [], []
+        nbytes = n * block
         plain_segs = kv.block_segments(sl, dl, range(n), range(n))
         for _ in range(a.iters):
             for t in dst:
                 t[:] = 0
+            sr._remote._recent.clear()  # type: ignore[union-attr]
             t0 = time.perf_counter()
+            # as vLLM's scheduler side does: a lookup, then the load (which reuses its answer)
+            assert sr.lookup(keys).tiers[-1] is Tier.REMOTE
+            t1 = time.perf_counter()
             ld = sr.get(keys, dl, range(n)).wait(timeout_s=120)
+            print(f"lookup {t1 - t0:.3f} s, load {time.perf_counter() - t1:.3f} s",
+                  file=sys.stderr)
             loads.append(time.perf_counter() - t0)
             assert ld.ok, ld.reasons
             assert all(np.array_equal(s, d) for s, d in zip(src, dst, strict=True))
             t0 = time.perf_counter()
             rd.pull("owner", segments=plain_segs).wait(timeout_s=120)
             pulls.append(time.perf_counter() - t0)
-        nbytes = n * block
+            print(f"load {nbytes / loads[-1] / 1e9:.2f} GB/s, pull {nbytes / pulls[-1] / 1e9:.2f}",
+                  file=sys.stderr)
         g_load = nbytes / statistics.median(loads) / 1e9
         g_pull = nbytes / statistics.median(pulls) / 1e9
         rows = [
-            {"scenario": f"Store remote hit load, {n} x {block >> 20} MiB blocks, {a.layers} "
-             f"layers, {a.nics}, over a plain kvlink pull of the same bytes",
+            {"scenario": f"Store remote hit (lookup + load), {n} x {block >> 20} MiB blocks, "
+             f"{a.layers} layers, {a.nics}, over a plain kvlink pull of the same bytes",
              "section": "store", "ratio": round(g_load / g_pull, 3),
              "detail": f"{g_load:.2f} vs {g_pull:.2f} GB/s (medians of {a.iters}); etcd lookup "
              f"of 64 remote keys {statistics.median(look64) * 1e3:.2f} ms",

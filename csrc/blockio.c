@@ -26,6 +26,9 @@
 #ifdef KVL_HAVE_URING
 #include <liburing.h>
 #endif
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #define KVL_BLOCKIO_MAX_DEPTH 4096u
 #define KVL_BLOCKIO_MAX_THREADS 64u
@@ -309,10 +312,94 @@ void kvl_blockio_close(kvl_blockio *io)
     free(io);
 }
 
+/* Copies of at least this many bytes skip the cache on the way in: a store moves a block's
+ * pieces (tens of KiB and up) into pages the engine reads much later, usually more bytes than
+ * the cache holds, and a streaming store spares the read of every destination line that a
+ * plain store does first (measured on this repository's VMs: 32 KiB pieces at 0.5 x one
+ * large memcpy with plain stores, which glibc makes streaming for large copies itself). */
+#define STREAM_MIN 16384
+
+#if defined(__x86_64__)
+static int have_avx2;
+static pthread_once_t avx2_once = PTHREAD_ONCE_INIT;
+
+static void check_avx2(void)
+{
+    __builtin_cpu_init();
+    have_avx2 = __builtin_cpu_supports("avx2");
+}
+
+/* dst 32-byte aligned, len a multiple of 128. */
+__attribute__((target("avx2"))) static void copy_stream(void *dst, const void *src, size_t len)
+{
+    __m256i *d = dst;
+    const __m256i *s = src;
+    for (size_t i = 0; i < len / 32; i += 4) {
+        __m256i a = _mm256_loadu_si256(s + i), b = _mm256_loadu_si256(s + i + 1);
+        __m256i c = _mm256_loadu_si256(s + i + 2), e = _mm256_loadu_si256(s + i + 3);
+        _mm256_stream_si256(d + i, a);
+        _mm256_stream_si256(d + i + 1, b);
+        _mm256_stream_si256(d + i + 2, c);
+        _mm256_stream_si256(d + i + 3, e);
+    }
+}
+#endif
+
+/* memcpy, streaming where it pays (STREAM_MIN); returns 1 when a fence is owed. */
+static int copy_one(void *dst, const void *src, size_t len)
+{
+#if defined(__x86_64__)
+    pthread_once(&avx2_once, check_avx2);
+    if (have_avx2 && len >= STREAM_MIN) {
+        size_t head = (32 - ((uintptr_t)dst & 31)) & 31;
+        memcpy(dst, src, head);
+        size_t body = (len - head) & ~(size_t)127;
+        copy_stream((char *)dst + head, (const char *)src + head, body);
+        memcpy((char *)dst + head + body, (const char *)src + head + body, len - head - body);
+        return 1;
+    }
+#endif
+    memcpy(dst, src, len);
+    return 0;
+}
+
+/* Streaming stores are weakly ordered: fence them before anyone is told the copy ended. */
+static void copy_fence(int owed)
+{
+#if defined(__x86_64__)
+    if (owed)
+        _mm_sfence();
+#else
+    (void)owed;
+#endif
+}
+
 void kvl_copy_batch(const kvl_copy *ops, size_t n)
 {
+    int owed = 0;
     for (size_t i = 0; i < n; i++)
-        memcpy(ops[i].dst, ops[i].src, ops[i].len);
+        owed |= copy_one(ops[i].dst, ops[i].src, ops[i].len);
+    copy_fence(owed);
+}
+
+kvl_err kvl_copy_crc_batch(const kvl_copy *ops, const uint32_t *block, size_t n, uint32_t *crcs,
+                           size_t n_crcs)
+{
+    if ((!ops || !block) && n)
+        return kvl_fail(KVL_ERR_INVALID_ARG, "kvl_copy_crc_batch: ops or block is NULL");
+    for (size_t i = 0; i < n; i++)
+        if (block[i] >= n_crcs || !crcs)
+            return kvl_fail(KVL_ERR_INVALID_ARG,
+                            "kvl_copy_crc_batch: op %zu names block %u of %zu", i, block[i],
+                            n_crcs);
+    int owed = 0;
+    for (size_t i = 0; i < n; i++) {
+        /* the crc reads the source from memory; the copy then reads it from the cache */
+        crcs[block[i]] = kvl_crc32c(crcs[block[i]], ops[i].src, ops[i].len);
+        owed |= copy_one(ops[i].dst, ops[i].src, ops[i].len);
+    }
+    copy_fence(owed);
+    return KVL_OK;
 }
 
 uint32_t kvl_crc32c_spans(uint32_t crc, const kvl_span *spans, size_t n)

@@ -888,6 +888,25 @@ def copy_run(plan: Any, start: int, count: int) -> None:
         lib.kvl_copy_batch(plan + start, count)
 
 
+def block_index(blocks: Any) -> Any:
+    """A ``uint32_t[]`` of the block each op of a :func:`copy_plan` belongs to."""
+    arr = ffi.new("uint32_t[]", max(1, len(blocks)))
+    np.frombuffer(ffi.buffer(arr), dtype=np.uint32)[: len(blocks)] = blocks
+    return arr
+
+
+def new_crcs(n: int) -> Any:
+    """``n`` crc32c states, all 0."""
+    return ffi.new("uint32_t[]", max(1, n))
+
+
+def copy_crc_run(plan: Any, index: Any, start: int, count: int, crcs: Any, n_crcs: int) -> None:
+    """kvl_copy_crc_batch over ``plan[start : start + count]`` (``index`` from
+    :func:`block_index`, ``crcs`` from :func:`new_crcs`)."""
+    if count:
+        check(lib.kvl_copy_crc_batch(plan + start, index + start, count, crcs, n_crcs))
+
+
 def copy_batch(dst: Any, src: Any, length: Any) -> None:
     """kvl_copy_batch: copies length[i] bytes from address src[i] to dst[i] (three
     equal-length integer arrays).  The caller guarantees every range is valid."""

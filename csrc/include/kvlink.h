@@ -741,6 +741,14 @@ typedef struct kvl_copy {
  * no op's dst overlaps its src.  Blocks for the copy; thread-safe. */
 void kvl_copy_batch(const kvl_copy *ops, size_t n);
 
+/* kvl_copy_batch that also checksums what it copies, in one pass over the source: for each
+ * op i in order, crcs[block[i]] = crc32c(crcs[block[i]], src, len) continued (start the
+ * states at 0).  A block's pieces must come in payload order (they may interleave with
+ * other blocks': layer by layer over many blocks).  KVL_ERR_INVALID_ARG, before any copy,
+ * when a block index is >= n_crcs.  Blocks for the copy; thread-safe. */
+kvl_err kvl_copy_crc_batch(const kvl_copy *ops, const uint32_t *block, size_t n, uint32_t *crcs,
+                           size_t n_crcs);
+
 /* A read-only span of memory. */
 typedef struct kvl_span {
     const void *p;

@@ -879,23 +879,22 @@ class Store:
             step = max(1, self.host.n_slots // 4)
             parts = [local[j : j + step] for j in range(0, len(local), step)] or [[]]
             for n, part in enumerate(parts):
-                held: list[tuple[int, int]] = []
+                held: list[tuple[int, int, int]] = []
                 keep: list[Any] = []
+                bad: set[int] = set()
                 try:
                     for i in self._bring_up(ks, part, load, held, deadline, keep):
                         load._fail(i, "evicted while the load ran")
-                    self._copy_out(
-                        ks, held, addrs, load, remote if n == len(parts) - 1 else None, deadline
-                    )
+                    last = n == len(parts) - 1
+                    got = self._copy_out(held, addrs, load, remote if last else None, deadline)
+                    for (i, _at, want), crc in zip(held, got, strict=True):
+                        if crc != want:  # its pages hold what failed: the engine recomputes
+                            tier = load.tiers[i]
+                            where = tier.value if tier is not None else "local"
+                            load._fail(i, f"its {where} copy failed its crc32c")
+                            bad.add(i)
                 finally:
-                    with self._mu:
-                        for i, _at in held:
-                            e = self._index.get(ks[i])
-                            if e is not None:
-                                e.busy -= 1
-                                self._host_lru.touch(ks[i])
-                        self._stats.bytes_read["host"] += len(held) * self.block_bytes
-                        self._cv.notify_all()
+                    self._release_held(ks, held, load, bad)
             self._finish_remote(ks, remote, addrs, load, deadline)
         except Exception as exc:  # a load never raises into the pool: it fails its blocks
             log.exception("store: load failed")
@@ -906,57 +905,87 @@ class Store:
                 self._stats.failed += len(load._failed)
             load._finish()
 
+    def _release_held(
+        self, ks: list[bytes], held: list[tuple[int, int, int]], load: Load, bad: set[int]
+    ) -> None:
+        """Ends the busy marks of a load's part; counts its hits; drops copies that failed
+        their checks."""
+        with self._mu:
+            for i, _at, _crc in held:
+                e = self._index.get(ks[i])
+                if e is None:
+                    continue
+                e.busy -= 1
+                if i in bad:
+                    self._stats.discarded += 1
+                    if e.host is not None and e.busy == 0 and e.pins == 0:
+                        self._drop_host(e, evicted=False)
+                    continue
+                self._host_lru.touch(ks[i])
+                tier = load.tiers[i]
+                self._stats.hits["disk" if tier is Tier.DISK else "host"] += 1
+            self._stats.bytes_read["host"] += len(held) * self.block_bytes
+            self._cv.notify_all()
+
     def _copy_out(
         self,
-        ks: list[bytes],
-        held: list[tuple[int, int]],
+        held: list[tuple[int, int, int]],
         addrs: np.ndarray[Any, Any],
         load: Load,
         remote: list[tuple[Any, list[tuple[int, int]]]] | None,
         deadline: float,
-    ) -> None:
-        """Copies the host copies of blocks ``held`` (busy) into their pages; with
-        ``remote`` (the last part), layer by layer, each layer signalled once the remote
-        transfers have it too."""
+    ) -> list[int]:
+        """Copies the slots of blocks ``held`` (busy) into their pages and checksums them
+        in the same pass (the source is read once: its crc32c comes from the cache);
+        returns each block's crc32c, for the caller to check.  With ``remote`` (the last
+        part) it goes layer by layer, each layer signalled once the remote transfers have
+        it too."""
         npieces = addrs.shape[1]
         piece = self.block_bytes // npieces
         n_layers = len(load._layers)
         per_layer = npieces // n_layers
-        base = np.array([at + PAGE for _i, at in held], dtype=np.int64)
+        k = len(held)
+        base = np.array([at + PAGE for _i, at, _c in held], dtype=np.int64)
         src_all = base[:, None] + np.arange(npieces, dtype=np.int64)[None, :] * piece
-        rows = [i for i, _at in held]
+        rows = [i for i, _at, _c in held]
         dst_all = addrs[rows] if held else np.empty((0, npieces), np.int64)
-        # one plan, layer-major: each layer is one call into the C core
-        def order(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-            return a.reshape(len(held), n_layers, per_layer).transpose(1, 0, 2).reshape(-1)
+        blk_all = np.repeat(np.arange(k, dtype=np.uint32)[:, None], npieces, axis=1)
 
-        count = len(held) * per_layer
+        # one plan, layer-major: each layer is one call into the C core, and each block's
+        # pieces still come in payload order (its crc continues piece after piece)
+        def order(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+            return a.reshape(k, n_layers, per_layer).transpose(1, 0, 2).reshape(-1)
+
+        count = k * per_layer
         plan = _native.copy_plan(order(dst_all), order(src_all), np.full(count * n_layers, piece))
+        index = _native.block_index(order(blk_all))
+        crcs = _native.new_crcs(k)
         if remote is None:
-            _native.copy_run(plan, 0, count * n_layers)
-            return
-        for layer in range(n_layers):
-            _native.copy_run(plan, layer * count, count)
-            for t, _blocks in remote:
-                # the whole transfer's outcome is checked at the end
-                with contextlib.suppress(KvlinkError):
-                    t.wait_layer(layer, timeout_s=max(0.0, deadline - time.monotonic()))
-            load._layer(layer)
+            _native.copy_crc_run(plan, index, 0, count * n_layers, crcs, k)
+        else:
+            for layer in range(n_layers):
+                _native.copy_crc_run(plan, index, layer * count, count, crcs, k)
+                for t, _blocks in remote:
+                    # the whole transfer's outcome is checked at the end
+                    with contextlib.suppress(KvlinkError):
+                        t.wait_layer(layer, timeout_s=max(0.0, deadline - time.monotonic()))
+                load._layer(layer)
+        return [int(crcs[j]) for j in range(k)]
 
     def _bring_up(
         self,
         ks: list[bytes],
         idxs: list[int],
         load: Load,
-        held: list[tuple[int, int]],
+        held: list[tuple[int, int, int]],
         deadline: float,
         keep: list[Any],
     ) -> list[int]:
         """Marks host hits busy and reads disk hits up into the host tier (into a
-        private buffer when the host tier is full of pinned blocks: ``keep`` holds it),
-        checks every copy, and appends (index, address of its slot) to ``held`` for
-        each one that passed; the entries of ``held`` stay busy.  Returns the indices
-        no longer held here."""
+        private buffer when the host tier is full of pinned blocks: ``keep`` holds it;
+        each read is checked), and appends (index, address of its slot, expected crc32c)
+        to ``held`` for each; the entries of ``held`` stay busy.  Returns the indices no
+        longer held here."""
         missing: list[int] = []
         promote: list[tuple[int, _Entry]] = []
         with self._mu:
@@ -970,35 +999,19 @@ class Store:
                     missing.append(i)
                 elif e.host is not None:
                     e.busy += 1
-                    held.append((i, self.host.addr(e.host)))
+                    held.append((i, self.host.addr(e.host), e.crc))
                     load.tiers[i] = Tier.HOST
                 else:
                     e.loading = True
                     e.busy += 1
                     promote.append((i, e))
-        # every host copy is checked before it is served
-        for i, at in list(held):
-            with self._mu:
-                e = self._index[ks[i]]
-            if _native.crc32c_at(at + PAGE, self.block_bytes) != e.crc:
-                load._fail(i, "its host copy failed its crc32c")
-                held.remove((i, at))
-                with self._mu:
-                    e.busy -= 1
-                    self._stats.discarded += 1
-                    if e.busy == 0 and e.pins == 0 and e.host is not None:
-                        self._drop_host(e, evicted=False)
-                continue
-            with self._mu:
-                self._stats.hits["host"] += 1
         if promote:
             got = self._promote([e for _i, e in promote], keep)
             with self._mu:
-                for (i, _e), slot_at in zip(promote, got, strict=True):
+                for (i, e), slot_at in zip(promote, got, strict=True):
                     if slot_at is not None:
-                        held.append((i, slot_at))
+                        held.append((i, slot_at, e.crc))
                         load.tiers[i] = Tier.DISK
-                        self._stats.hits["disk"] += 1
                     else:
                         load._fail(i, "its copy on disk failed its checks")
         return missing

@@ -105,6 +105,31 @@ static void test_copy_and_spans(void)
           memcmp(dst + 2000, src + 2000, 1000) == 0);
     kvl_span spans[3] = {{src, 7}, {src + 7, 2000}, {src + 2007, 993}};
     CHECK(kvl_crc32c_spans(0, spans, 3) == kvl_crc32c(0, src, sizeof src));
+
+    /* large pieces take the streaming path: odd offsets and lengths, both ends exact */
+    size_t big = 300001;
+    uint8_t *a = malloc(big + 64), *b = malloc(big + 64);
+    fill(a, big + 64, 10);
+    memset(b, 0xAB, big + 64);
+    kvl_copy one = {b + 3, a + 5, big};
+    kvl_copy_batch(&one, 1);
+    CHECK(memcmp(b + 3, a + 5, big) == 0 && b[2] == 0xAB && b[3 + big] == 0xAB);
+
+    /* copies with checksums, two blocks interleaved piece by piece (layer-major order) */
+    memset(b, 0, big + 64);
+    size_t q = big / 4;
+    kvl_copy four[4] = {{b, a, q}, {b + 2 * q, a + 2 * q, q}, {b + q, a + q, q},
+                        {b + 3 * q, a + 3 * q, q}};
+    uint32_t blk[4] = {0, 1, 0, 1}, crcs[2] = {0, 0};
+    CHECK(kvl_copy_crc_batch(four, blk, 4, crcs, 2) == KVL_OK);
+    CHECK(memcmp(b, a, 4 * q) == 0);
+    CHECK(crcs[0] == kvl_crc32c(0, a, 2 * q) && crcs[1] == kvl_crc32c(0, a + 2 * q, 2 * q));
+    uint32_t bad[1] = {2};
+    memset(b, 0, big + 64);
+    CHECK(kvl_copy_crc_batch(four, bad, 1, crcs, 2) == KVL_ERR_INVALID_ARG);
+    CHECK(b[0] == 0 && strstr(kvl_last_error(), "block 2 of 2") != NULL); /* nothing copied */
+    free(a);
+    free(b);
 }
 
 static void run_backend(int force_threads)

@@ -85,10 +85,19 @@ def run(
         dst_layout = kv.PagedLayout.from_tensors(agent, engine)
         src_layout = kv.PagedLayout.from_tensors(agent, src)
         keys = block_keys("bench", list(range(n * 16)), 16)
-        st = Store(agent, StoreConfig(block_bytes=block_bytes, host_bytes=(2 * n + 4) * slot,
-                                      disk_path=str(tmp / "store"), disk_bytes=(n + 2) * slot,
-                                      high_watermark=1.0, low_watermark=0.99, remote=False,
-                                      io_depth=32))  # fio's depth
+        st = Store(
+            agent,
+            StoreConfig(
+                block_bytes=block_bytes,
+                host_bytes=(2 * n + 4) * slot,
+                disk_path=str(tmp / "store"),
+                disk_bytes=(n + 2) * slot,
+                high_watermark=1.0,
+                low_watermark=0.99,
+                remote=False,
+                io_depth=32,
+            ),
+        )  # fio's depth
         backend = st.stats().io_backend
         try:
             st.put(keys, src_layout, range(n))
@@ -99,7 +108,8 @@ def run(
             fw: list[float] = []
             fr: list[float] = []
             flat_src = np.concatenate([s.reshape(-1) for s in src])
-            flat_dst = np.empty_like(flat_src)
+            flat_dst = np.zeros_like(flat_src)
+            flat_dst[:] = 1  # faulted in before it is timed
             for it in range(iters):
                 progress(f"store: round {it + 1}/{iters}")
                 # write-back of every block (the host copies stay: only the disk moves)
@@ -123,32 +133,49 @@ def run(
                 h_s.append(_timed(ld.wait))
                 if not ld.ok:
                     raise RuntimeError(f"load failed: {ld.reasons}")
-                m_s.append(_timed(lambda: _native.copy_batch(
-                    np.array([flat_dst.__array_interface__["data"][0]]),
-                    np.array([flat_src.__array_interface__["data"][0]]),
-                    np.array([flat_src.size]))))  # fmt: skip
+                m_s.append(_timed(lambda: _memcpy(flat_dst, flat_src, st.config.copy_threads)))
             for layer in (0, layers - 1):
                 if not np.array_equal(engine[layer], src[layer]):
                     raise RuntimeError(f"layer {layer} differs after the load")
-            moved_r = n * slot
-            rows: list[tuple[str, float, float, str, str]] = [
-                ("Store disk tier write-back, 1 MiB blocks",
-                 n * slot / statistics.median(w_s) / 1e9, statistics.median(fw),
-                 "fio O_DIRECT 1 MiB iodepth 32 write, same directory",
-                 ">= 0.8"),
-                ("Store disk tier read-up (prefetch, crc32c checked), 1 MiB blocks",
-                 moved_r / statistics.median(r_s) / 1e9, statistics.median(fr),
-                 "fio O_DIRECT 1 MiB iodepth 32 read, same directory", ">= 0.8"),
-                ("Store host tier into an engine layout (crc32c checked)",
-                 nbytes / statistics.median(h_s) / 1e9, nbytes / statistics.median(m_s) / 1e9,
-                 "one memcpy of the same bytes", ">= 0.8"),
+
+            # each round's figure over the same round's baseline (this VM's memory and disk
+            # speeds drift between rounds), then the median of those ratios
+            def ratios(moved: int, ours: list[float], base_gbps: list[float]) -> list[float]:
+                return [moved / t / 1e9 / b for t, b in zip(ours, base_gbps, strict=True)]
+
+            memcpy_gbps = [nbytes / t / 1e9 for t in m_s]
+            rows: list[tuple[str, list[float], float, float, str]] = [
+                (
+                    "Store disk tier write-back, 1 MiB blocks",
+                    ratios(n * slot, w_s, fw),
+                    n * slot / statistics.median(w_s) / 1e9,
+                    statistics.median(fw),
+                    "fio O_DIRECT 1 MiB iodepth 32 write, same directory, same round",
+                ),
+                (
+                    "Store disk tier read-up (prefetch, crc32c checked), 1 MiB blocks",
+                    ratios(n * slot, r_s, fr),
+                    n * slot / statistics.median(r_s) / 1e9,
+                    statistics.median(fr),
+                    "fio O_DIRECT 1 MiB iodepth 32 read, same directory, same round",
+                ),
+                (
+                    "Store host tier into an engine layout (crc32c checked)",
+                    ratios(nbytes, h_s, memcpy_gbps),
+                    nbytes / statistics.median(h_s) / 1e9,
+                    statistics.median(memcpy_gbps),
+                    f"memcpy of the same bytes, contiguous, on as many threads "
+                    f"({st.config.copy_threads}), same round",
+                ),
             ]
-            for name, gbps, base, what, target in rows:
+            for name, rs, gbps, base, what in rows:
+                ratio = statistics.median(rs)
                 yield {
                     "scenario": f"{name}, {nbytes >> 20} MiB, {layers} layers",
-                    "section": "store", "ratio": round(gbps / base, 3),
-                    "detail": f"{gbps:.2f} vs {base:.2f} GB/s (medians of {iters}; {backend})",
-                    "baseline": what, "target": target, "met": gbps / base >= 0.8,
+                    "section": "store", "ratio": round(ratio, 3),
+                    "detail": f"{gbps:.2f} vs {base:.2f} GB/s (medians of {iters}; rounds "
+                    + ", ".join(f"{r:.2f}" for r in rs) + f"; {backend})",
+                    "baseline": what, "target": ">= 0.8", "met": ratio >= 0.8,
                     "gbps": round(gbps, 3), "limit_gbps": round(base, 3),
                 }  # fmt: skip
             # latency: lookups and small loads from the host tier
@@ -168,6 +195,19 @@ def run(
     finally:
         agent.close()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _memcpy(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any], threads: int) -> None:
+    """One memcpy of ``src`` into ``dst`` (the C core's, streaming), split over as many
+    threads as the store copies with."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    d, s, n = dst.__array_interface__["data"][0], src.__array_interface__["data"][0], src.size
+    parts = [(i * n // threads, (i + 1) * n // threads) for i in range(threads)]
+    with ThreadPoolExecutor(threads) as ex:
+        for f in [ex.submit(_native.copy_batch, np.array([d + lo]), np.array([s + lo]),
+                            np.array([hi - lo])) for lo, hi in parts]:  # fmt: skip
+            f.result()
 
 
 def _rewrite(st: Any) -> float:

@@ -51,6 +51,7 @@ log = logging.getLogger("kvlink.store")
 _KEY_SALT = b"kvlink-store-v1\0"
 SCRATCH_PAGES = 1024  # slot headers of remote hits in flight (4 MiB)
 MAX_PREFETCHES = 4096  # prefetches holding pins; beyond, the oldest are released
+PARALLEL_COPY_MIN = 16 << 20  # a load part moving less goes on one thread
 
 
 class StoreError(KvlinkError):
@@ -117,6 +118,7 @@ class StoreConfig:
     verify_on_open: bool = True  # re-read every payload at open to discard torn blocks
     remote: bool = True  # publish and find blocks through the agent's discovery (etcd)
     loaders: int = 2  # threads running loads and prefetches
+    copy_threads: int = 2  # threads one large load copies with (memory bandwidth per thread)
     prefetch_base_s: float = 0.05  # timeout policy: base + per block x blocks, capped
     prefetch_per_block_s: float = 0.002
     prefetch_cap_s: float = 1.0
@@ -160,6 +162,8 @@ class StoreConfig:
             raise ConfigError(f"io_threads: expected 1..64, got {self.io_threads}")
         if not 1 <= self.loaders <= 64:
             raise ConfigError(f"loaders: expected 1..64, got {self.loaders}")
+        if not 1 <= self.copy_threads <= 64:
+            raise ConfigError(f"copy_threads: expected 1..64, got {self.copy_threads}")
         for f in ("prefetch_base_s", "prefetch_per_block_s", "prefetch_cap_s", "prefetch_pin_s"):
             if not getattr(self, f) >= 0:
                 raise ConfigError(f"{f}: expected seconds >= 0, got {getattr(self, f)!r}")
@@ -406,6 +410,10 @@ class Store:
             self._release_resources()
             raise
         self._pool = ThreadPoolExecutor(config.loaders, thread_name_prefix="kvlink-store-load")
+        self._copiers = ThreadPoolExecutor(
+            max(1, config.loaders * (config.copy_threads - 1)),
+            thread_name_prefix="kvlink-store-copy",
+        )
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._maintain, name="kvlink-store", daemon=True)
         self._thread.start()
@@ -949,28 +957,51 @@ class Store:
         src_all = base[:, None] + np.arange(npieces, dtype=np.int64)[None, :] * piece
         rows = [i for i, _at, _c in held]
         dst_all = addrs[rows] if held else np.empty((0, npieces), np.int64)
-        blk_all = np.repeat(np.arange(k, dtype=np.uint32)[:, None], npieces, axis=1)
 
-        # one plan, layer-major: each layer is one call into the C core, and each block's
-        # pieces still come in payload order (its crc continues piece after piece)
-        def order(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-            return a.reshape(k, n_layers, per_layer).transpose(1, 0, 2).reshape(-1)
+        # blocks split over copy_threads threads when there is enough to move (a thread
+        # reaches only part of the memory bandwidth); each group one plan, layer-major:
+        # one C call per layer and group, every block's pieces still in payload order
+        # (its crc continues piece after piece)
+        t = self.config.copy_threads if k * self.block_bytes >= PARALLEL_COPY_MIN else 1
+        t = max(1, min(t, k))
+        groups = []
+        for g in range(t):
+            lo, hi = g * k // t, (g + 1) * k // t
+            m = hi - lo
 
-        count = k * per_layer
-        plan = _native.copy_plan(order(dst_all), order(src_all), np.full(count * n_layers, piece))
-        index = _native.block_index(order(blk_all))
-        crcs = _native.new_crcs(k)
+            def order(a: np.ndarray[Any, Any], m: int = m) -> np.ndarray[Any, Any]:
+                return a.reshape(m, n_layers, per_layer).transpose(1, 0, 2).reshape(-1)
+
+            blk = np.repeat(np.arange(m, dtype=np.uint32)[:, None], npieces, axis=1)
+            plan = _native.copy_plan(
+                order(dst_all[lo:hi]), order(src_all[lo:hi]), np.full(m * npieces, piece)
+            )
+            groups.append((plan, _native.block_index(order(blk)), _native.new_crcs(m), m))
+
+        def run(layers: range) -> None:
+            def one(g: tuple[Any, Any, Any, int]) -> None:
+                plan, index, crcs, m = g
+                count = m * per_layer
+                _native.copy_crc_run(
+                    plan, index, layers.start * count, len(layers) * count, crcs, m
+                )
+
+            futs = [self._copiers.submit(one, g) for g in groups[1:]]
+            one(groups[0])
+            for f in futs:
+                f.result()
+
         if remote is None:
-            _native.copy_crc_run(plan, index, 0, count * n_layers, crcs, k)
+            run(range(n_layers))
         else:
             for layer in range(n_layers):
-                _native.copy_crc_run(plan, index, layer * count, count, crcs, k)
-                for t, _blocks in remote:
+                run(range(layer, layer + 1))
+                for tr, _blocks in remote:
                     # the whole transfer's outcome is checked at the end
                     with contextlib.suppress(KvlinkError):
-                        t.wait_layer(layer, timeout_s=max(0.0, deadline - time.monotonic()))
+                        tr.wait_layer(layer, timeout_s=max(0.0, deadline - time.monotonic()))
                 load._layer(layer)
-        return [int(crcs[j]) for j in range(k)]
+        return [int(g[2][j]) for g in groups for j in range(g[3])]
 
     def _bring_up(
         self,
@@ -1513,6 +1544,7 @@ class Store:
         self._wake.set()
         self._thread.join(timeout=10)
         self._pool.shutdown(wait=True)
+        self._copiers.shutdown(wait=True)
         self._release_resources()
 
     def _release_resources(self) -> None:

@@ -44,6 +44,9 @@ def aligned(nbytes: int, populate: bool = False) -> tuple[np.ndarray[Any, Any], 
     if populate:
         flags |= getattr(mmap, "MAP_POPULATE", 0)
     m = mmap.mmap(-1, max(nbytes, PAGE), flags=flags)
+    if hasattr(mmap, "MADV_HUGEPAGE") and nbytes >= 2 << 20:
+        # huge pages where the kernel has them: a load's pieces cross far fewer TLB entries
+        m.madvise(mmap.MADV_HUGEPAGE)
     return np.frombuffer(m, dtype=np.uint8, count=nbytes), m
 
 

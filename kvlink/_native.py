@@ -924,6 +924,11 @@ def crc32c_spans(addresses: Sequence[int], lengths: Sequence[int], crc: int = 0)
     return int(lib.kvl_crc32c_spans(crc, spans, n))
 
 
+def memory_at(address: int, nbytes: int) -> memoryview:
+    """The ``nbytes`` at raw address ``address`` (memory the caller keeps alive)."""
+    return memoryview(ffi.buffer(ffi.cast("char *", address), nbytes))
+
+
 def crc32c_at(address: int, nbytes: int, crc: int = 0) -> int:
     """kvl_crc32c over raw memory the caller keeps valid."""
     return int(lib.kvl_crc32c(crc, ffi.cast("void *", address), nbytes))

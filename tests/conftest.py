@@ -94,6 +94,17 @@ def make_agent() -> Iterator[Callable[..., Any]]:
 
 
 @pytest.fixture
+def etcd() -> Iterator[Any]:
+    """A real etcd server on free ports in a temp folder, for this test only."""
+    require_tool("etcd")
+    from kvlink.bench.etcd import EtcdServer
+
+    server = EtcdServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture
 def spawn_peer() -> Iterator[Callable[..., Any]]:
     """Factory for agents in child processes (kvlink.bench.worker), closed at teardown."""
     from kvlink.bench import Worker

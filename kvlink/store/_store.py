@@ -33,6 +33,7 @@ from .._errors import (
     InvalidArgumentError,
     KvlinkError,
 )
+from .._types import MemoryType
 from ..kv import PagedLayout
 from ._evict import Policy, make_policy
 from ._format import (
@@ -44,7 +45,7 @@ from ._format import (
     slot_bytes,
 )
 from ._remote import Location, RemoteIndex
-from ._tiers import DiskTier, HostTier, address, aligned, ffi_buffer
+from ._tiers import DiskTier, HostTier, address, aligned
 
 log = logging.getLogger("kvlink.store")
 
@@ -532,6 +533,11 @@ class Store:
             if r is None:
                 raise InvalidArgumentError(
                     f"{arg}: region {rid} of layer {li} is not registered with this agent"
+                )
+            if r.mem != MemoryType.HOST:
+                raise InvalidArgumentError(
+                    f"{arg}: layer {li} is in GPU memory (region {r.name or rid}); the store "
+                    "copies host memory only (a GPU tier is not built yet: docs/store.md)"
                 )
             end = (
                 off
@@ -1085,7 +1091,7 @@ class Store:
         out: list[int | None] = []
         with self._mu:
             for j, (e, at) in enumerate(zip(entries, addrs, strict=True)):
-                raw = bytes(ffi_buffer(at, 128)) if io_ok else b""
+                raw = bytes(_native.memory_at(at, 128)) if io_ok else b""
                 h = parse_slot_header(raw) if io_ok else None
                 good = (
                     h is not None

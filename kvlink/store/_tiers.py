@@ -54,11 +54,6 @@ def address(arr: np.ndarray[Any, Any]) -> int:
     return int(arr.__array_interface__["data"][0])
 
 
-def ffi_buffer(addr: int, nbytes: int) -> memoryview:
-    """The ``nbytes`` at raw address ``addr`` (memory the caller keeps alive)."""
-    return memoryview(_native.ffi.buffer(_native.ffi.cast("char *", addr), nbytes))
-
-
 class HostTier:
     """``n_slots`` slots in one page-aligned block of host memory, registered with the
     agent so peers pull slots straight out of it (``remote_read``)."""

@@ -8,7 +8,7 @@ import base64
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -23,16 +23,6 @@ SECRET = "cluster-secret-for-the-tests-0123456789"
 MiB = 1 << 20
 # short leases and refreshes keep the tests quick; every wait below is bounded
 FAST = {"discovery_ttl_s": 2.0, "discovery_refresh_s": 0.1, "discovery_timeout_s": 1.0}
-
-
-@pytest.fixture
-def etcd() -> Iterator[Any]:
-    require_tool("etcd")
-    from kvlink.bench.etcd import EtcdServer
-
-    server = EtcdServer()
-    yield server
-    server.close()
 
 
 @pytest.fixture

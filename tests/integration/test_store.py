@@ -30,7 +30,7 @@ from kvlink.store import (
     block_keys,
 )
 from kvlink.store._format import PAGE, SLOT_MAGIC, slot_bytes
-from tests.conftest import REQUIRE_ALL, require_tool
+from tests.conftest import REQUIRE_ALL
 from tests.waits import wait_for
 
 LAYERS, PLANES, BLOCK = 3, 2, 8192  # a block: 3 layers x K,V x 8 KiB = 48 KiB
@@ -329,16 +329,6 @@ def test_arc_store_end_to_end(agent, stores, tmp_path):
     for r in range(4):  # a scan of blocks used once
         st.put(keys_for(8, f"scan{r}"), src.layout, range(8, 16))
     assert st.lookup(hot).tiers == (Tier.HOST,) * 4  # the scan did not flush them
-
-
-@pytest.fixture
-def etcd() -> Iterator[Any]:
-    require_tool("etcd")
-    from kvlink.bench.etcd import EtcdServer
-
-    server = EtcdServer()
-    yield server
-    server.close()
 
 
 def test_remote_hits_are_pulled_into_the_pages_and_checked(etcd, make_agent, stores):

@@ -262,7 +262,7 @@ class Load:
         """Blocks until ``layer`` of every block is in place or known failed.
 
         Raises:
-            TransferTimeoutError-like ``TimeoutError`` (StoreError) after ``timeout_s``.
+            StoreTimeoutError: not within ``timeout_s`` (the load goes on).
         """
         if not 0 <= layer < len(self._layers):
             raise InvalidArgumentError(f"layer: {layer} is outside [0, {len(self._layers)})")
@@ -660,11 +660,7 @@ class Store:
         self._writing += 1
         self._mu.release()
         try:
-            _native.blockio_run(self.disk.writer, _native.new_ios(rows))
-            ok = True
-        except KvlinkError as exc:
-            log.error("store: writing %d blocks to %s failed: %s", len(rows), self.disk.dir, exc)
-            ok = False
+            ok = self.disk.run(rows, write=True)
         finally:
             self._mu.acquire()
             self._writing -= 1
@@ -726,12 +722,15 @@ class Store:
                 return 0
             slots = self._host_alloc(len(new))
         try:
+            # one pass: each piece is checksummed as it is copied (payload order per block)
             dst = np.array([self.host.addr(s) + PAGE for s in slots], dtype=np.int64)
             npieces = addrs.shape[1]
             d = (dst[:, None] + np.arange(npieces, dtype=np.int64)[None, :] * piece).reshape(-1)
-            src = addrs[new].reshape(-1)
-            _native.copy_batch(d, src, np.full(d.size, piece, dtype=np.int64))
-            crcs = [_native.crc32c_at(self.host.addr(s) + PAGE, self.block_bytes) for s in slots]
+            plan = _native.copy_plan(d, addrs[new].reshape(-1), np.full(d.size, piece))
+            index = _native.block_index(np.repeat(np.arange(len(new), dtype=np.uint32), npieces))
+            state = _native.new_crcs(len(new))
+            _native.copy_crc_run(plan, index, 0, d.size, state, len(new))
+            crcs = [int(state[j]) for j in range(len(new))]
         except BaseException:
             with self._mu:
                 self.host.free.extend(slots)
@@ -1082,12 +1081,7 @@ class Store:
         for e, at in zip(entries, addrs, strict=True):
             assert e.disk is not None
             rows.append(self.disk.io(e.disk, False, at))
-        try:
-            _native.blockio_run(self.disk.reader, _native.new_ios(rows))
-            io_ok = True
-        except KvlinkError as exc:
-            log.error("store: reading %d blocks from %s failed: %s", len(rows), self.disk.dir, exc)
-            io_ok = False
+        io_ok = self.disk.run(rows, write=False)
         out: list[int | None] = []
         with self._mu:
             for j, (e, at) in enumerate(zip(entries, addrs, strict=True)):

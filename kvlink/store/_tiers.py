@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from .. import _native
-from .._errors import ConfigError
+from .._errors import ConfigError, KvlinkError
 from ._format import (
     PAGE,
     SLOT_MAGIC,
@@ -193,6 +193,17 @@ class DiskTier:
         default) from or to memory at ``addr``."""
         fd, off = self.where(slot)
         return fd, write, addr, self.slot_bytes if nbytes is None else nbytes, off
+
+    def run(self, rows: list[tuple[int, bool, int, int, int]], *, write: bool) -> bool:
+        """Runs a batch of :meth:`io` rows on the writer or the reader; False (logged) when
+        any of them failed: the caller must not trust those slots."""
+        try:
+            _native.blockio_run(self.writer if write else self.reader, _native.new_ios(rows))
+            return True
+        except KvlinkError as exc:
+            what = "writing" if write else "reading"
+            log.error("store: %s %d blocks in %s failed: %s", what, len(rows), self.dir, exc)
+            return False
 
     def _scan(self, rep: ScanReport, verify: bool) -> None:
         batch = max(1, min(self.n_slots, SCAN_BATCH_BYTES // self.slot_bytes))

@@ -215,25 +215,42 @@ def block_segments(
     src_blocks: Any,
     dst_blocks: Any,
     layers: Sequence[int] | None = None,
+    *,
+    piece: tuple[int, int, int] | None = None,
 ) -> np.ndarray[Any, Any]:
     """Segments moving ``src_blocks`` of ``src`` to ``dst_blocks`` of ``dst`` for
     every layer (or only ``layers``), layer-major, runs of consecutive blocks
     on both sides merged.
 
+    ``piece`` = (src_offset, dst_offset, length) moves only ``length`` bytes of
+    each block, from ``src_offset`` into the source block to ``dst_offset``
+    into the destination block (a tensor-parallel rank's heads: the two
+    layouts' blocks may then differ in size). Such pieces are not merged.
+
     Raises:
         InvalidArgumentError: layouts that disagree (layers, planes, block
             size), block lists of different lengths, block ids out of range,
-            duplicate destination blocks or unknown layers; the message names
-            the argument.
+            duplicate destination blocks, unknown layers or a piece outside a
+            block; the message names the argument.
     """
     if src.num_layers != dst.num_layers:
         raise InvalidArgumentError(f"dst: {dst.num_layers} layers, but src has {src.num_layers}")
     if src.planes != dst.planes:
         raise InvalidArgumentError(f"dst: {dst.planes} planes, but src has {src.planes}")
-    if src.block_bytes != dst.block_bytes:
-        raise InvalidArgumentError(
-            f"dst: blocks of {dst.block_bytes} bytes, but src blocks are {src.block_bytes}"
-        )
+    if piece is None:
+        if src.block_bytes != dst.block_bytes:
+            raise InvalidArgumentError(
+                f"dst: blocks of {dst.block_bytes} bytes, but src blocks are {src.block_bytes}"
+            )
+        src_in, dst_in, piece_len = 0, 0, src.block_bytes
+    else:
+        src_in, dst_in, piece_len = (int(x) for x in piece)
+        if (piece_len <= 0 or src_in < 0 or dst_in < 0 or src_in + piece_len > src.block_bytes
+                or dst_in + piece_len > dst.block_bytes):
+            raise InvalidArgumentError(
+                f"piece: {piece_len} bytes at {src_in} / {dst_in} do not fit blocks of "
+                f"{src.block_bytes} / {dst.block_bytes} bytes"
+            )
     sb = _blocks("src_blocks", src_blocks, src.num_blocks)
     db = _blocks("dst_blocks", dst_blocks, dst.num_blocks)
     if sb.size != db.size:
@@ -255,13 +272,17 @@ def block_segments(
                 f"[0, {src.num_layers})"
             )
 
-    # Runs of consecutive blocks on both sides: start positions and lengths.
-    breaks = np.flatnonzero((np.diff(sb) != 1) | (np.diff(db) != 1)) + 1
-    starts = np.concatenate(([0], breaks))
-    lengths = np.diff(np.concatenate((starts, [sb.size])))
-    run_src = sb[starts] * src.block_bytes
-    run_dst = db[starts] * dst.block_bytes
-    run_len = lengths * src.block_bytes
+    if piece_len == src.block_bytes == dst.block_bytes:
+        # Runs of consecutive blocks on both sides: start positions and lengths.
+        breaks = np.flatnonzero((np.diff(sb) != 1) | (np.diff(db) != 1)) + 1
+        starts = np.concatenate(([0], breaks))
+        lengths = np.diff(np.concatenate((starts, [sb.size])))
+    else:  # part of each block: one segment per block
+        starts = np.arange(sb.size)
+        lengths = np.ones(sb.size, dtype=np.int64)
+    run_src = sb[starts] * src.block_bytes + src_in
+    run_dst = db[starts] * dst.block_bytes + dst_in
+    run_len = lengths * piece_len
 
     nruns, nplanes, nlayers = run_len.size, src.planes, layer_ids.size
     out = np.zeros(nlayers * nplanes * nruns, dtype=SEGMENT_DTYPE)

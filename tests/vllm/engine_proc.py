@@ -115,6 +115,9 @@ def main() -> None:
                     help="vLLM's own CPU offloading (kv_offloading_size, GiB), no connector")
     ap.add_argument("--prefix-caching", action="store_true",
                     help="vLLM's own prefix cache on (off by default)")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor_parallel_size (workers in their own processes; on CPU set "
+                         "VLLM_CPU_OMP_THREADS_BIND, e.g. '0|1')")
     ap.add_argument("--log-stats", action="store_true",
                     help="vLLM's stat loggers on (its Prometheus metrics in this process)")
     a = ap.parse_args()
@@ -142,6 +145,8 @@ def main() -> None:
             enforce_eager=True, max_num_seqs=16, max_num_batched_tokens=max(a.max_model_len, 2048),
             seed=0, enable_prefix_caching=a.prefix_caching, kv_transfer_config=ktc,
             disable_log_stats=not a.log_stats,
+            tensor_parallel_size=a.tp,
+            **({"distributed_executor_backend": "mp"} if a.tp > 1 else {}),
             **({"num_gpu_blocks_override": a.num_blocks} if a.num_blocks else {}),
             **({"kv_offloading_size": a.kv_offloading_bytes}
                if a.kv_offloading_bytes else {}),
@@ -230,7 +235,15 @@ def main() -> None:
                 })
             elif op == "card":
                 conn = worker_connector()
-                answer({"card": conn._worker.card.to_dict()})
+                if conn is not None:
+                    answer({"card": conn._worker.card.to_dict()})
+                else:  # workers in other processes (TP): ask as a proxy does
+                    o = llm.generate(
+                        [TokensPrompt(prompt_token_ids=[1, 2])],
+                        SamplingParams(max_tokens=1, extra_args={
+                            "kv_transfer_params": {"kvlink_card_only": True}}),
+                        use_tqdm=False)
+                    answer({"card": o[0].kv_transfer_params["kvlink"]["card"]})
             elif op == "metrics":
                 from prometheus_client import REGISTRY, generate_latest
 

@@ -88,7 +88,7 @@ class PushJob:
     req_id: str
     transfer_id: str
     src_blocks: list[int]
-    decode: proto.Card
+    decode: list[proto.Card]  # one per decode rank
 
 
 @dataclasses.dataclass
@@ -100,7 +100,7 @@ class Hold:
     # Push requests: decode's offer for this transfer id is answered with a fallback (where
     # ``blocks`` are, for a pull) when the blocks are not pushed.
     transfer_id: str | None = None
-    decode: proto.Card | None = None
+    decode: list[proto.Card] | None = None
     blocks: list[int] = dataclasses.field(default_factory=list)
 
 
@@ -113,7 +113,8 @@ class KvlinkMetadata(KVConnectorMetadata):
 
 @dataclasses.dataclass
 class KvlinkHandshake(KVConnectorHandshakeMetadata):
-    """A worker's card, handed by vLLM to the scheduler side after register_kv_caches."""
+    """A worker's card, handed by vLLM to the scheduler side after register_kv_caches (one
+    per tensor-parallel rank)."""
 
     card: dict[str, Any]
 
@@ -269,23 +270,28 @@ class _SchedulerSide:
         self.producer = bool(tc.is_kv_producer)
         self.consumer = bool(tc.is_kv_consumer)
         self.block_size = int(vllm_config.cache_config.block_size)
-        self.card: dict[str, Any] | None = None
+        self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        # What peers get to reach this engine: one card, or every rank's (proto.cards_to_wire).
+        self.card: dict[str, Any] | list[dict[str, Any]] | None = None
         self._loads: dict[str, LoadJob] = {}
         self._local: dict[str, int] = {}  # req -> locally computed tokens at the match
-        self._push: dict[str, tuple[Request, str, proto.Card]] = {}
+        self._push: dict[str, tuple[Request, str, list[proto.Card]]] = {}
         self._holds: list[Hold] = []
 
     def set_handshake(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
-        if len(metadata) != 1:
-            # One card per engine: every tp rank would need its own agent and its own share of
-            # the blocks, which this connector does not do yet.
+        """Every rank's card, keyed by tensor-parallel rank (vLLM refuses pipeline ranks > 0
+        for connectors that do not say they support them)."""
+        if sorted(metadata) != list(range(self.tp_size)):
             raise kvlink.ConfigError(
-                f"KvlinkConnector supports one worker per engine (tensor_parallel_size=1), got "
-                f"{len(metadata)} workers"
+                f"KvlinkConnector: cards came from ranks {sorted(metadata)}, expected one from "
+                f"each of the {self.tp_size} tensor-parallel ranks"
             )
-        (meta,) = metadata.values()
-        assert isinstance(meta, KvlinkHandshake)
-        self.card = meta.card
+        cards = []
+        for rank in range(self.tp_size):
+            meta = metadata[rank]
+            assert isinstance(meta, KvlinkHandshake)
+            cards.append(proto.Card.from_dict(meta.card, f"rank {rank}'s card"))
+        self.card = proto.cards_to_wire(cards)
 
     def _allowed(self, mode: Mode) -> bool:
         return self.settings.mode in (Mode.AUTO, mode)
@@ -307,20 +313,26 @@ class _SchedulerSide:
                 self.settings.mode.value,
             )
             return 0, False
-        if src.card.metadata is None and self.settings.discovery is None:
+        if src.cards[0].metadata is None and self.settings.discovery is None:
             log.error(
                 "request %s: prefill %r is published through discovery but this instance has "
                 "none; computing its prompt here (give it the same kv_connector_extra_config"
-                "['discovery'])", request.request_id, src.card.agent,
+                "['discovery'])", request.request_id, src.cards[0].agent,
             )
             return 0, False
-        if src.card.block_size != self.block_size:
+        if src.cards[0].block_size != self.block_size:
             log.error(
                 "request %s: prefill uses block_size %d, this instance %d; computing its prompt "
                 "here (give both instances the same --block-size)",
-                request.request_id, src.card.block_size, self.block_size,
+                request.request_id, src.cards[0].block_size, self.block_size,
             )
             return 0, False
+        if self.card is not None:
+            try:  # the two engines' tensor-parallel splits must map onto each other
+                proto.pieces(src.cards, proto.cards_from_wire(self.card, "this engine's card"))
+            except proto.ParamsError as exc:
+                log.error("request %s: %s; computing its prompt here", request.request_id, exc)
+                return 0, False
         # The last prompt position is computed here: its logits give the first token.
         count = request.num_prompt_tokens - 1 - num_computed_tokens
         if isinstance(src, proto.PullSource):
@@ -383,7 +395,7 @@ class _SchedulerSide:
         self._local.pop(req_id, None)
         params = request.kv_transfer_params
         if params and params.get("kvlink_card_only"):
-            # A proxy asking for this instance's card (push mode needs both up front).
+            # A proxy asking for this instance's card(s) (push mode needs both up front).
             return False, {"kvlink": {"card": self.card}}
         if not self.producer or not params or not params.get("do_remote_decode"):
             return False, None
@@ -418,6 +430,13 @@ class _SchedulerSide:
                 "max_pull_s": self.settings.load_timeout_s,
             },
         }
+
+
+def _tp_rank() -> int:
+    """This worker's tensor-parallel rank (vLLM's process group, set up before the connector)."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -456,16 +475,46 @@ class ConnectorStats:
 
 
 @dataclasses.dataclass
+class _Source:
+    """Decode: one prefill rank this rank reads part of a request's blocks from."""
+
+    piece: proto.Piece
+    card: proto.Card  # that prefill rank's
+    readers: int  # decode ranks reading that prefill rank (it frees once each has pulled)
+    pull: kvlink.Transfer | None = None
+    layer_pushes: dict[int, kvlink.InboundTransfer] = dataclasses.field(default_factory=dict)
+    down_since: float | None = None  # time.monotonic(): every path to it DOWN
+
+
+@dataclasses.dataclass
 class _Load:
     """A load in this step's forward pass (decode side)."""
 
     job: LoadJob
     deadline: float  # time.monotonic()
-    pull: kvlink.Transfer | None = None
-    layer_pushes: dict[int, kvlink.InboundTransfer] = dataclasses.field(default_factory=dict)
+    sources: list[_Source] = dataclasses.field(default_factory=list)
     layers_waited: set[int] = dataclasses.field(default_factory=set)
     failed: str | None = None
-    source_down_since: float | None = None  # time.monotonic(): every path to prefill DOWN
+
+
+@dataclasses.dataclass
+class _Target:
+    """Prefill, push: one decode rank this rank pushes (part of) a request's blocks to."""
+
+    piece: proto.Piece
+    card: proto.Card  # that decode rank's
+    offer: proto.Offer | None = None  # its destination, once it came
+    layers_pushed: int = 0
+    pushes: list[kvlink.Transfer] = dataclasses.field(default_factory=list)
+    failed: bool = False  # the push was given up: the blocks wait for its pull (or the lease)
+    fallback_sent: bool = False
+    pulled: bool = False  # it pulled instead (after a fallback)
+
+    def done(self, num_layers: int) -> bool:
+        return self.pulled or (
+            not self.failed and self.layers_pushed == num_layers
+            and all(t.done and t.ok for t in self.pushes)
+        )
 
 
 @dataclasses.dataclass
@@ -477,15 +526,16 @@ class _Send:
     tag: str | None = None  # known once the Hold arrived (the step after the push job)
     push: PushJob | None = None
     offer_deadline: float = 0.0  # time.monotonic(); push given up without an offer by then
-    offer: tuple[str, list[int], float] | None = None  # decode's destination
-    layers_pushed: int = 0
-    pushes: list[kvlink.Transfer] = dataclasses.field(default_factory=list)
-    push_failed: bool = False
-    # push requests (from the PushJob or the Hold): what a fallback answer needs
+    # push requests (from the PushJob or the Hold): the decode ranks this rank serves
     transfer_id: str | None = None
-    decode: proto.Card | None = None
+    targets: dict[int, _Target] | None = None
     src_blocks: list[int] = dataclasses.field(default_factory=list)
-    fallback_sent: bool = False
+
+    @property
+    def pushing(self) -> bool:
+        return self.push is not None and bool(self.targets) and not any(
+            t.failed for t in (self.targets or {}).values()
+        )
 
 
 class _WorkerSide:
@@ -495,10 +545,18 @@ class _WorkerSide:
         tc = vllm_config.kv_transfer_config
         assert tc is not None
         self.settings = settings
+        self.vllm_config = vllm_config
         self.engine_id = str(tc.engine_id)
         self.block_size = int(vllm_config.cache_config.block_size)
         self.num_blocks = num_blocks
+        self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        self.rank = _tp_rank() if self.tp_size > 1 else 0
         self.config = settings.kvlink_config()
+        if self.rank and self.config.metrics_port:
+            # Each rank's agent serves its own endpoint: rank r on the port after rank r-1's.
+            self.config = dataclasses.replace(
+                self.config, metrics_port=self.config.metrics_port + self.rank
+            )
         self.agent: kvlink.Agent | None = None
         self.layout: kv.PagedLayout | None = None
         self.card: proto.Card | None = None
@@ -507,9 +565,12 @@ class _WorkerSide:
         self._loads: list[_Load] = []
         self._errors: set[int] = set()
         self._sends: dict[str, _Send] = {}
-        self._offers: dict[str, tuple[str, list[int], float]] = {}  # transfer id -> offer
-        self._fallbacks: dict[str, proto.Fallback] = {}  # decode: transfer id -> prefill's answer
-        self._pulled: dict[str, None] = {}  # tags decode has pulled (insertion-ordered)
+        self._offers: dict[tuple[str, int], proto.Offer] = {}  # (transfer id, decode rank)
+        # decode: (transfer id, prefill rank) -> its answer "pull instead"
+        self._fallbacks: dict[tuple[str, int], proto.Fallback] = {}
+        # prefill: pull notifications by tag: (readers, the decode ranks that pulled); a
+        # release (nobody reads this rank) is (0, {})
+        self._pulled: dict[str, tuple[int, set[int]]] = {}
         self._step_pushes: list[_Send] = []
         self.stats = ConnectorStats()
         # vLLM's metrics: transfers watched until done (read once each, then dropped), the
@@ -534,10 +595,11 @@ class _WorkerSide:
             raise kvlink.InvalidArgumentError("register_kv_caches: no KV cache tensors")
         import torch
 
-        name = self.settings.agent_name or f"vllm-{self.engine_id}"[:63]
-        self.agent = kvlink.Agent(name, self.config)
+        name = self.settings.agent_name or f"vllm-{self.engine_id}"
+        if self.tp_size > 1:
+            name = f"{name[:58]}-tp{self.rank}"
+        name = name[:63]
         tensors = list(kv_caches.values())
-        self.layer_index = {n: i for i, n in enumerate(kv_caches)}
         shape = tuple(tensors[0].shape)
         for n, t in kv_caches.items():
             if tuple(t.shape) != shape or t.dtype != tensors[0].dtype:
@@ -562,11 +624,14 @@ class _WorkerSide:
                 f"{num_blocks} blocks first (or after a K/V axis of 2); this layout is not "
                 "supported"
             )
+        self.agent = kvlink.Agent(name, self.config)
+        self.layer_index = {n: i for i, n in enumerate(kv_caches)}
         for n, t in kv_caches.items():
             self._regions.append(
                 self.agent.register(t, remote_read=True, remote_write=True, name=n[-63:])
             )
         self.layout = kv.PagedLayout.from_tensors(self.agent, tensors, planes=planes)
+        shard = self._shard(shape[planes:], self.layout.block_bytes)
         # Starts the agent's accounting: its log drain counts path state changes.
         self._agent_metrics = self.agent.metrics()
         # With discovery the card names the agent (etcd has the rest): kv_transfer_params stay
@@ -574,13 +639,37 @@ class _WorkerSide:
         self.card = proto.Card(
             self.agent.name,
             None if self.settings.discovery else self.agent.metadata().decode(),
-            self.layout, self.block_size, f"{self.agent.instance_id:016x}",
+            self.layout, self.block_size, f"{self.agent.instance_id:016x}", shard,
         )
         log.info(
-            "kvlink agent %s: %d layers of %d blocks (%d bytes each, %d planes) on %s",
-            name, len(tensors), num_blocks, self.layout.block_bytes, planes,
+            "kvlink agent %s: %d layers of %d blocks (%d bytes each, %d planes; TP rank %d of "
+            "%d, %s) on %s", name, len(tensors), num_blocks, self.layout.block_bytes, planes,
+            shard.rank, shard.size,
+            "replicated KV" if shard.replicated else f"KV heads {list(shard.heads())}",
             ", ".join(f"{h}:{p}" for h, p in self.agent.addresses),
         )
+
+    def _shard(self, block_shape: tuple[int, ...], block_bytes: int) -> proto.Shard:
+        """This rank's part of the model's KV. A block's heads can be cut out (head_bytes > 0)
+        when the head axis is the block's outermost: [heads, block_size, ...]."""
+        mc = self.vllm_config.model_config
+        if getattr(mc, "use_mla", False):
+            return proto.Shard(self.rank, self.tp_size, 0, 0, True)
+        total = int(mc.get_total_num_kv_heads())
+        local = int(mc.get_num_kv_heads(self.vllm_config.parallel_config))
+        head_bytes = 0
+        if (len(block_shape) >= 2 and block_shape[0] == local and block_shape[1] ==
+                self.block_size and (local != self.block_size or len(block_shape) == 3)):
+            head_bytes = block_bytes // local
+        return proto.Shard(self.rank, self.tp_size, total, head_bytes, False)
+
+    def _engine_cards(self, one: proto.Card) -> list[proto.Card]:
+        """Every rank's card of the engine ``one`` belongs to, as far as the mapping of pieces
+        needs them: the ranks of an engine hold alike blocks and differ only in their rank."""
+        return [
+            dataclasses.replace(one, shard=dataclasses.replace(one.shard, rank=r))
+            for r in range(one.shard.size)
+        ]
 
     def _num_blocks(self, shape: tuple[int, ...]) -> int:
         # vLLM's KVCacheConfig says how many blocks there are; without it (older engines) the
@@ -633,6 +722,19 @@ class _WorkerSide:
             d.connect(self.agent, rec)
         return card.agent
 
+    def _targets(self, decode: list[proto.Card]) -> dict[int, _Target]:
+        """Prefill, push: the decode ranks this rank pushes to, with what each gets.
+
+        Raises:
+            proto.ParamsError: the two engines' splits do not map onto each other.
+        """
+        assert self.card is not None
+        return {
+            pc.dst_rank: _Target(pc, decode[pc.dst_rank])
+            for pc in proto.pieces(self._engine_cards(self.card), decode)
+            if pc.src_rank == self.rank
+        }
+
     def begin_step(self, meta: KvlinkMetadata) -> None:
         """This step's pushes (prefill) and finished requests to hold."""
         now = time.monotonic()
@@ -640,16 +742,72 @@ class _WorkerSide:
             s = self._sends.setdefault(push.req_id, _Send(push.req_id, now + self.settings.lease_s))
             s.push = push
             s.offer_deadline = now + self.settings.offer_timeout_s
-            s.transfer_id, s.decode, s.src_blocks = push.transfer_id, push.decode, push.src_blocks
+            s.transfer_id, s.src_blocks = push.transfer_id, push.src_blocks
+            try:
+                s.targets = self._targets(push.decode)
+            except proto.ParamsError as exc:
+                log.warning("request %s: %s; its blocks are held for a pull", push.req_id, exc)
+                s.push, s.targets = None, None
+                continue
             self._step_pushes.append(s)
         for hold in meta.holds:
             s = self._sends.setdefault(hold.req_id, _Send(hold.req_id, 0.0))
             s.tag = hold.tag
-            if s.transfer_id is None and hold.transfer_id is not None:
-                s.transfer_id, s.decode, s.src_blocks = (
-                    hold.transfer_id, hold.decode, hold.blocks
-                )
+            if s.transfer_id is None and hold.transfer_id is not None and hold.decode:
+                s.transfer_id, s.src_blocks = hold.transfer_id, hold.blocks
+                try:
+                    s.targets = self._targets(hold.decode)
+                except proto.ParamsError:
+                    s.targets = None  # logged by the scheduler side's match on decode
             s.expires = now + self.settings.lease_s + self.settings.load_timeout_s
+
+    def _sources(self, job: LoadJob) -> list[_Source]:
+        """Decode: the prefill ranks this rank reads ``job``'s blocks from. Prefill ranks no
+        decode rank reads (replicated KV, fewer decode ranks) are told to free their blocks by
+        the decode rank ``p % tp`` (pull: nobody else would).
+
+        Raises:
+            proto.ParamsError: the two engines' splits do not map onto each other.
+            kvlink.KvlinkError: a release could not be sent.
+        """
+        assert self.agent is not None and self.card is not None
+        cards = job.source.cards
+        all_pieces = proto.pieces(cards, self._engine_cards(self.card))
+        readers: dict[int, set[int]] = {}
+        for pc in all_pieces:
+            readers.setdefault(pc.src_rank, set()).add(pc.dst_rank)
+        if isinstance(job.source, proto.PullSource):
+            for p, card in enumerate(cards):
+                if p not in readers and p % self.tp_size == self.rank:
+                    self.agent.prepare(self._peer(card), layout=proto.make_release(
+                        job.source.tag), timeout_s=self.settings.connect_timeout_s)
+        return [
+            _Source(pc, cards[pc.src_rank], len(readers[pc.src_rank]))
+            for pc in all_pieces if pc.dst_rank == self.rank
+        ]
+
+    def _segments(self, src: kv.PagedLayout, dst: kv.PagedLayout, piece: proto.Piece,
+                  src_blocks: list[int], dst_blocks: list[int],
+                  layers: list[int] | None = None) -> Any:
+        whole = piece.whole and src.block_bytes == dst.block_bytes == piece.length
+        return kv.block_segments(
+            src, dst, src_blocks, dst_blocks, layers,
+            piece=None if whole else (piece.src_offset, piece.dst_offset, piece.length),
+        )
+
+    def _pull(self, load: _Load, src: _Source, blocks: list[int], tag: str,
+              deadline: float) -> None:
+        """Starts ``src``'s pull of ``blocks`` (prefill's, paired with the load's)."""
+        assert self.agent is not None and self.layout is not None
+        segs = self._segments(src.card.layout, self.layout, src.piece, blocks,
+                              load.job.local_blocks)
+        src.pull = self.agent.pull(
+            self._peer(src.card), segments=segs,
+            notify=proto.pull_note(tag, self.rank, src.readers),
+            timeout_s=max(0.001, deadline - time.monotonic()),
+            instance=proto.instance_of(src.card),
+        )
+        self._watch.append((False, src.pull))
 
     def start_loads(self, meta: KvlinkMetadata) -> None:
         """Starts this step's loads (decode): pulls, or offers for pushes."""
@@ -660,7 +818,7 @@ class _WorkerSide:
             load = _Load(job, now + self.settings.load_timeout_s)
             self._loads.append(load)
             try:
-                peer = self._peer(job.source.card)
+                load.sources = self._sources(job)
                 if isinstance(job.source, proto.PullSource):
                     if time.time() > job.source.expires:
                         raise kvlink.TransferTimeoutError(
@@ -668,23 +826,18 @@ class _WorkerSide:
                             "config['lease_s'] on prefill; hosts need synchronised clocks)"
                         )
                     load.deadline = now + min(self.settings.load_timeout_s, job.source.max_pull_s)
-                    segs = kv.block_segments(
-                        job.source.card.layout, self.layout, job.remote_blocks, job.local_blocks
-                    )
-                    load.pull = self.agent.pull(
-                        peer, segments=segs, notify=job.source.tag.encode(),
-                        timeout_s=max(0.001, load.deadline - now),
-                        instance=proto.instance_of(job.source.card),
-                    )
-                    self._watch.append((False, load.pull))
+                    for src in load.sources:
+                        self._pull(load, src, job.remote_blocks, job.source.tag, load.deadline)
                 else:
-                    offer = proto.make_offer(
-                        job.source.transfer_id, job.local_blocks,
+                    offer = proto.make_offer(proto.Offer(
+                        job.source.transfer_id, self.rank, job.local_blocks,
                         time.time() + self.settings.load_timeout_s,
-                    )
-                    self.agent.prepare(
-                        peer, layout=offer, timeout_s=self.settings.connect_timeout_s
-                    )
+                    ))
+                    for src in load.sources:
+                        self.agent.prepare(
+                            self._peer(src.card), layout=offer,
+                            timeout_s=self.settings.connect_timeout_s,
+                        )
             except (kvlink.KvlinkError, ValueError) as exc:
                 self._fail(load, f"could not start: {exc}")
 
@@ -695,7 +848,7 @@ class _WorkerSide:
     def _fail(self, load: _Load, why: str) -> None:
         if load.failed is None:
             load.failed = why
-            self.stats.last_load_failure = why[:500]
+            self.stats.last_load_failure = why
             self.stats.load_failures += 1
             self.stats.blocks_failed += len(load.job.local_blocks)
             self._errors.update(load.job.local_blocks)
@@ -713,61 +866,66 @@ class _WorkerSide:
         for load in self._loads:
             if load.failed is not None:
                 continue
-            remaining = load.deadline - time.monotonic()
             try:
-                if remaining <= 0:
-                    raise kvlink.TransferTimeoutError(
-                        f"no KV within load_timeout_s={self.settings.load_timeout_s}"
-                    )
-                if load.pull is None:
-                    h = load.layer_pushes.get(i)
-                    if h is None:
-                        h = self._inbound_or_fallback(load, i)
-                    if h is not None:
-                        self._wait_pushed_layer(load, h)
-                        if i == 0:
-                            self.stats.layer0_ready_t.append(time.monotonic())
-                if load.pull is not None:
-                    self._wait_pulled_layer(load, load.pull, i)
+                for src in load.sources:
+                    if load.deadline - time.monotonic() <= 0:
+                        raise kvlink.TransferTimeoutError(
+                            f"no KV within load_timeout_s={self.settings.load_timeout_s}"
+                        )
+                    if src.pull is None:
+                        h = src.layer_pushes.get(i)
+                        if h is None:
+                            h = self._inbound_or_fallback(load, src, i)
+                        if h is not None:
+                            self._wait_pushed_layer(load, src, h)
+                    if src.pull is not None:
+                        self._wait_pulled_layer(load, src, i)
+                if i == 0 and isinstance(load.job.source, proto.PushSource):
+                    self.stats.layer0_ready_t.append(time.monotonic())
                 load.layers_waited.add(i)
             except (kvlink.KvlinkError, ValueError) as exc:
                 self._fail(load, f"layer {i}: {exc}")
 
-    def _inbound_or_fallback(self, load: _Load, i: int) -> kvlink.InboundTransfer | None:
-        """Push load: layer ``i``'s push once prefill announced it; or, while nothing has been
-        pushed yet, prefill's fallback answer, which turns the load into a pull (then None).
+    def _inbound_or_fallback(
+        self, load: _Load, src: _Source, i: int
+    ) -> kvlink.InboundTransfer | None:
+        """Push load: layer ``i``'s push from ``src`` once it announced it; or, while it has
+        pushed nothing yet, its fallback answer, which turns this source into a pull (then
+        None).
 
         Raises:
             kvlink.TransferTimeoutError: neither before the load's deadline.
         """
         assert self.agent is not None
-        src = load.job.source
-        assert isinstance(src, proto.PushSource)
-        tag = proto.layer_tag(src.transfer_id, i)
+        job_src = load.job.source
+        assert isinstance(job_src, proto.PushSource)
+        tid, p = job_src.transfer_id, src.piece.src_rank
+        tag = proto.layer_tag(tid, p, i)
         while True:
             remaining = load.deadline - time.monotonic()
             if remaining <= 0:
                 raise kvlink.TransferTimeoutError(
-                    f"prefill pushed nothing within load_timeout_s={self.settings.load_timeout_s}"
+                    f"prefill rank {p} pushed nothing within load_timeout_s="
+                    f"{self.settings.load_timeout_s}"
                 )
             try:
                 # Short waits: between them, a fallback answer is looked for.
                 h = self.agent.inbound(tag, timeout_s=min(remaining, _FALLBACK_POLL_S))
             except kvlink.TransferTimeoutError:
-                self._check_source(load)
-                if load.layer_pushes:
+                self._check_source(load, src)
+                if src.layer_pushes:
                     continue  # layers are arriving: no fallback will come
                 self._drain_notifications()
-                fb = self._fallbacks.pop(src.transfer_id, None)
+                fb = self._fallbacks.pop((tid, p), None)
                 if fb is not None:
-                    self._start_fallback_pull(load, fb)
+                    self._start_fallback_pull(load, src, fb)
                     return None
                 continue
-            load.layer_pushes[i] = h
+            src.layer_pushes[i] = h
             self._watch.append((False, h))
             return h
 
-    def _wait_pushed_layer(self, load: _Load, h: kvlink.InboundTransfer) -> None:
+    def _wait_pushed_layer(self, load: _Load, src: _Source, h: kvlink.InboundTransfer) -> None:
         """Waits for an announced layer push, in short waits with prefill's paths checked
         between them (a sender that died mid-push sends no failure)."""
         while True:
@@ -778,16 +936,18 @@ class _WorkerSide:
             except kvlink.TransferTimeoutError:
                 if remaining <= _FALLBACK_POLL_S:
                     raise
-                self._check_source(load)
+                self._check_source(load, src)
 
-    def _wait_pulled_layer(self, load: _Load, pull: kvlink.Transfer, i: int) -> None:
-        """Waits for layer ``i`` of a pull, in short waits with prefill's paths checked
+    def _wait_pulled_layer(self, load: _Load, src: _Source, i: int) -> None:
+        """Waits for layer ``i`` of ``src``'s pull, in short waits with prefill's paths checked
         between them: kvlink keeps a pull whose paths are all down waiting for one until its
         deadline (a link flap is no failure), which for a prefill that died is load_timeout_s.
 
         Raises:
             kvlink.KvlinkError: the pull failed, or as :meth:`_check_source`.
         """
+        pull = src.pull
+        assert pull is not None
         while True:
             remaining = load.deadline - time.monotonic()
             try:
@@ -799,28 +959,28 @@ class _WorkerSide:
                     return
                 if remaining <= _FALLBACK_POLL_S:
                     raise
-                self._check_source(load)
+                self._check_source(load, src)
 
-    def _check_source(self, load: _Load) -> None:
-        """Fails a load once every path to its prefill (pushing, or pulled from) has been
-        DOWN for connect_timeout_s (prefill killed, or every link cut), instead of holding
-        decode's forward pass, and every request in it, until load_timeout_s. A shorter
+    def _check_source(self, load: _Load, src: _Source) -> None:
+        """Fails a load once every path to one of its prefill ranks (pushing, or pulled from)
+        has been DOWN for connect_timeout_s (prefill killed, or every link cut), instead of
+        holding decode's forward pass, and every request in it, until load_timeout_s. A shorter
         outage (a link flap) is waited out: kvlink reconnects and the transfers go on.
 
         Raises:
             kvlink.PeerUnreachableError: prefill has been unreachable for connect_timeout_s.
         """
         assert self.agent is not None
-        name = load.job.source.card.agent
+        name = src.card.agent
         states = [p.state for p in self.agent.paths() if p.peer == name]
         now = time.monotonic()
         down = (kvlink.PathState.DOWN, kvlink.PathState.PROBING)  # PROBING: reconnecting
         if not states or any(st not in down for st in states):
-            load.source_down_since = None
+            src.down_since = None
             return
-        if load.source_down_since is None:
-            load.source_down_since = now
-        down_s = now - load.source_down_since
+        if src.down_since is None:
+            src.down_since = now
+        down_s = now - src.down_since
         if down_s >= self.settings.connect_timeout_s:
             self.stats.source_down_failures += 1
             raise kvlink.PeerUnreachableError(
@@ -829,11 +989,11 @@ class _WorkerSide:
                 "is cut, so its KV will not come", peer=name,
             )
 
-    def _start_fallback_pull(self, load: _Load, fb: proto.Fallback) -> None:
-        """Prefill will not push: pull its held blocks into the blocks decode offered."""
-        assert self.agent is not None and self.layout is not None
-        src = load.job.source
-        assert isinstance(src, proto.PushSource)
+    def _start_fallback_pull(self, load: _Load, src: _Source, fb: proto.Fallback) -> None:
+        """A prefill rank will not push: pull its held blocks into the blocks decode
+        offered."""
+        job_src = load.job.source
+        assert isinstance(job_src, proto.PushSource)
         if len(fb.blocks) != len(load.job.local_blocks):
             raise kvlink.InvalidArgumentError(
                 f"prefill's fallback names {len(fb.blocks)} blocks for the "
@@ -844,17 +1004,11 @@ class _WorkerSide:
                 "prefill answered with a fallback whose lease has expired (kv_connector_extra_"
                 "config['lease_s'] on prefill)"
             )
-        now = time.monotonic()
-        load.deadline = min(load.deadline, now + fb.max_pull_s)
-        segs = kv.block_segments(src.card.layout, self.layout, fb.blocks, load.job.local_blocks)
-        load.pull = self.agent.pull(
-            self._peer(src.card), segments=segs, notify=fb.tag.encode(),
-            timeout_s=max(0.001, load.deadline - now), instance=proto.instance_of(src.card),
-        )
-        self._watch.append((False, load.pull))
+        load.deadline = min(load.deadline, time.monotonic() + fb.max_pull_s)
+        self._pull(load, src, fb.blocks, fb.tag, load.deadline)
         self.stats.pull_fallbacks += 1
-        log.info("request %s: prefill does not push (transfer %s); pulling its blocks instead",
-                 load.job.req_id, src.transfer_id)
+        log.info("request %s: prefill rank %d does not push (transfer %s); pulling its blocks "
+                 "instead", load.job.req_id, fb.rank, job_src.transfer_id)
 
     def layer_saved(self, layer_name: str) -> None:
         """Prefill: layer ``layer_name`` of this step is in the cache; push it where decode's
@@ -869,68 +1023,82 @@ class _WorkerSide:
             self._push_layers(s, i + 1)
 
     def _push_layers(self, s: _Send, upto: int, late: bool = False) -> None:
-        """Pushes layers s.layers_pushed .. upto-1 of ``s`` if decode's offer is here."""
+        """Pushes layers .. upto-1 of ``s`` to every decode rank whose offer is here."""
         assert self.agent is not None and self.layout is not None
-        if s.push is None or s.push_failed or s.layers_pushed >= upto:
+        if s.push is None or not s.targets:
             return
-        if s.offer is None:
-            s.offer = self._offers.pop(s.push.transfer_id, None)
-            if s.offer is None:
-                return
-        tid, dst_blocks, expires = s.offer
-        remaining = expires - time.time()
-        try:
-            if remaining <= 0:
-                raise kvlink.TransferTimeoutError("decode's offer expired")
-            peer = self._peer(s.push.decode)
-            n = len(dst_blocks)
-            if n > len(s.push.src_blocks):
-                raise kvlink.InvalidArgumentError(
-                    f"decode offered {n} blocks for a prompt of {len(s.push.src_blocks)}"
-                )
-            for layer in range(s.layers_pushed, upto):
-                segs = kv.block_segments(
-                    self.layout, s.push.decode.layout, s.push.src_blocks[:n], dst_blocks, [layer]
-                )
-                t = self.agent.push(
-                    peer, segments=segs, notify=proto.layer_tag(tid, layer),
-                    timeout_s=remaining, instance=proto.instance_of(s.push.decode),
-                )
-                s.pushes.append(t)
-                self._watch.append((True, t))
-                self.stats.layers_pushed += 1
-                self.stats.layers_pushed_late += late
-                s.layers_pushed = layer + 1
-        except (kvlink.KvlinkError, ValueError) as exc:
-            s.push_failed = True
-            self.stats.push_failures += 1
-            log.warning("request %s: push to decode failed (%s); blocks held for a pull",
-                        s.req_id, exc)
+        tid = s.push.transfer_id
+        for d, tg in s.targets.items():
+            if tg.failed or tg.layers_pushed >= upto:
+                continue
+            if tg.offer is None:
+                tg.offer = self._offers.pop((tid, d), None)
+                if tg.offer is None:
+                    continue
+            remaining = tg.offer.expires - time.time()
+            try:
+                if remaining <= 0:
+                    raise kvlink.TransferTimeoutError("decode's offer expired")
+                peer = self._peer(tg.card)
+                dst_blocks = tg.offer.blocks
+                n = len(dst_blocks)
+                if n > len(s.push.src_blocks):
+                    raise kvlink.InvalidArgumentError(
+                        f"decode offered {n} blocks for a prompt of {len(s.push.src_blocks)}"
+                    )
+                for layer in range(tg.layers_pushed, upto):
+                    segs = self._segments(self.layout, tg.card.layout, tg.piece,
+                                          s.push.src_blocks[:n], dst_blocks, [layer])
+                    t = self.agent.push(
+                        peer, segments=segs, notify=proto.layer_tag(tid, self.rank, layer),
+                        timeout_s=remaining, instance=proto.instance_of(tg.card),
+                    )
+                    tg.pushes.append(t)
+                    self._watch.append((True, t))
+                    self.stats.layers_pushed += 1
+                    self.stats.layers_pushed_late += late
+                    tg.layers_pushed = layer + 1
+            except (kvlink.KvlinkError, ValueError) as exc:
+                tg.failed = True
+                self.stats.push_failures += 1
+                log.warning("request %s: push to decode rank %d failed (%s); blocks held for "
+                            "a pull", s.req_id, d, exc)
 
     def _drain_notifications(self) -> None:
         assert self.agent is not None
         for note in self.agent.notifications(timeout_s=0):
             if note.op == kvlink.Op.PULL:
-                _bounded_put(self._pulled, note.tag.decode(errors="replace"), None)
+                try:
+                    tag, reader, readers = proto.parse_pull_note(
+                        note.tag.decode(errors="replace"))
+                except proto.ParamsError as exc:
+                    log.warning("ignored a pull notification from %s: %s", note.peer, exc)
+                    continue
+                seen = self._pulled.get(tag, (readers, set()))[1]
+                seen.add(reader)
+                _bounded_put(self._pulled, tag, (readers, seen))
             elif note.op == kvlink.Op.PREPARE:
                 try:
                     layout = note.prepare_request().get("layout")
                     offer = proto.parse_offer(layout)
                     fallback = proto.parse_fallback(layout)
+                    release = proto.parse_release(layout)
                 except (proto.ParamsError, ValueError) as exc:
                     log.warning("ignored an announcement from %s: %s", note.peer, exc)
                     continue
                 if offer is not None:
-                    _bounded_put(self._offers, offer[0], offer)
+                    _bounded_put(self._offers, (offer.transfer_id, offer.rank), offer)
                 if fallback is not None:
-                    _bounded_put(self._fallbacks, fallback.transfer_id, fallback)
+                    _bounded_put(self._fallbacks, (fallback.transfer_id, fallback.rank), fallback)
+                if release is not None:
+                    _bounded_put(self._pulled, release, (0, set()))
         # Offers and fallbacks nobody claims (a request that never came here, or one that gave
         # up) are dropped once expired.
         now = time.time()
-        for tid in [t for t, o in self._offers.items() if o[2] < now]:
-            del self._offers[tid]
-        for tid in [t for t, f in self._fallbacks.items() if f.expires < now]:
-            del self._fallbacks[tid]
+        for key in [k for k, o in self._offers.items() if o.expires < now]:
+            del self._offers[key]
+        for key in [k for k, f in self._fallbacks.items() if f.expires < now]:
+            del self._fallbacks[key]
 
     def _answer_offers(self) -> None:
         """Prefill: decode's offers for held blocks that will not be pushed (the push was given
@@ -938,38 +1106,52 @@ class _WorkerSide:
         so decode pulls them now instead of waiting for its load_timeout_s."""
         now = time.monotonic()
         for s in self._sends.values():
-            if (
-                s.transfer_id is None or s.decode is None or s.tag is None or s.fallback_sent
-                or s.layers_pushed or (s.push is not None and not s.push_failed)
-            ):
+            if s.transfer_id is None or not s.targets or s.tag is None:
                 continue
-            offer = self._offers.pop(s.transfer_id, None) or s.offer
-            if offer is None:
-                continue
-            s.fallback_sent = True
-            n = len(offer[1])
-            # Decode starts its pull by then, and it runs at most load_timeout_s: the blocks
-            # are held until s.expires, past both.
-            start_by = time.time() + (s.expires - now - self.settings.load_timeout_s)
-            fb = proto.Fallback(
-                s.transfer_id, s.src_blocks[:n], s.tag, start_by, self.settings.load_timeout_s
-            )
-            try:
-                if n > len(s.src_blocks):
-                    raise kvlink.InvalidArgumentError(
-                        f"decode offered {n} blocks for a prompt of {len(s.src_blocks)}"
+            for d, tg in s.targets.items():
+                if tg.fallback_sent or tg.layers_pushed or (s.push is not None and not tg.failed):
+                    continue
+                offer = self._offers.pop((s.transfer_id, d), None) or tg.offer
+                if offer is None:
+                    continue
+                tg.fallback_sent = True
+                n = len(offer.blocks)
+                # Decode starts its pull by then, and it runs at most load_timeout_s: the
+                # blocks are held until s.expires, past both.
+                start_by = time.time() + (s.expires - now - self.settings.load_timeout_s)
+                fb = proto.Fallback(s.transfer_id, self.rank, s.src_blocks[:n], s.tag, start_by,
+                                    self.settings.load_timeout_s)
+                try:
+                    if n > len(s.src_blocks):
+                        raise kvlink.InvalidArgumentError(
+                            f"decode offered {n} blocks for a prompt of {len(s.src_blocks)}"
+                        )
+                    assert self.agent is not None
+                    self.agent.prepare(
+                        self._peer(tg.card), layout=proto.make_fallback(fb),
+                        timeout_s=self.settings.connect_timeout_s,
                     )
-                assert self.agent is not None
-                self.agent.prepare(
-                    self._peer(s.decode), layout=proto.make_fallback(fb),
-                    timeout_s=self.settings.connect_timeout_s,
-                )
-            except (kvlink.KvlinkError, ValueError) as exc:
-                log.warning("request %s: could not answer decode's offer with a fallback to a "
-                            "pull (%s); the blocks stay held until the lease ends", s.req_id, exc)
-                continue
-            self.stats.fallbacks_sent += 1
-            log.info("request %s: answered decode's offer with a fallback to a pull", s.req_id)
+                except (kvlink.KvlinkError, ValueError) as exc:
+                    log.warning("request %s: could not answer decode rank %d's offer with a "
+                                "fallback to a pull (%s); the blocks stay held until the lease "
+                                "ends", s.req_id, d, exc)
+                    continue
+                self.stats.fallbacks_sent += 1
+                log.info("request %s: answered decode rank %d's offer with a fallback to a pull",
+                         s.req_id, d)
+
+    def _handed_off(self, s: _Send, num_layers: int) -> bool:
+        """Whether every decode rank that reads this rank's blocks of ``s`` has them."""
+        assert s.tag is not None
+        readers, seen = self._pulled.get(s.tag, (None, set()))
+        if readers == 0:
+            return True  # released: no decode rank reads this rank
+        if s.targets is not None:
+            for d in seen:
+                if d in s.targets:
+                    s.targets[d].pulled = True
+            return all(tg.done(num_layers) for tg in s.targets.values())
+        return readers is not None and len(seen) >= readers
 
     def finished(self, finished_req_ids: set[str]) -> set[str]:
         """Requests whose held blocks may be freed now."""
@@ -981,16 +1163,18 @@ class _WorkerSide:
         # A push whose offer came after the forward pass goes out now (the blocks are held).
         now = time.monotonic()
         for s in self._sends.values():
-            if s.push is not None and not s.push_failed and s.layers_pushed < num_layers:
-                self._push_layers(s, num_layers, late=True)
-                if s.offer is None and now > s.offer_deadline:
-                    s.push_failed = True
+            if s.push is None or not s.targets:
+                continue
+            self._push_layers(s, num_layers, late=True)
+            for d, tg in s.targets.items():
+                if tg.offer is None and not tg.failed and now > s.offer_deadline:
+                    tg.failed = True
                     self.stats.push_failures += 1
                     log.warning(
-                        "request %s: decode sent no destination within offer_timeout_s=%s; "
-                        "the push is given up, the blocks stay held for a pull until the lease "
-                        "ends (a later offer is answered with a fallback to a pull)",
-                        s.req_id, self.settings.offer_timeout_s,
+                        "request %s: decode rank %d sent no destination within offer_timeout_s="
+                        "%s; the push is given up, the blocks stay held for a pull until the "
+                        "lease ends (a later offer is answered with a fallback to a pull)",
+                        s.req_id, d, self.settings.offer_timeout_s,
                     )
         self._answer_offers()
         self._step_pushes = []
@@ -999,25 +1183,24 @@ class _WorkerSide:
         for req_id, s in list(self._sends.items()):
             if s.tag is None:
                 continue  # the Hold comes with the next step
-            pushes_done = all(t.done for t in s.pushes)
-            if s.pushes and pushes_done and not s.push_failed and not all(t.ok for t in s.pushes):
-                # A push that failed at decode (a cut link, decode gone): the blocks wait for
-                # a pull or the lease, as after any push given up.
-                s.push_failed = True
-                self.stats.push_failures += 1
-                log.warning("request %s: a push to decode failed; the blocks stay held for a "
-                            "pull until the lease ends", req_id)
-            if s.tag in self._pulled:
-                del self._pulled[s.tag]
-                reason = None
-            elif s.push is not None and s.layers_pushed == num_layers and pushes_done and all(
-                t.ok for t in s.pushes
-            ):
+            pushes = [t for tg in (s.targets or {}).values() for t in tg.pushes]
+            pushes_done = all(t.done for t in pushes)
+            for d, tg in (s.targets or {}).items():
+                if (not tg.failed and tg.pushes and all(t.done for t in tg.pushes)
+                        and not all(t.ok for t in tg.pushes)):
+                    # A push that failed at decode (a cut link, decode gone): the blocks wait
+                    # for a pull or the lease, as after any push given up.
+                    tg.failed = True
+                    self.stats.push_failures += 1
+                    log.warning("request %s: a push to decode rank %d failed; the blocks stay "
+                                "held for a pull until the lease ends", req_id, d)
+            if self._handed_off(s, num_layers) and pushes_done:
                 reason = None
             elif now >= s.expires and pushes_done:
                 reason = "lease expired"
             else:
                 continue
+            self._pulled.pop(s.tag, None)
             if reason:
                 self.stats.leases_expired += 1
                 log.warning("request %s: %s; its blocks are freed", req_id, reason)
@@ -1034,18 +1217,18 @@ class _WorkerSide:
             if load.failed is None and len(load.layers_waited) != len(self.layer_index):
                 # The attention of some layer ran without waiting for its KV.
                 self._fail(load, f"only layers {sorted(load.layers_waited)} were waited for")
-            if load.pull is None and load.failed is None:
-                self.stats.blocks_loaded += len(load.job.local_blocks)
-            if load.pull is not None:
+            for src in load.sources:
+                if src.pull is None:
+                    continue
                 try:
-                    load.pull.wait(timeout_s=max(0.0, load.deadline - time.monotonic()))
-                    if load.failed is None:
-                        self.stats.blocks_loaded += len(load.job.local_blocks)
+                    src.pull.wait(timeout_s=max(0.0, load.deadline - time.monotonic()))
                 except kvlink.KvlinkError as exc:
                     self._fail(load, str(exc))
                     # The pull's own deadline is the load deadline: it ends by then.
                     with contextlib.suppress(kvlink.KvlinkError):
-                        load.pull.wait(timeout_s=1.0)
+                        src.pull.wait(timeout_s=1.0)
+            if load.failed is None:
+                self.stats.blocks_loaded += len(load.job.local_blocks)
         self._loads = []
 
     def take_load_errors(self) -> set[int]:

@@ -29,7 +29,10 @@ from typing import Any
 from kvlink import kv
 
 #: version of the card / params format; a mismatch is refused with both versions named
-VERSION = 1
+#: (2: cards carry their tensor-parallel shard, params may carry one card per rank)
+VERSION = 2
+#: at most this many ranks (cards) per instance in params: a peer cannot make us build more
+MAX_RANKS = 64
 #: key of the offer inside a PREPARE announcement's "layout"
 OFFER_KEY = "kvlink_offer"
 #: key of prefill's answer to an offer it will not push to ("pull these instead")
@@ -41,6 +44,60 @@ _INSTANCE = re.compile(r"^[0-9a-f]{16}$")
 
 class ParamsError(ValueError):
     """kv_transfer_params (or a card, or an offer) that the connector cannot use."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """Which part of the model's KV one worker holds (tensor parallelism).
+
+    ``kv_heads`` is the model's number of KV heads; rank ``rank`` of ``size`` holds
+    :meth:`heads` of them, in order along the head axis of each block. ``head_bytes`` is one
+    head's bytes inside a block when the head axis is the block's outermost (vLLM's CPU layout
+    ``[blocks, heads, block_size, 2 * head_dim]``), so a range of heads is one contiguous piece
+    of every block; 0 when heads are interleaved with tokens (then only whole blocks move,
+    i.e. both sides must hold the same heads). ``replicated``: every rank holds the same KV
+    (MLA's latent cache), so any one rank's copy serves.
+    """
+
+    rank: int = 0
+    size: int = 1
+    kv_heads: int = 0
+    head_bytes: int = 0
+    replicated: bool = False
+
+    def heads(self) -> range:
+        """The model's KV heads this rank holds (vLLM's split: a contiguous range per rank,
+        or one head shared by size // kv_heads ranks when there are fewer heads than ranks)."""
+        if self.replicated or self.kv_heads <= 0:
+            return range(0)
+        if self.kv_heads >= self.size:
+            per = self.kv_heads // self.size
+            return range(self.rank * per, (self.rank + 1) * per)
+        h = self.rank * self.kv_heads // self.size
+        return range(h, h + 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> Shard:
+        """Raises: ParamsError naming ``where`` and the field."""
+        if not isinstance(d, dict):
+            raise ParamsError(f"{where}: expected a JSON object")
+        for key, limit in (("rank", MAX_RANKS - 1), ("size", MAX_RANKS), ("kv_heads", 1 << 16),
+                           ("head_bytes", 1 << 40)):
+            v = d.get(key)
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= limit:
+                raise ParamsError(f"{where}[{key!r}]: expected an int in [0, {limit}]")
+        if not isinstance(d.get("replicated"), bool):
+            raise ParamsError(f"{where}['replicated']: expected a bool")
+        if not 0 <= d["rank"] < d["size"]:
+            raise ParamsError(f"{where}: rank {d['rank']} outside a size of {d['size']}")
+        if d["kv_heads"] and d["kv_heads"] % d["size"] and d["size"] % d["kv_heads"]:
+            raise ParamsError(
+                f"{where}: {d['kv_heads']} KV heads do not split over {d['size']} ranks"
+            )
+        return cls(d["rank"], d["size"], d["kv_heads"], d["head_bytes"], d["replicated"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +114,7 @@ class Card:
     layout: kv.PagedLayout
     block_size: int
     instance: str | None = None
+    shard: Shard = Shard()
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"v": VERSION, "agent": self.agent}
@@ -66,6 +124,7 @@ class Card:
             d["instance"] = self.instance
         d["layout"] = self.layout.to_dict()
         d["block_size"] = self.block_size
+        d["tp"] = self.shard.to_dict()
         return d
 
     @classmethod
@@ -93,7 +152,118 @@ class Card:
             layout = kv.PagedLayout.from_dict(d["layout"])
         except (ValueError, TypeError, KeyError) as exc:
             raise ParamsError(f"{where}['layout']: {exc}") from exc
-        return cls(d["agent"], d.get("metadata"), layout, d["block_size"], d.get("instance"))
+        shard = Shard.from_dict(d.get("tp"), f"{where}['tp']")
+        return cls(d["agent"], d.get("metadata"), layout, d["block_size"], d.get("instance"),
+                   shard)
+
+
+def cards_to_wire(cards: list[Card]) -> dict[str, Any] | list[dict[str, Any]]:
+    """An instance's cards as params carry them: one card for a one-worker engine, the list
+    of its ranks' cards (rank order) with tensor parallelism. Proxies pass either unchanged."""
+    return cards[0].to_dict() if len(cards) == 1 else [c.to_dict() for c in cards]
+
+
+def cards_from_wire(value: Any, where: str) -> list[Card]:
+    """Inverse of :func:`cards_to_wire`: every rank's card, checked to be ranks 0..size-1 of
+    one engine.
+
+    Raises:
+        ParamsError: naming ``where`` and what is wrong.
+    """
+    items = value if isinstance(value, list) else [value]
+    if not 1 <= len(items) <= MAX_RANKS:
+        raise ParamsError(f"{where}: expected a card or a list of 1..{MAX_RANKS} cards")
+    cards = [Card.from_dict(c, f"{where}[{i}]" if isinstance(value, list) else where)
+             for i, c in enumerate(items)]
+    for i, c in enumerate(cards):
+        if c.shard.rank != i or c.shard.size != len(cards):
+            raise ParamsError(
+                f"{where}: card {i} is rank {c.shard.rank} of {c.shard.size}, but {len(cards)} "
+                "cards came (one per rank, in rank order)"
+            )
+        if (c.shard.kv_heads, c.shard.replicated, c.block_size) != (
+            cards[0].shard.kv_heads, cards[0].shard.replicated, cards[0].block_size
+        ):
+            raise ParamsError(f"{where}: the ranks' cards disagree on the model's KV")
+    return cards
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """What one decode rank reads from one prefill rank: in every block, ``length`` bytes at
+    ``src_offset`` of prefill's block go to ``dst_offset`` of decode's."""
+
+    src_rank: int
+    dst_rank: int
+    src_offset: int
+    dst_offset: int
+    length: int
+
+    @property
+    def whole(self) -> bool:
+        return self.src_offset == 0 and self.dst_offset == 0
+
+
+def pieces(prefill: list[Card], decode: list[Card]) -> list[Piece]:
+    """Every (prefill rank -> decode rank) piece of a request's blocks, the same list on every
+    rank of both sides: each decode rank gets each of its heads from exactly one prefill rank
+    (NixlConnector's mapping: with more prefill ranks a decode rank reads from several, with
+    fewer several decode ranks read from one; with replicated heads the reads are spread over
+    the ranks holding them). Replicated KV (MLA) is read once per decode rank, from prefill
+    rank ``d % size``.
+
+    Raises:
+        ParamsError: the two sides hold different models' KV, or heads would have to be cut
+            out of a layout that interleaves them (head_bytes 0).
+    """
+    p0, d0 = prefill[0].shard, decode[0].shard
+    tp_p, tp_d = len(prefill), len(decode)
+    if p0.replicated != d0.replicated:
+        raise ParamsError("prefill and decode disagree on whether the KV is replicated (MLA)")
+    if p0.replicated or (tp_p == tp_d and p0.kv_heads == d0.kv_heads):
+        # The same split on both sides: rank d reads its whole blocks from rank d % tp_p.
+        out = []
+        for d in range(tp_d):
+            src, dst = prefill[d % tp_p], decode[d]
+            if src.layout.block_bytes != dst.layout.block_bytes:
+                raise ParamsError(
+                    f"prefill rank {d % tp_p} has blocks of {src.layout.block_bytes} bytes, "
+                    f"decode rank {d} of {dst.layout.block_bytes}: not the same model or dtype"
+                )
+            out.append(Piece(d % tp_p, d, 0, 0, src.layout.block_bytes))
+        return out
+    if p0.kv_heads != d0.kv_heads or p0.kv_heads <= 0:
+        raise ParamsError(
+            f"prefill holds {p0.kv_heads} KV heads, decode {d0.kv_heads}: not the same model"
+        )
+    out = []
+    holders: dict[int, list[int]] = {}
+    for c in prefill:
+        for h in c.shard.heads():
+            holders.setdefault(h, []).append(c.shard.rank)
+    for dcard in decode:
+        dh = dcard.shard.heads()
+        # Runs of consecutive heads coming from one prefill rank become one piece.
+        for i, h in enumerate(dh):
+            ranks = holders[h]
+            p = ranks[dcard.shard.rank % len(ranks)]
+            pcard = prefill[p]
+            hb = pcard.shard.head_bytes
+            if hb <= 0 or dcard.shard.head_bytes != hb:
+                raise ParamsError(
+                    f"prefill TP {tp_p} and decode TP {tp_d} need heads cut out of blocks, "
+                    "but this KV layout interleaves heads with tokens (head_bytes "
+                    f"{hb} / {dcard.shard.head_bytes}); run both sides with the same TP"
+                )
+            src_off = (h - pcard.shard.heads().start) * hb
+            prev = out[-1] if out else None
+            if (prev is not None and prev.dst_rank == dcard.shard.rank and prev.src_rank == p
+                    and prev.src_offset + prev.length == src_off
+                    and prev.dst_offset + prev.length == i * hb):
+                out[-1] = dataclasses.replace(prev, length=prev.length + hb)
+            else:
+                out.append(Piece(p, dcard.shard.rank, src_off, i * hb, hb))
+    return out
 
 
 def instance_of(card: Card) -> int | None:
@@ -147,9 +317,10 @@ def _transfer_id(value: Any, where: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class PullSource:
-    """Decode side, pull: where prefill holds the prompt's blocks."""
+    """Decode side, pull: where prefill holds the prompt's blocks (every prefill rank holds
+    the same block ids; ``cards`` has one card per rank)."""
 
-    card: Card
+    cards: list[Card]
     blocks: list[int]
     tag: str
     expires: float  # unix seconds: no pull starts after this
@@ -158,9 +329,10 @@ class PullSource:
 
 @dataclasses.dataclass(frozen=True)
 class PushSource:
-    """Decode side, push: which prefill will push, under which transfer id."""
+    """Decode side, push: which prefill will push (one card per rank), under which transfer
+    id."""
 
-    card: Card
+    cards: list[Card]
     transfer_id: str
 
 
@@ -176,7 +348,7 @@ def parse_decode_params(params: dict[str, Any]) -> PullSource | PushSource:
         if not isinstance(push, dict):
             raise ParamsError("kv_transfer_params['kvlink_push']: expected a JSON object")
         return PushSource(
-            Card.from_dict(push.get("prefill"), "kv_transfer_params['kvlink_push']['prefill']"),
+            cards_from_wire(push.get("prefill"), "kv_transfer_params['kvlink_push']['prefill']"),
             _transfer_id(push.get("transfer_id"), _TID_WHERE),
         )
     info = params.get("kvlink")
@@ -188,14 +360,16 @@ def parse_decode_params(params: dict[str, Any]) -> PullSource | PushSource:
         )
     blocks = _block_list(params.get("remote_block_ids"), "kv_transfer_params['remote_block_ids']")
     tag, expires, max_pull_s = _pull_lease(info, "kv_transfer_params['kvlink']")
+    if len(tag) > 512:
+        raise ParamsError("kv_transfer_params['kvlink']['tag']: longer than 512 characters")
     return PullSource(
-        Card.from_dict(info.get("card"), "kv_transfer_params['kvlink']['card']"),
+        cards_from_wire(info.get("card"), "kv_transfer_params['kvlink']['card']"),
         blocks, tag, expires, max_pull_s,
     )
 
 
-def parse_prefill_push(params: dict[str, Any]) -> tuple[str, Card] | None:
-    """Prefill side: (transfer id, decode's card) of a push request, None for a pull one.
+def parse_prefill_push(params: dict[str, Any]) -> tuple[str, list[Card]] | None:
+    """Prefill side: (transfer id, decode's cards) of a push request, None for a pull one.
 
     Raises:
         ParamsError: a malformed ``kvlink_push``.
@@ -207,13 +381,66 @@ def parse_prefill_push(params: dict[str, Any]) -> tuple[str, Card] | None:
         raise ParamsError("kv_transfer_params['kvlink_push']: expected a JSON object")
     return (
         _transfer_id(push.get("transfer_id"), _TID_WHERE),
-        Card.from_dict(push.get("decode"), "kv_transfer_params['kvlink_push']['decode']"),
+        cards_from_wire(push.get("decode"), "kv_transfer_params['kvlink_push']['decode']"),
     )
 
 
-def layer_tag(transfer_id: str, layer: int) -> bytes:
-    """Notify tag of the push carrying ``layer`` of transfer ``transfer_id``."""
-    return f"kvlp/{transfer_id}/{layer}".encode()
+def layer_tag(transfer_id: str, src_rank: int, layer: int) -> bytes:
+    """Notify tag of the push from prefill rank ``src_rank`` carrying ``layer`` of transfer
+    ``transfer_id``."""
+    return f"kvlp/{transfer_id}/{src_rank}/{layer}".encode()
+
+
+def pull_note(tag: str, reader: int, readers: int) -> bytes:
+    """Notify tag of decode rank ``reader``'s pull of a prefill rank's blocks held under
+    ``tag``; ``readers`` decode ranks read that prefill rank, and it frees the blocks once
+    that many distinct decode ranks have pulled."""
+    return f"{tag}|{reader}|{readers}".encode()
+
+
+def parse_pull_note(note: str) -> tuple[str, int, int]:
+    """(tag, reader, readers) of a pull notification (a plain tag: reader 0 of 1).
+
+    Raises:
+        ParamsError: a malformed reader count.
+    """
+    tag, sep, rest = note.partition("|")
+    if not sep:
+        return note, 0, 1
+    reader_s, _, readers_s = rest.partition("|")
+    if not (reader_s.isdigit() and readers_s.isdigit()):
+        raise ParamsError(f"pull notification {note[:80]!r}: malformed reader count")
+    reader, readers = int(reader_s), int(readers_s)
+    # reader is a decode rank (any of the engine's), readers how many ranks read this one
+    if not (0 <= reader < MAX_RANKS and 1 <= readers <= MAX_RANKS):
+        raise ParamsError(f"pull notification {note[:80]!r}: reader {reader} of {readers}")
+    return tag, reader, readers
+
+
+#: key of decode's "nobody here reads your blocks of this request" to a prefill rank
+RELEASE_KEY = "kvlink_release"
+
+
+def make_release(tag: str) -> dict[str, Any]:
+    """Decode to a prefill rank none of its ranks reads (replicated KV, fewer decode ranks):
+    free the blocks held under ``tag``."""
+    return {RELEASE_KEY: tag, "v": VERSION}
+
+
+def parse_release(layout: Any) -> str | None:
+    """The tag a release announcement frees, or None when it is not one.
+
+    Raises:
+        ParamsError: a malformed release.
+    """
+    if not isinstance(layout, dict) or RELEASE_KEY not in layout:
+        return None
+    if layout.get("v") != VERSION:
+        raise ParamsError(f"release: version {layout.get('v')!r}, this connector speaks {VERSION}")
+    tag = layout[RELEASE_KEY]
+    if not isinstance(tag, str) or not 0 < len(tag) <= 512:
+        raise ParamsError("release: the tag is not a str of 1..512 characters")
+    return tag
 
 
 def runs(blocks: list[int]) -> list[list[int]]:
@@ -245,21 +472,40 @@ def unruns(value: Any, where: str) -> list[int]:
     return out
 
 
-def make_offer(transfer_id: str, blocks: list[int], expires_unix: float) -> dict[str, Any]:
-    """Decode's destination for a push (sent as a PREPARE announcement's layout)."""
-    return {OFFER_KEY: transfer_id, "v": VERSION, "blocks": runs(blocks), "expires": expires_unix}
+@dataclasses.dataclass(frozen=True)
+class Offer:
+    """Decode rank ``rank``'s destination blocks for a push of ``transfer_id``."""
+
+    transfer_id: str
+    rank: int
+    blocks: list[int]
+    expires: float  # unix seconds
 
 
-def parse_offer(layout: Any) -> tuple[str, list[int], float] | None:
-    """(transfer id, destination blocks, expiry in unix seconds) of an offer, or None when the
-    announcement is not an offer. Raises: ParamsError for a malformed offer."""
+def make_offer(offer: Offer) -> dict[str, Any]:
+    """An offer as a PREPARE announcement's layout."""
+    return {OFFER_KEY: offer.transfer_id, "v": VERSION, "rank": offer.rank,
+            "blocks": runs(offer.blocks), "expires": offer.expires}
+
+
+def _rank(d: dict[str, Any], where: str) -> int:
+    r = d.get("rank")
+    if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < MAX_RANKS:
+        raise ParamsError(f"{where}['rank']: expected an int in [0, {MAX_RANKS})")
+    return r
+
+
+def parse_offer(layout: Any) -> Offer | None:
+    """The offer of an announcement, or None when it is not an offer.
+    Raises: ParamsError for a malformed offer."""
     if not isinstance(layout, dict) or OFFER_KEY not in layout:
         return None
     if layout.get("v") != VERSION:
         raise ParamsError(f"offer: version {layout.get('v')!r}, this connector speaks {VERSION}")
     tid = _transfer_id(layout[OFFER_KEY], "offer['kvlink_offer']")
     expires = _number(layout, "expires", "offer")
-    return tid, unruns(layout.get("blocks"), "offer['blocks']"), expires
+    return Offer(tid, _rank(layout, "offer"), unruns(layout.get("blocks"), "offer['blocks']"),
+                 expires)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,6 +514,7 @@ class Fallback:
     the blocks it offered, in order) with ``tag`` as the pull's notification, as in pull mode."""
 
     transfer_id: str
+    rank: int  # the prefill rank answering
     blocks: list[int]
     tag: str
     expires: float  # unix seconds: no pull starts after this
@@ -277,8 +524,8 @@ class Fallback:
 def make_fallback(fb: Fallback) -> dict[str, Any]:
     """A fallback as a PREPARE announcement's layout (a few hundred bytes: blocks as runs)."""
     return {
-        FALLBACK_KEY: fb.transfer_id, "v": VERSION, "blocks": runs(fb.blocks), "tag": fb.tag,
-        "expires": fb.expires, "max_pull_s": fb.max_pull_s,
+        FALLBACK_KEY: fb.transfer_id, "v": VERSION, "rank": fb.rank, "blocks": runs(fb.blocks),
+        "tag": fb.tag, "expires": fb.expires, "max_pull_s": fb.max_pull_s,
     }
 
 
@@ -295,5 +542,6 @@ def parse_fallback(layout: Any) -> Fallback | None:
     tid = _transfer_id(layout[FALLBACK_KEY], "fallback['kvlink_fallback']")
     tag, expires, max_pull_s = _pull_lease(layout, "fallback")
     return Fallback(
-        tid, unruns(layout.get("blocks"), "fallback['blocks']"), tag, expires, max_pull_s
+        tid, _rank(layout, "fallback"), unruns(layout.get("blocks"), "fallback['blocks']"), tag,
+        expires, max_pull_s,
     )

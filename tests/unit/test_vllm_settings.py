@@ -3,6 +3,7 @@ formats (the connector itself is tested on real vLLM in tests/vllm)."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import numpy as np
@@ -100,25 +101,28 @@ def test_params_round_trip_and_refusals(make_agent) -> None:  # type: ignore[no-
 def test_offers() -> None:
     blocks = [5, 6, 7, 9, 10, 2]
     assert proto.runs(blocks) == [[5, 3], [9, 2], [2, 1]]
-    tid, back, exp = proto.parse_offer(proto.make_offer("t1", blocks, 12.5)) or ("", [], 0)
-    assert (tid, back, exp) == ("t1", blocks, 12.5)
+    offer = proto.Offer("t1", 1, blocks, 12.5)
+    assert proto.parse_offer(proto.make_offer(offer)) == offer
     assert proto.parse_offer({"nbytes": 1}) is None
     with pytest.raises(proto.ParamsError, match="blocks"):
-        proto.parse_offer({proto.OFFER_KEY: "t", "v": 1, "blocks": [[1, 0]], "expires": 1})
+        proto.parse_offer({proto.OFFER_KEY: "t", "v": proto.VERSION, "rank": 0,
+                           "blocks": [[1, 0]], "expires": 1})
+    with pytest.raises(proto.ParamsError, match=r"offer\['rank'\]"):
+        proto.parse_offer({**proto.make_offer(offer), "rank": 64})
 
 
 def test_fallbacks() -> None:
-    fb = proto.Fallback("t1", [7, 8, 9, 3], "kvl/P/r1", 12.5, 30.0)
+    fb = proto.Fallback("t1", 1, [7, 8, 9, 3], "kvl/P/r1", 12.5, 30.0)
     raw = proto.make_fallback(fb)
     assert proto.parse_fallback(raw) == fb
     assert proto.parse_offer(raw) is None  # not an offer: the two never mix
-    assert proto.parse_fallback(proto.make_offer("t1", [1], 1.0)) is None
+    assert proto.parse_fallback(proto.make_offer(proto.Offer("t1", 0, [1], 1.0))) is None
     with pytest.raises(proto.ParamsError, match=r"fallback\['tag'\]"):
         proto.parse_fallback({**raw, "tag": ""})
     with pytest.raises(proto.ParamsError, match=r"fallback\['max_pull_s'\]"):
         proto.parse_fallback({**raw, "max_pull_s": "x"})
     with pytest.raises(proto.ParamsError, match="version"):
-        proto.parse_fallback({**raw, "v": 2})
+        proto.parse_fallback({**raw, "v": 1})
 
 
 def test_discovery_setting(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -145,11 +149,11 @@ def test_discovery_cards(make_agent) -> None:  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), "1", True, None])
 def test_offer_and_fallback_expiry_must_be_finite(bad: object) -> None:
     # An expiry that never passes would keep its entry in decode's or prefill's tables forever.
-    offer = proto.make_offer("t1", [3, 4], 1e9)
+    offer = proto.make_offer(proto.Offer("t1", 0, [3, 4], 1e9))
     offer["expires"] = bad
     with pytest.raises(proto.ParamsError, match="expires"):
         proto.parse_offer(offer)
-    fb = proto.make_fallback(proto.Fallback("t1", [5], "tag", 1e9, 30.0))
+    fb = proto.make_fallback(proto.Fallback("t1", 0, [5], "tag", 1e9, 30.0))
     fb["max_pull_s"] = bad
     with pytest.raises(proto.ParamsError, match="max_pull_s"):
         proto.parse_fallback(fb)
@@ -185,3 +189,108 @@ def dataclasses_fields(cfg: kvlink.Config) -> dict[str, object]:
         for f in dataclasses.fields(cfg)
         if getattr(cfg, f.name) != getattr(base, f.name) and f.name != "nics"
     }
+
+
+def shard_cards(tp: int, kv_heads: int, head_bytes: int = 4096, replicated: bool = False,
+                block_bytes: int | None = None) -> list[proto.Card]:
+    """One engine's cards, one per rank (layouts alike: the mapping needs only the sizes)."""
+    per = 1 if replicated else max(1, kv_heads // tp)
+    nbytes = block_bytes or per * (head_bytes or 4096)
+    layout = kv.PagedLayout((1, 2), (0, 0), 16, nbytes)
+    return [proto.Card(f"a{r}", "{}", layout, 32, None,
+                       proto.Shard(r, tp, 0 if replicated else kv_heads,
+                                   0 if replicated else head_bytes, replicated))
+            for r in range(tp)]
+
+
+def test_rank_mapping_same_split_is_whole_blocks() -> None:
+    for tp in (1, 2, 4):
+        got = proto.pieces(shard_cards(tp, 8), shard_cards(tp, 8))
+        assert got == [proto.Piece(r, r, 0, 0, 8 // tp * 4096) for r in range(tp)]
+
+
+def test_rank_mapping_more_prefill_ranks() -> None:
+    # P TP=2 -> D TP=1: decode's two heads come from prefill's two ranks, one head each
+    assert proto.pieces(shard_cards(2, 2), shard_cards(1, 2)) == [
+        proto.Piece(0, 0, 0, 0, 4096), proto.Piece(1, 0, 0, 4096, 4096)]
+    # P TP=4 -> D TP=2 with 8 heads: decode rank 1 holds heads 4..7 = prefill ranks 2 and 3
+    got = proto.pieces(shard_cards(4, 8), shard_cards(2, 8))
+    assert [p for p in got if p.dst_rank == 1] == [
+        proto.Piece(2, 1, 0, 0, 8192), proto.Piece(3, 1, 0, 8192, 8192)]
+
+
+def test_rank_mapping_fewer_prefill_ranks() -> None:
+    # P TP=1 -> D TP=2: each decode rank cuts its head out of prefill's blocks
+    assert proto.pieces(shard_cards(1, 2), shard_cards(2, 2)) == [
+        proto.Piece(0, 0, 0, 0, 4096), proto.Piece(0, 1, 4096, 0, 4096)]
+    # 2 heads over 4 decode ranks: ranks 0,1 share head 0, ranks 2,3 head 1
+    got = proto.pieces(shard_cards(2, 2), shard_cards(4, 2))
+    assert [(p.src_rank, p.dst_rank, p.src_offset, p.length) for p in got] == [
+        (0, 0, 0, 4096), (0, 1, 0, 4096), (1, 2, 0, 4096), (1, 3, 0, 4096)]
+
+
+def test_rank_mapping_replicated_kv_reads_one_copy() -> None:
+    # MLA: every rank holds the whole latent KV; each decode rank reads one prefill rank's
+    got = proto.pieces(shard_cards(2, 0, replicated=True, block_bytes=9216),
+                       shard_cards(1, 0, replicated=True, block_bytes=9216))
+    assert got == [proto.Piece(0, 0, 0, 0, 9216)]
+    got = proto.pieces(shard_cards(1, 0, replicated=True, block_bytes=9216),
+                       shard_cards(2, 0, replicated=True, block_bytes=9216))
+    assert [(p.src_rank, p.dst_rank) for p in got] == [(0, 0), (0, 1)]
+
+
+def test_rank_mapping_refusals() -> None:
+    with pytest.raises(proto.ParamsError, match="interleaves heads"):
+        proto.pieces(shard_cards(2, 2, head_bytes=0), shard_cards(1, 2, head_bytes=0))
+    with pytest.raises(proto.ParamsError, match="not the same model"):
+        proto.pieces(shard_cards(2, 4), shard_cards(1, 2))
+    with pytest.raises(proto.ParamsError, match="replicated"):
+        proto.pieces(shard_cards(1, 0, replicated=True), shard_cards(1, 2))
+
+
+def test_cards_on_the_wire(make_agent) -> None:  # type: ignore[no-untyped-def]
+    c = card(make_agent("p"))
+    cards = [dataclasses.replace(c, agent=f"p{r}", shard=proto.Shard(r, 2, 2, 128))
+             for r in range(2)]
+    wire = proto.cards_to_wire(cards)
+    assert isinstance(wire, list) and proto.cards_from_wire(wire, "x") == cards
+    assert proto.cards_from_wire(proto.cards_to_wire([c]), "x") == [c]
+    with pytest.raises(proto.ParamsError, match="rank order"):
+        proto.cards_from_wire(wire[::-1], "x")
+    with pytest.raises(proto.ParamsError, match=r"1\.\.64 cards"):
+        proto.cards_from_wire([], "x")
+    with pytest.raises(proto.ParamsError, match=r"\['tp'\]\['rank'\]"):
+        proto.cards_from_wire([{**wire[0], "tp": {**wire[0]["tp"], "rank": -1}}], "x")
+    with pytest.raises(proto.ParamsError, match="do not split"):
+        proto.Shard.from_dict({"rank": 0, "size": 3, "kv_heads": 4, "head_bytes": 1,
+                               "replicated": False}, "x")
+
+
+def test_pull_notes() -> None:
+    assert proto.parse_pull_note(proto.pull_note("kvl/P/r1", 3, 2).decode()) == ("kvl/P/r1", 3, 2)
+    assert proto.parse_pull_note("kvl/P/r1") == ("kvl/P/r1", 0, 1)
+    for bad in ("t|x|1", "t|1|0", "t|64|1", "t|0|65"):
+        with pytest.raises(proto.ParamsError):
+            proto.parse_pull_note(bad)
+    assert proto.parse_release(proto.make_release("kvl/P/r1")) == "kvl/P/r1"
+    assert proto.parse_release(proto.make_offer(proto.Offer("t", 0, [1], 1.0))) is None
+    with pytest.raises(proto.ParamsError):
+        proto.parse_release({proto.RELEASE_KEY: "", "v": proto.VERSION})
+
+
+def test_piece_segments_cut_heads_out_of_blocks(make_agent) -> None:  # type: ignore[no-untyped-def]
+    a = make_agent("seg")
+    src = np.arange(2 * 8 * 64, dtype=np.uint8).reshape(2, 8, 64)  # 2 layers, 8 blocks of 64 B
+    dst = np.zeros((2, 8, 128), np.uint8)  # blocks twice the size: two sources' heads
+    a.register(src, remote_read=True)
+    a.register(dst, remote_write=True)
+    sl = kv.PagedLayout.from_tensors(a, list(src))
+    dl = kv.PagedLayout.from_tensors(a, list(dst))
+    segs = kv.block_segments(sl, dl, [1, 2], [5, 6], piece=(0, 64, 64))
+    assert len(segs) == 4  # one per block and layer: pieces never merge
+    assert list(segs["dst_offset"][:2]) == [5 * 128 + 64, 6 * 128 + 64]
+    assert set(segs["len"]) == {64}
+    with pytest.raises(kvlink.InvalidArgumentError, match="piece"):
+        kv.block_segments(sl, dl, [1], [5], piece=(32, 100, 64))
+    with pytest.raises(kvlink.InvalidArgumentError, match="blocks of 128 bytes"):
+        kv.block_segments(sl, dl, [1], [5])

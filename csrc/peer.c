@@ -84,7 +84,9 @@ typedef struct conn_job {
     uint64_t instance;
     kvl_ep *ep;
     kvl_err err;
-    char msg[256];
+    /* the whole of a refusal's reason: two 63-byte agent names, an address and the advice
+     * take ~300 bytes (256 cut "... or something else answers th") */
+    char msg[512];
     pthread_t thread;
     int started;
 } conn_job;
@@ -371,7 +373,7 @@ kvl_err kvl_peer_connect_routes(kvl_agent *a, const char *name, uint64_t instanc
         if (jobs[k + 1].err || jobs[k + 1].via)
             continue;
         conn_job *c = &jobs[0];
-        char first[256];
+        char first[sizeof c->msg];
         snprintf(first, sizeof first, "%s", c->msg);
         c->local = jobs[k + 1].local;
         c->host = jobs[k + 1].host;

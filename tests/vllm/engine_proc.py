@@ -228,7 +228,7 @@ def main() -> None:
                     "connector": w.stats.to_dict() if w else None,
                     # what one block holds over every layer and plane
                     "bytes_per_block": (
-                        w.layout.block_bytes * w.layout.planes * len(w.layer_index)
+                        w.layout.block_bytes * w.layout.planes * w.num_layers
                         if w and w.layout else None
                     ),
                     "now": time.monotonic(),

@@ -8,6 +8,7 @@ would serve them on /metrics.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -113,3 +114,46 @@ def test_push_bytes_reach_vllm_metrics(insts: dict[str, harness.Instance]) -> No
     ok = p_after["kvlink_vllm_transfers_ok_total"] - p_before.get(
         "kvlink_vllm_transfers_ok_total", 0.0)
     assert ok == 2 * len(prompts)
+
+
+def test_each_request_broken_down(insts: dict[str, harness.Instance]) -> None:
+    """Every P/D request's phases reach vLLM's metrics on both sides (histograms, and the
+    last requests' gauge `kvlink trace` reads), one structured log record each, and `kvlink
+    trace` joins prefill's and decode's records by transfer."""
+    from kvlink.cli import trace
+
+    p, d = insts["Pm"], insts["Dm"]
+    prompts = prompts_of([64, 250], 13)
+    pre = prefill(p, prompts)
+    d.generate(prompts, MAX_TOKENS, [o["params"] for o in pre])
+    push_run(p, d, prompts_of([97], 14), "trace")
+    settle(p)
+    settle(d)
+    texts = ["\n".join(inst.call({"op": "metrics"})["lines"]) + "\n" for inst in (p, d)]
+    rows = trace.join(texts)
+    tags = {o["params"]["kvlink"]["tag"] for o in pre}
+    by_xfer = {r["xfer"]: r for r in rows}
+    assert tags <= set(by_xfer), rows
+    pushed = [r for r in rows if r["xfer"].startswith("trace-")]
+    assert len(pushed) == 1, rows
+    for r in [by_xfer[t] for t in tags] + pushed:
+        pr, dr = r["prefill"], r["decode"]
+        assert {"prefill_queue", "prefill_compute", "kv_sent"} <= set(pr), r
+        assert {"decode_admission", "kv_first_layer", "kv_transfer",
+                "decode_first_step"} <= set(dr), r
+        assert all(v >= 0 for k, v in {**pr, **dr}.items() if k != "request"), r
+        assert dr["kv_transfer"] >= dr["kv_first_layer"], r
+        assert pr["prefill_compute"] > 0 and dr["kv_transfer"] > 0, r
+    assert "first_layer_sent" in pushed[0]["prefill"], pushed
+    # the histograms count every request's phase once
+    d_counts = [ln for ln in texts[1].splitlines()
+                if ln.startswith("kvlink_vllm_request_phase_seconds_count")
+                and 'phase="kv_transfer"' in ln]
+    assert d_counts and float(d_counts[0].rsplit(" ", 1)[1]) >= 3, d_counts
+    # one structured record per request in each instance's log
+    for inst, role in ((p, "prefill"), (d, "decode")):
+        recs = [json.loads(ln.split("kvlink request ", 1)[1])
+                for ln in inst.log_path.read_text().splitlines() if "kvlink request {" in ln]
+        assert {r["xfer"] for r in recs if r["role"] == role} >= tags, recs
+    table = trace.table(rows)
+    assert table.row_count == len(rows)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import json
 import logging
 import math
 import time
@@ -205,11 +206,17 @@ class KvlinkConnector(KVConnectorBase_V1):
     # -- metrics (docs/vllm.md, "Metrics") -----------------------------------------------------
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        # Called by vLLM after every step on the worker (and on the scheduler side, which
-        # moves nothing): the interval's counters, then a fresh interval.
+        # Called by vLLM after every step on the worker: the interval's counters, then a fresh
+        # interval; on the scheduler side: the requests' breakdowns completed since.
         if self._worker is None:
-            return None
+            assert self._scheduler is not None
+            return self._scheduler.times.take_records()
         return self._worker.take_interval_stats()
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        # The workers' stats of the step (joined over ranks): their requests' timestamps.
+        if self._scheduler is not None:
+            self._scheduler.times.add_parts(connector_output.kv_connector_stats)
 
     @classmethod
     def build_kv_connector_stats(
@@ -226,6 +233,25 @@ class KvlinkConnector(KVConnectorBase_V1):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVConnectorPromMetrics | None:
         return KvlinkPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    # -- engine lifecycle (vLLM 0.33's hooks; docs/vllm.md, "vLLM's connector hooks") ------
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A producer hands KV off: a request preempted while its hand-off is pending must be
+        # recomputed, never finished on blocks the preemption freed.
+        return bool(self._kv_transfer_config.is_kv_producer)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        # Sleep remaps the KV cache under the registered regions and the cards peers hold:
+        # refused instead of moving bytes into memory that is no longer the cache.
+        return False
+
+    def has_pending_push_work(self) -> bool:
+        # Pushes planned for requests still computing their prompt keep the engine stepping;
+        # once finished, their held blocks do (vLLM counts requests waiting on a send).
+        return self._scheduler is not None and bool(self._scheduler._push)
 
     # -- scheduler side --------------------------------------------------------------------
 
@@ -277,6 +303,7 @@ class _SchedulerSide:
         self._local: dict[str, int] = {}  # req -> locally computed tokens at the match
         self._push: dict[str, tuple[Request, str, list[proto.Card]]] = {}
         self._holds: list[Hold] = []
+        self.times = _RequestTimes(self.tp_size)
 
     def set_handshake(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         """Every rank's card, keyed by tensor-parallel rank (vLLM refuses pipeline ranks > 0
@@ -340,6 +367,8 @@ class _SchedulerSide:
         if count <= 0 or num_computed_tokens % self.block_size:
             return 0, False
         self._local[request.request_id] = num_computed_tokens
+        self.times.seen(request, "decode",
+                        src.tag if isinstance(src, proto.PullSource) else src.transfer_id)
         # Loaded synchronously, inside the forward pass that needs it: the attention of layer
         # i waits for layer i only, so layer 0 runs as soon as it is here.
         return count, False
@@ -359,6 +388,7 @@ class _SchedulerSide:
                 push = None
             if push is not None:
                 self._push[req_id] = (request, push[0], push[1])
+            self.times.seen(request, "prefill", push[0] if push else None)
         if num_external_tokens <= 0 or not params.get("do_remote_prefill"):
             return
         src = proto.parse_decode_params(params)  # checked in matched_tokens
@@ -375,6 +405,7 @@ class _SchedulerSide:
         meta = KvlinkMetadata(loads=list(self._loads.values()), holds=self._holds)
         self._loads = {}
         self._holds = []
+        self.times.scheduled(so.num_scheduled_tokens)
         for req_id, (request, tid, decode) in list(self._push.items()):
             n = so.num_scheduled_tokens.get(req_id, 0)
             if n and request.num_computed_tokens + n >= request.num_prompt_tokens:
@@ -403,6 +434,7 @@ class _SchedulerSide:
             log.error("request %s: this worker published no card; nothing to hand off", req_id)
             return False, None
         if request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not block_ids:
+            self.times.forget(req_id)
             return False, None
         tag = f"kvl/{self.engine_id}/{req_id}"
         hold = Hold(req_id, tag)
@@ -410,6 +442,7 @@ class _SchedulerSide:
             push = proto.parse_prefill_push(params)
         except proto.ParamsError:
             push = None  # logged in after_alloc
+        self.times.computed(req_id, push[0] if push else tag)
         if push is not None:
             # Also when this instance does not push (mode "pull"): decode's offer is then
             # answered with a fallback to a pull instead of waiting for decode's timeout.
@@ -430,6 +463,99 @@ class _SchedulerSide:
                 "max_pull_s": self.settings.load_timeout_s,
             },
         }
+
+
+@dataclasses.dataclass
+class _Times:
+    """One request's timestamps on the scheduler side (time.monotonic(); the workers' on the
+    same host use the same clock) and the parts its workers reported."""
+
+    role: str
+    xfer: str | None
+    arrival: float
+    scheduled: float | None = None
+    computed: float | None = None
+    parts: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+
+class _RequestTimes:
+    """Each P/D request's latency broken down (docs/vllm.md, "Where a request's time goes"):
+    the scheduler side's own timestamps joined with what every rank's worker reported, one
+    record per request, logged and handed to vLLM's metrics."""
+
+    def __init__(self, tp_size: int) -> None:
+        self.tp_size = tp_size
+        self._open: dict[str, _Times] = {}
+        self._done = KvlinkConnectorStats()
+
+    def seen(self, request: Request, role: str, xfer: str | None) -> None:
+        if request.request_id in self._open:
+            return
+        # vLLM stamps arrival with time.time() in the front end, on this host
+        arrival = time.monotonic() - max(0.0, time.time() - float(request.arrival_time))
+        _bounded_put(self._open, request.request_id, _Times(role, xfer, arrival))
+
+    def scheduled(self, num_scheduled_tokens: dict[str, int]) -> None:
+        now = time.monotonic()
+        for req_id, t in self._open.items():
+            if t.scheduled is None and num_scheduled_tokens.get(req_id):
+                t.scheduled = now
+
+    def computed(self, req_id: str, xfer: str) -> None:
+        t = self._open.get(req_id)
+        if t is not None:
+            t.computed, t.xfer = time.monotonic(), xfer
+
+    def forget(self, req_id: str) -> None:
+        self._open.pop(req_id, None)
+
+    def add_parts(self, stats: Any) -> None:
+        for part in getattr(stats, "data", {}).get("req_parts", ()):
+            t = self._open.get(part.get("req"))
+            if t is None:
+                continue
+            t.parts.append(part)
+            if len({p["rank"] for p in t.parts}) >= self.tp_size:
+                del self._open[part["req"]]
+                self._complete(part["req"], t)
+
+    def _complete(self, req_id: str, t: _Times) -> None:
+        def span(a: float | None, b: float | None) -> float | None:
+            return None if a is None or b is None else round(max(0.0, b - a), 6)
+
+        def latest(key: str) -> float | None:
+            vals = [p[key] for p in t.parts if p.get(key) is not None]
+            return max(vals) if vals else None
+
+        earliest_start = min((p["t0"] for p in t.parts if p.get("t0") is not None), default=None)
+        if t.role == "prefill":
+            fs = min((p["fs"] for p in t.parts if p.get("fs") is not None), default=None)
+            phases = {
+                "prefill_queue": span(t.arrival, t.scheduled),
+                "prefill_compute": span(t.scheduled, t.computed),
+                "first_layer_sent": span(fs, latest("l0")),
+                "kv_sent": span(t.computed, latest("end")),
+            }
+        else:
+            phases = {
+                "decode_admission": span(t.arrival, earliest_start),
+                "kv_first_layer": span(earliest_start, latest("l0")),
+                "kv_transfer": span(earliest_start, latest("ln")),
+                "decode_first_step": span(latest("ln"), latest("end")),
+            }
+        rec = {
+            "request": req_id, "role": t.role, "xfer": t.xfer or "",
+            "ok": all(p.get("ok") for p in t.parts), "t_unix": round(time.time(), 3),
+            "phases": {k: v for k, v in phases.items() if v is not None},
+        }
+        log.info("kvlink request %s", json.dumps(rec, separators=(",", ":")))
+        self._done.record("req_records", rec)
+
+    def take_records(self) -> KvlinkConnectorStats | None:
+        if self._done.is_empty():
+            return None
+        out, self._done = self._done, KvlinkConnectorStats()
+        return out
 
 
 def _tp_rank() -> int:
@@ -495,6 +621,10 @@ class _Load:
     sources: list[_Source] = dataclasses.field(default_factory=list)
     layers_waited: set[int] = dataclasses.field(default_factory=set)
     failed: str | None = None
+    # time.monotonic(): started, layer 0 and the last layer verified (the request's breakdown)
+    t_start: float = 0.0
+    t_layer0: float | None = None
+    t_last: float | None = None
 
 
 @dataclasses.dataclass
@@ -530,6 +660,9 @@ class _Send:
     transfer_id: str | None = None
     targets: dict[int, _Target] | None = None
     src_blocks: list[int] = dataclasses.field(default_factory=list)
+    # time.monotonic(): the forward pass computing the prompt's last chunk, with pushes
+    t_forward_start: float | None = None
+    t_forward_end: float | None = None
 
     @property
     def pushing(self) -> bool:
@@ -560,7 +693,8 @@ class _WorkerSide:
         self.agent: kvlink.Agent | None = None
         self.layout: kv.PagedLayout | None = None
         self.card: proto.Card | None = None
-        self.layer_index: dict[str, int] = {}
+        self.layer_index: dict[str, int] = {}  # vLLM's layer name -> kvlink layer
+        self.num_layers = 0
         self._regions: list[kvlink.Region] = []
         self._loads: list[_Load] = []
         self._errors: set[int] = set()
@@ -599,7 +733,16 @@ class _WorkerSide:
         if self.tp_size > 1:
             name = f"{name[:58]}-tp{self.rank}"
         name = name[:63]
-        tensors = list(kv_caches.values())
+        # Layers that share another layer's KV (vLLM's cross-layer KV sharing) hand in the same
+        # tensor under their own name: it is registered and moved once, as that layer.
+        tensors: list[Any] = []
+        by_ptr: dict[int, int] = {}
+        layer_index: dict[str, int] = {}
+        for n, t in kv_caches.items():
+            i = by_ptr.setdefault(int(t.data_ptr()), len(tensors))
+            if i == len(tensors):
+                tensors.append(t)
+            layer_index[n] = i
         shape = tuple(tensors[0].shape)
         for n, t in kv_caches.items():
             if tuple(t.shape) != shape or t.dtype != tensors[0].dtype:
@@ -625,10 +768,12 @@ class _WorkerSide:
                 "supported"
             )
         self.agent = kvlink.Agent(name, self.config)
-        self.layer_index = {n: i for i, n in enumerate(kv_caches)}
-        for n, t in kv_caches.items():
+        self.layer_index = layer_index
+        self.num_layers = len(tensors)
+        names = {i: n for n, i in reversed(layer_index.items())}  # each tensor's first name
+        for i, t in enumerate(tensors):
             self._regions.append(
-                self.agent.register(t, remote_read=True, remote_write=True, name=n[-63:])
+                self.agent.register(t, remote_read=True, remote_write=True, name=names[i][-63:])
             )
         self.layout = kv.PagedLayout.from_tensors(self.agent, tensors, planes=planes)
         shard = self._shard(shape[planes:], self.layout.block_bytes)
@@ -741,6 +886,7 @@ class _WorkerSide:
         for push in meta.pushes:
             s = self._sends.setdefault(push.req_id, _Send(push.req_id, now + self.settings.lease_s))
             s.push = push
+            s.t_forward_start = now
             s.offer_deadline = now + self.settings.offer_timeout_s
             s.transfer_id, s.src_blocks = push.transfer_id, push.src_blocks
             try:
@@ -815,7 +961,7 @@ class _WorkerSide:
         now = time.monotonic()
         self._loads = []
         for job in meta.loads:
-            load = _Load(job, now + self.settings.load_timeout_s)
+            load = _Load(job, now + self.settings.load_timeout_s, t_start=now)
             self._loads.append(load)
             try:
                 load.sources = self._sources(job)
@@ -843,7 +989,10 @@ class _WorkerSide:
 
     def forward_done(self) -> None:
         if self._step_pushes:
-            self.stats.forward_end_t.append(time.monotonic())
+            now = time.monotonic()
+            self.stats.forward_end_t.append(now)
+            for s in self._step_pushes:
+                s.t_forward_end = now
 
     def _fail(self, load: _Load, why: str) -> None:
         if load.failed is None:
@@ -880,8 +1029,13 @@ class _WorkerSide:
                             self._wait_pushed_layer(load, src, h)
                     if src.pull is not None:
                         self._wait_pulled_layer(load, src, i)
+                now = time.monotonic()
                 if i == 0 and isinstance(load.job.source, proto.PushSource):
-                    self.stats.layer0_ready_t.append(time.monotonic())
+                    self.stats.layer0_ready_t.append(now)
+                if i == 0:
+                    load.t_layer0 = now
+                if i == self.num_layers - 1:
+                    load.t_last = now
                 load.layers_waited.add(i)
             except (kvlink.KvlinkError, ValueError) as exc:
                 self._fail(load, f"layer {i}: {exc}")
@@ -1159,7 +1313,7 @@ class _WorkerSide:
             return set()
         self._finish_loads()
         self._drain_notifications()
-        num_layers = len(self.layer_index)
+        num_layers = self.num_layers
         # A push whose offer came after the forward pass goes out now (the blocks are held).
         now = time.monotonic()
         for s in self._sends.values():
@@ -1201,6 +1355,17 @@ class _WorkerSide:
             else:
                 continue
             self._pulled.pop(s.tag, None)
+            done_t = [t.info() for tg in (s.targets or {}).values() for t in tg.pushes[:1]]
+            last_t = [t.info() for tg in (s.targets or {}).values() for t in tg.pushes[-1:]]
+            self._interval.record("req_parts", {
+                "req": req_id, "rank": self.rank, "ok": reason is None,
+                "fs": s.t_forward_start, "fe": s.t_forward_end,
+                # layer 0 and the last layer verified at decode (kvlink's clock is
+                # CLOCK_MONOTONIC, as time.monotonic())
+                "l0": max((i.t_done_ns / 1e9 for i in done_t), default=None),
+                "ln": max((i.t_done_ns / 1e9 for i in last_t), default=None),
+                "end": now,
+            })
             if reason:
                 self.stats.leases_expired += 1
                 log.warning("request %s: %s; its blocks are freed", req_id, reason)
@@ -1214,7 +1379,7 @@ class _WorkerSide:
         """After the forward pass: every load of the step ends (or is failed) here, and no
         failed pull writes into blocks vLLM will reuse."""
         for load in self._loads:
-            if load.failed is None and len(load.layers_waited) != len(self.layer_index):
+            if load.failed is None and len(load.layers_waited) != self.num_layers:
                 # The attention of some layer ran without waiting for its KV.
                 self._fail(load, f"only layers {sorted(load.layers_waited)} were waited for")
             for src in load.sources:
@@ -1229,6 +1394,14 @@ class _WorkerSide:
                         src.pull.wait(timeout_s=1.0)
             if load.failed is None:
                 self.stats.blocks_loaded += len(load.job.local_blocks)
+            job_src = load.job.source
+            self._interval.record("req_parts", {
+                "req": load.job.req_id, "rank": self.rank, "ok": load.failed is None,
+                "xfer": (job_src.tag if isinstance(job_src, proto.PullSource)
+                         else job_src.transfer_id),
+                "t0": load.t_start, "l0": load.t_layer0, "ln": load.t_last,
+                "end": time.monotonic(),
+            })
         self._loads = []
 
     def take_load_errors(self) -> set[int]:

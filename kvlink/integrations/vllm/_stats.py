@@ -63,6 +63,26 @@ STORE_COUNTERS: dict[str, str] = {
     "store_discarded_blocks": "Blocks that failed their checks (torn, changed) and were dropped",
     "store_prefetch_missed": "Requests whose prefetch missed its deadline (the rest recomputed)",
 }
+# Each request's latency broken down (docs/vllm.md, "Where a request's time goes"): the phases
+# a joined record carries, per role. Seconds, each side on its own monotonic clock.
+PHASES: dict[str, str] = {
+    "prefill_queue": "prefill: arrival to first scheduled",
+    "prefill_compute": "prefill: first scheduled to the prompt computed (request finished)",
+    "first_layer_sent": "prefill, push: forward pass of the last chunk started to layer 0 "
+    "verified at decode",
+    "kv_sent": "prefill: prompt computed to every rank's blocks handed off (pushed and "
+    "verified, or pulled)",
+    "decode_admission": "decode: arrival to its KV load started",
+    "kv_first_layer": "decode: load started to layer 0 verified on every rank",
+    "kv_transfer": "decode: load started to the last layer verified on every rank",
+    "decode_first_step": "decode: last layer verified to the forward pass with the first token "
+    "done",
+}
+#: most per-request entries one interval carries (a burst beyond is dropped, counted)
+MAX_RECORDS = 1024
+#: requests whose phases the last-requests gauge shows, per engine (what `kvlink trace` reads)
+LAST_REQUESTS = 32
+
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
            10.0, 30.0, 60.0)
 
@@ -74,6 +94,9 @@ class KvlinkConnectorStats(KVConnectorStats):
 
     counters: ClassVar[dict[str, str]] = COUNTERS
     latencies: ClassVar[dict[str, str]] = LATENCIES
+    # per-request entries: a worker's timestamps of a request ("req_parts"), and the scheduler
+    # side's records joined from them ("req_records")
+    records: ClassVar[tuple[str, ...]] = ("req_parts", "req_records")
 
     def __post_init__(self) -> None:
         if not self.data:
@@ -81,12 +104,13 @@ class KvlinkConnectorStats(KVConnectorStats):
         else:  # rebuilt from another process's data: missing keys read as zero
             for k in self.counters:
                 self.data.setdefault(k, 0)
-            for k in self.latencies:
+            for k in (*self.latencies, *self.records):
                 self.data.setdefault(k, [])
 
     def reset(self) -> None:
         self.data: dict[str, Any] = {
-            **dict.fromkeys(self.counters, 0), **{k: [] for k in self.latencies}
+            **dict.fromkeys(self.counters, 0),
+            **{k: [] for k in (*self.latencies, *self.records)},
         }
 
     def add(self, key: str, n: int) -> None:
@@ -95,11 +119,18 @@ class KvlinkConnectorStats(KVConnectorStats):
     def observe(self, key: str, seconds: float) -> None:
         self.data[key].append(seconds)
 
+    def record(self, key: str, entry: dict[str, Any]) -> None:
+        if len(self.data[key]) < MAX_RECORDS:
+            self.data[key].append(entry)
+
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for k in self.counters:
             self.data[k] += int(other.data.get(k, 0))
         for k in self.latencies:
             self.data[k].extend(other.data.get(k, ()))
+        for k in self.records:
+            room = MAX_RECORDS - len(self.data[k])
+            self.data[k].extend(list(other.data.get(k, ()))[:max(0, room)])
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -113,7 +144,7 @@ class KvlinkConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.data[k] for k in self.counters) and not any(
-            self.data[k] for k in self.latencies
+            self.data[k] for k in (*self.latencies, *self.records)
         )
 
 
@@ -123,6 +154,7 @@ class KvlinkPromMetrics(KVConnectorPromMetrics):
 
     counters: ClassVar[dict[str, str]] = COUNTERS
     latencies: ClassVar[dict[str, str]] = LATENCIES
+    records: ClassVar[tuple[str, ...]] = KvlinkConnectorStats.records
 
     def __init__(
         self,
@@ -142,6 +174,22 @@ class KvlinkPromMetrics(KVConnectorPromMetrics):
             h = self._histogram_cls(name=f"kvlink_vllm_{k}", documentation=doc,
                                     labelnames=labelnames, buckets=BUCKETS)
             self._histograms[k] = self._per_engine(h)
+        self._phases: Any = None
+        self._last: Any = None
+        self._shown: dict[int, list[tuple[str, ...]]] = {}  # engine -> label sets on the gauge
+        if "req_records" in self.records:
+            self._phases = self._histogram_cls(
+                name="kvlink_vllm_request_phase_seconds",
+                documentation="Each P/D request's time by phase (docs/vllm.md); prefill_* and "
+                "kv_sent on prefill, the rest on decode",
+                labelnames=[*labelnames, "phase"], buckets=BUCKETS)
+            self._last = self._gauge_cls(
+                name="kvlink_vllm_request_last_phase_seconds",
+                documentation=f"The phases of this engine's last {LAST_REQUESTS} P/D requests "
+                "(kvlink trace joins prefill's and decode's by xfer); phase t_unix is when the "
+                "record was complete",
+                labelnames=[*labelnames, "xfer", "request", "role", "phase"],
+                multiprocess_mode="mostrecent")
 
     def _per_engine(self, metric: Any) -> dict[int, Any]:
         return {i: metric.labels(*lv) for i, lv in self.per_engine_labelvalues.items()}
@@ -154,6 +202,25 @@ class KvlinkPromMetrics(KVConnectorPromMetrics):
         for k, per_engine in self._histograms.items():
             for s in transfer_stats_data.get(k, ()):
                 per_engine[engine_idx].observe(s)
+        if self._phases is not None:
+            for rec in transfer_stats_data.get("req_records", ()):
+                self._observe_request(rec, engine_idx)
+
+    def _observe_request(self, rec: dict[str, Any], engine_idx: int) -> None:
+        lv = [str(v) for v in self.per_engine_labelvalues[engine_idx]]
+        shown = self._shown.setdefault(engine_idx, [])
+        for phase, seconds in rec["phases"].items():
+            self._phases.labels(*lv, phase).observe(seconds)
+        for phase, value in [*rec["phases"].items(), ("t_unix", rec["t_unix"])]:
+            labels = (*lv, rec["xfer"], rec["request"], rec["role"], phase)
+            self._last.labels(*labels).set(value)
+            shown.append(labels)
+        # Only the last LAST_REQUESTS records stay: the series of older ones are removed.
+        while len({lab[-4] for lab in shown}) > LAST_REQUESTS:
+            oldest = shown[0][-4]
+            for labels in [lab for lab in shown if lab[-4] == oldest]:
+                self._last.remove(*labels)
+                shown.remove(labels)
 
 
 @dataclasses.dataclass
@@ -162,6 +229,7 @@ class StoreConnectorStats(KvlinkConnectorStats):
 
     counters: ClassVar[dict[str, str]] = STORE_COUNTERS
     latencies: ClassVar[dict[str, str]] = {}
+    records: ClassVar[tuple[str, ...]] = ()
 
 
 class StorePromMetrics(KvlinkPromMetrics):
@@ -169,3 +237,4 @@ class StorePromMetrics(KvlinkPromMetrics):
 
     counters: ClassVar[dict[str, str]] = STORE_COUNTERS
     latencies: ClassVar[dict[str, str]] = {}
+    records: ClassVar[tuple[str, ...]] = ()

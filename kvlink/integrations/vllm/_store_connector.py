@@ -260,6 +260,17 @@ class KvlinkStoreConnector(KVConnectorBase_V1):
         assert self._worker is not None
         return self._worker.take_load_errors()
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A cache: a save a preemption drops is a future miss, never a wrong byte (saves copy
+        # from blocks vLLM still holds for them).
+        return False
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        # The worker's agent has the KV cache registered: a remap under it is refused.
+        return False
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()

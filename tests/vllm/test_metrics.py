@@ -8,8 +8,11 @@ would serve them on /metrics.
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import json
 import re
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -157,3 +160,45 @@ def test_each_request_broken_down(insts: dict[str, harness.Instance]) -> None:
         assert {r["xfer"] for r in recs if r["role"] == role} >= tags, recs
     table = trace.table(rows)
     assert table.row_count == len(rows)
+    # the command itself, on the two instances' expositions served over HTTP as a vLLM server
+    # serves its /metrics
+    with serve_texts(texts) as urls:
+        png = log_dir_png(p)
+        assert trace.main([*urls, "--last", "2", "--png", str(png)]) == 0
+        assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+        assert trace.main([urls[0].replace("/metrics", "/nothing")]) == 1
+
+
+def log_dir_png(inst: harness.Instance) -> Path:
+    return inst.log_path.parent / "trace.png"
+
+
+@contextlib.contextmanager
+def serve_texts(texts: list[str]) -> Iterator[list[str]]:
+    """Each text at http://127.0.0.1:PORT/metrics (its own server), 404 elsewhere."""
+    servers = []
+    for text in texts:
+        body = text.encode()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            payload = body
+
+            def do_GET(self) -> None:
+                ok = self.path == "/metrics"
+                self.send_response(200 if ok else 404)
+                self.end_headers()
+                if ok:
+                    self.wfile.write(self.payload)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        servers.append(srv)
+    try:
+        yield [f"http://127.0.0.1:{srv.server_address[1]}/metrics" for srv in servers]
+    finally:
+        for srv in servers:
+            srv.shutdown()
+            srv.server_close()

@@ -1,10 +1,10 @@
 """Makes this checkout of kvlink installed in another virtualenv the way ``pip install -e .``
 would, without building the C core a second time (the abi3 one ``make build`` made serves every
-venv): a ``.pth`` naming the checkout, a ``kvlink`` dist-info carrying pyproject.toml's entry
-points (the ``vllm.general_plugins`` and ``sglang.srt.plugins`` groups: the frameworks find
-kvlink's plugins through them) and pyproject.toml's console scripts in the venv's ``bin/``
+venv): a ``.pth`` naming the checkout, a ``kvlink-checkout`` dist-info carrying pyproject.toml's
+entry points (the ``vllm.general_plugins`` and ``sglang.srt.plugins`` groups: the frameworks
+find kvlink's plugins through them) and pyproject.toml's console scripts in the venv's ``bin/``
 (``kvlink``, ``kvlink-bench``). Idempotent: run it again after pyproject.toml changed.
-``pip uninstall kvlink`` removes what it wrote (RECORD lists it).
+``pip uninstall kvlink-checkout`` removes what it wrote (RECORD lists it).
 
     VENV/bin/python tests/link_checkout.py VENV
 
@@ -60,13 +60,17 @@ def link(venv: Path) -> list[Path]:
     pth.write_text(f"{ROOT}\n")
     written.append(pth)
 
-    for old in site.glob("kvlink-*.dist-info"):  # an older version's, or this one's again
-        shutil.rmtree(old)
-    info = site / f"kvlink-{project['version']}.dist-info"
+    # Named kvlink-checkout, not kvlink: run from the checkout (python -m puts the working
+    # directory first on sys.path), importlib.metadata finds the main venv's kvlink.egg-info
+    # there first and, by name, would hide a "kvlink" distribution's entry points behind its
+    # (perhaps older) ones; under another name both are seen (vLLM loads a plugin name once).
+    for old in [*site.glob("kvlink-*.dist-info"), *site.glob("kvlink_checkout-*.dist-info")]:
+        shutil.rmtree(old)  # an older version's, or this one's again
+    info = site / f"kvlink_checkout-{project['version']}.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(
-        f"Metadata-Version: 2.1\nName: kvlink\nVersion: {project['version']}\n"
-        f"Summary: {project.get('description', '')}\n"
+        f"Metadata-Version: 2.1\nName: kvlink-checkout\nVersion: {project['version']}\n"
+        f"Summary: {project.get('description', '')} (this checkout, linked)\n"
     )
     (info / "INSTALLER").write_text("kvlink tests/link_checkout.py\n")
     (info / "direct_url.json").write_text(

@@ -173,17 +173,22 @@ class Server(Child):
 
 
 class Router(Child):
-    """vllm-router in P/D mode in front of ``prefill`` and ``decode`` servers."""
+    """vllm-router in P/D mode in front of ``prefill`` and ``decode`` servers, or, with
+    ``workers``, in its regular mode (each request to one of them, computed there whole)."""
 
     def __init__(self, prefill: list[str], decode: list[str], *, log_dir: Path,
                  kv_connector: str = "nixl", policy: str = "round_robin",
-                 args: Iterable[str] = (), name: str = "router") -> None:
+                 args: Iterable[str] = (), name: str = "router",
+                 workers: list[str] | None = None) -> None:
         self.port, self.prom_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [str(ROUTER), "--host", "127.0.0.1", "--port", str(self.port),
                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.prom_port),
-               "--vllm-pd-disaggregation", "--kv-connector", kv_connector, "--policy", policy,
-               "--worker-startup-check-interval", "1"]
+               "--policy", policy, "--worker-startup-check-interval", "1"]
+        if workers:
+            cmd += ["--worker-urls", *workers]
+        else:
+            cmd += ["--vllm-pd-disaggregation", "--kv-connector", kv_connector]
         for url in prefill:
             cmd += ["--prefill", url]
         for url in decode:

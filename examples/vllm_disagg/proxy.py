@@ -7,7 +7,8 @@ one decode server, or pools of each.
         --decode http://d0:8200 --decode http://d1:8200 --port 8000
 
 Clients talk to it as to one OpenAI server (POST /v1/completions or /v1/chat/completions,
-streaming or not). GET /stats shows each instance's outstanding work and counts.
+streaming or not; GET /v1/models answers what a decode instance serves). GET /stats shows each
+instance's outstanding work and counts.
 
 Pools: each request goes to the prefill instance and the decode instance with the least
 outstanding work, that is the prompt tokens of the requests it has in flight (so a 1900-token
@@ -24,7 +25,9 @@ kv_transfer_params (its card, the block ids, a tag and the lease), passed unchan
 which pulls the blocks and generates.
 
 push: every instance's card is fetched once (a one-token request with
-{"kvlink_card_only": true}); each request gets a transfer id and goes to decode
+{"kvlink_card_only": true}), as soon as it answers: started before its servers, the proxy asks
+again every 2 s for up to --wait-s, and a request meanwhile is answered 503 saying which card
+is missing. Each request gets a transfer id and goes to decode
 ({"do_remote_prefill": true, "kvlink_push": {"transfer_id", "prefill": <card>}}) and, at the same
 time, to prefill ({"do_remote_decode": true, "kvlink_push": {"transfer_id", "decode": <card>}}).
 Decode sends its block ids to prefill, which pushes every layer as it computes it. Prefill's
@@ -127,28 +130,65 @@ class Pool:
                     self.role, inst.url, exc, self.down_s)
 
 
+# One try at an instance's card: a vLLM server that is still starting has bound its port but
+# does not answer yet, so a try that waits longer only delays the next.
+CARD_TRY_S = 5.0
+
+
 class Proxy:
     def __init__(self, prefill: list[str], decode: list[str], mode: str, timeout_s: float,
-                 down_s: float) -> None:
+                 down_s: float, wait_s: float = 600.0) -> None:
         self.prefill = Pool("prefill", prefill, down_s)
         self.decode = Pool("decode", decode, down_s)
         self.mode = mode
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.wait_s = wait_s
         self.session: aiohttp.ClientSession | None = None
+        self._cards: asyncio.Task[None] | None = None
 
     async def start(self, app: web.Application) -> None:
         self.session = aiohttp.ClientSession(timeout=self.timeout)
-        if self.mode == "push":
-            for pool in (self.prefill, self.decode):
-                for inst in pool.instances:
-                    try:
-                        await self.fetch_card(inst)
-                    except (*UNREACHABLE, web.HTTPException) as exc:
-                        pool.mark_down(inst, exc)  # its card is fetched when it is picked
+        if self.mode == "push":  # the proxy serves at once; the cards come as servers answer
+            self._cards = asyncio.create_task(self.fetch_cards())
 
     async def stop(self, app: web.Application) -> None:
+        if self._cards is not None:
+            self._cards.cancel()
         if self.session is not None:
             await self.session.close()
+
+    async def fetch_cards(self) -> None:
+        """Push: every instance's card, asked for every 2 s until the instance answers or
+        --wait-s is over (servers started with the proxy take minutes). A request that picks
+        an instance whose card is missing asks for it itself."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.wait_s
+        waiting: dict[Instance, str] = {}
+        said = False
+        while True:
+            for inst in [*self.prefill.instances, *self.decode.instances]:
+                if inst.card is not None:
+                    waiting.pop(inst, None)
+                    continue
+                try:
+                    await asyncio.wait_for(self.fetch_card(inst), CARD_TRY_S)
+                    waiting.pop(inst, None)
+                except Exception as exc:  # not up yet: refused, no answer, an error page
+                    waiting[inst] = f"{type(exc).__name__} {exc}".strip()
+            if not waiting:
+                if said:
+                    log.info("every instance's card fetched")
+                return
+            if not said:
+                log.info("push mode: waiting for %s to answer (their cards), up to %.0f s",
+                         ", ".join(i.url for i in waiting), self.wait_s)
+                said = True
+            if loop.time() > end:
+                log.error("no card from %s within --wait-s %.0f s (%s); requests that pick "
+                          "them ask again", ", ".join(i.url for i in waiting), self.wait_s,
+                          "; ".join(waiting.values()))
+                return
+            await asyncio.sleep(2)
 
     async def _post(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
         assert self.session is not None
@@ -169,7 +209,24 @@ class Proxy:
     async def model(self, base: str) -> str:
         assert self.session is not None
         async with self.session.get(f"{base}/v1/models") as r:
+            if r.status != 200:
+                raise web.HTTPBadGateway(text=f"{base}/v1/models: {r.status}")
             return str((await r.json())["data"][0]["id"])
+
+    async def models(self, request: web.Request) -> web.Response:
+        """GET /v1/models: a decode instance's answer, so that OpenAI clients (and
+        client.py without --models-url) find the model name through the proxy."""
+        assert self.session is not None
+        tried: set[Instance] = set()
+        while (d := self.decode.pick(tried)) is not None:
+            tried.add(d)
+            try:
+                async with self.session.get(f"{d.url}/v1/models") as r:
+                    return web.Response(status=r.status, body=await r.read(),
+                                        content_type="application/json")
+            except UNREACHABLE as exc:
+                self.decode.mark_down(d, exc)
+        raise web.HTTPBadGateway(text="no decode instance can be reached")
 
     async def stats(self, request: web.Request) -> web.Response:
         return web.json_response({
@@ -215,10 +272,13 @@ class Proxy:
         if p_inst is None or d_inst is None:
             raise web.HTTPBadGateway(text="no instance")
         try:
-            p_card = p_inst.card or await self.fetch_card(p_inst)
-            d_card = d_inst.card or await self.fetch_card(d_inst)
-        except UNREACHABLE as exc:
-            raise web.HTTPBadGateway(text=f"cannot fetch a card: {exc}") from exc
+            p_card = p_inst.card or await asyncio.wait_for(self.fetch_card(p_inst), CARD_TRY_S)
+            d_card = d_inst.card or await asyncio.wait_for(self.fetch_card(d_inst), CARD_TRY_S)
+        except Exception as exc:  # not up yet, or gone
+            raise web.HTTPServiceUnavailable(
+                text=f"push mode needs the cards of {p_inst.url} and {d_inst.url}, and one "
+                f"could not be fetched ({type(exc).__name__} {exc}): are both servers up?"
+            ) from exc
         tid = uuid.uuid4().hex
         pre = dict(body, max_tokens=1, stream=False, kv_transfer_params={
             "do_remote_decode": True, "kvlink_push": {"transfer_id": tid, "decode": d_card}})
@@ -285,14 +345,18 @@ def main() -> None:
     ap.add_argument("--timeout-s", type=float, default=300.0)
     ap.add_argument("--down-s", type=float, default=5.0,
                     help="how long an instance that refused a connection is left out")
+    ap.add_argument("--wait-s", type=float, default=600.0,
+                    help="push: how long to keep asking servers that do not answer yet for "
+                    "their cards (default 600 s; started with the proxy, they take minutes)")
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="proxy %(levelname)s %(message)s")
-    proxy = Proxy(urls(a.prefill), urls(a.decode), a.mode, a.timeout_s, a.down_s)
+    proxy = Proxy(urls(a.prefill), urls(a.decode), a.mode, a.timeout_s, a.down_s, a.wait_s)
     app = web.Application()
     app.on_startup.append(proxy.start)
     app.on_cleanup.append(proxy.stop)
     app.router.add_post("/v1/completions", proxy.completions)
     app.router.add_post("/v1/chat/completions", proxy.completions)
+    app.router.add_get("/v1/models", proxy.models)
     app.router.add_get("/stats", proxy.stats)
     web.run_app(app, host=a.host, port=a.port, print=None)
 

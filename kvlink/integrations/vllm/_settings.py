@@ -376,8 +376,9 @@ def check_at_start(kv_transfer_config: Any) -> None:
             continue
         exposed = [a for a in _nics.resolve(cfg.nics) if not a.startswith("127.")]
         if exposed:
+            given = list(settings.nics) if isinstance(settings.nics, tuple) else settings.nics
             raise kvlink.ConfigError(
-                f"{WHERE}['nics']: {settings.nics!r} listens on {exposed[0]} (beyond loopback) "
+                f"{WHERE}['nics']: {given!r} listens on {exposed[0]} (beyond loopback) "
                 "and no cluster secret is set, so anyone who reaches it could write this "
                 "instance's KV cache. Give every instance the same secret: KVLINK_SECRET (or "
                 f"KVLINK_SECRET_FILE) in the server's environment, or {WHERE}['secret']; on a "

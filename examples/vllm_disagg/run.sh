@@ -103,10 +103,9 @@ PREFILL_PID=$LAST
 # shellcheck disable=SC2086
 serve decode 8200 kv_consumer 1 "$NICS_B" $IN_B
 DECODE_PID=$LAST
-# Both servers start at once; on 2 cores they answer after about a minute together (52-71 s
-# measured with other jobs on the cores; ~25 CPU-seconds each), much longer on busy cores
-# (START_S bounds the wait). A server that exits (a refused setting stops it within seconds)
-# ends the wait at once.
+# Both servers start at once; on 2 idle cores both answer after ~24 s (~23 CPU-seconds each),
+# after 52-71 s with other jobs on the cores, much longer on busy ones (START_S bounds the
+# wait). A server that exits (a refused setting stops it within seconds) ends the wait at once.
 START_S=${START_S:-900}
 T0=$(date +%s)
 wait_up() {  # name url pid
@@ -125,7 +124,7 @@ wait_up() {  # name url pid
     done
     echo "$1 up after $(($(date +%s) - T0)) s"
 }
-echo "starting prefill and decode (about a minute on 2 free cores; logs in $LOGS)"
+echo "starting prefill and decode (~25 s on 2 idle cores, longer on busy ones; logs in $LOGS)"
 wait_up prefill "http://$PREFILL_HOST:8100" "$PREFILL_PID"
 wait_up decode "http://$DECODE_HOST:8200" "$DECODE_PID"
 # shellcheck disable=SC2086

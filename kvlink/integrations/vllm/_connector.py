@@ -299,6 +299,7 @@ class _SchedulerSide:
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         # What peers get to reach this engine: one card, or every rank's (proto.cards_to_wire).
         self.card: dict[str, Any] | list[dict[str, Any]] | None = None
+        self.cards: list[proto.Card] = []  # the same, parsed (rank order)
         self._loads: dict[str, LoadJob] = {}
         self._local: dict[str, int] = {}  # req -> locally computed tokens at the match
         self._push: dict[str, tuple[Request, str, list[proto.Card]]] = {}
@@ -318,6 +319,7 @@ class _SchedulerSide:
             meta = metadata[rank]
             assert isinstance(meta, KvlinkHandshake)
             cards.append(proto.Card.from_dict(meta.card, f"rank {rank}'s card"))
+        self.cards = cards
         self.card = proto.cards_to_wire(cards)
 
     def _allowed(self, mode: Mode) -> bool:
@@ -354,9 +356,9 @@ class _SchedulerSide:
                 request.request_id, src.cards[0].block_size, self.block_size,
             )
             return 0, False
-        if self.card is not None:
+        if self.cards:
             try:  # the two engines' tensor-parallel splits must map onto each other
-                proto.pieces(src.cards, proto.cards_from_wire(self.card, "this engine's card"))
+                proto.pieces(src.cards, self.cards)
             except proto.ParamsError as exc:
                 log.error("request %s: %s; computing its prompt here", request.request_id, exc)
                 return 0, False
@@ -570,12 +572,6 @@ class _Send:
     # time.monotonic(): the forward pass computing the prompt's last chunk, with pushes
     t_forward_start: float | None = None
     t_forward_end: float | None = None
-
-    @property
-    def pushing(self) -> bool:
-        return self.push is not None and bool(self.targets) and not any(
-            t.failed for t in (self.targets or {}).values()
-        )
 
 
 class _WorkerSide:

@@ -80,7 +80,16 @@ def test_params_round_trip_and_refusals(make_agent) -> None:  # type: ignore[no-
     pull = {"do_remote_prefill": True, "remote_block_ids": [3, 4],
             "kvlink": {"card": d, "tag": "t", "expires": 1.0, "max_pull_s": 5}}
     src = proto.parse_decode_params(pull)
-    assert isinstance(src, proto.PullSource) and src.blocks == [3, 4] and src.tag == "t"
+    assert isinstance(src, proto.PullSource) and src.blocks == [[3, 4]] and src.tag == "t"
+    # several KV cache groups: one list per group, null blocks (0) kept for the positions
+    two = proto.parse_decode_params({**pull, "remote_block_ids": [[0, 4], [3, 5]]})
+    assert isinstance(two, proto.PullSource) and two.blocks == [[0, 4], [3, 5]]
+    assert proto.blocks_to_wire(two.blocks) == [[0, 4], [3, 5]]
+    assert proto.blocks_to_wire([[3, 4]]) == [3, 4]  # one group: NixlConnector's flat list
+    with pytest.raises(proto.ParamsError, match=r"\['remote_block_ids'\]\[1\]"):
+        proto.parse_decode_params({**pull, "remote_block_ids": [[1], [-2]]})
+    with pytest.raises(proto.ParamsError, match="more than 16 KV cache groups"):
+        proto.parse_decode_params({**pull, "remote_block_ids": [[1]] * 17})
     push = {"do_remote_prefill": True, "kvlink_push": {"transfer_id": "abc-1", "prefill": d}}
     src2 = proto.parse_decode_params(push)
     assert isinstance(src2, proto.PushSource) and src2.transfer_id == "abc-1"
@@ -101,8 +110,14 @@ def test_params_round_trip_and_refusals(make_agent) -> None:  # type: ignore[no-
 def test_offers() -> None:
     blocks = [5, 6, 7, 9, 10, 2]
     assert proto.runs(blocks) == [[5, 3], [9, 2], [2, 1]]
-    offer = proto.Offer("t1", 1, blocks, 12.5)
+    offer = proto.Offer("t1", 1, [blocks], 12.5)
     assert proto.parse_offer(proto.make_offer(offer)) == offer
+    groups = proto.Offer("t1", 1, [[0, 0, 7, 8], [3, 4, 5, 6]], 12.5, first=2)
+    assert proto.parse_offer(proto.make_offer(groups)) == groups
+    with pytest.raises(proto.ParamsError, match=r"offer\['groups'\]\[1\]"):
+        proto.parse_offer({**proto.make_offer(groups), "groups": [[[1, 1]], "x"]})
+    with pytest.raises(proto.ParamsError, match="more than"):  # a peer's runs are bounded
+        proto.parse_offer({**proto.make_offer(offer), "blocks": [[0, 1 << 20]] * 5})
     assert proto.parse_offer({"nbytes": 1}) is None
     with pytest.raises(proto.ParamsError, match="blocks"):
         proto.parse_offer({proto.OFFER_KEY: "t", "v": proto.VERSION, "rank": 0,
@@ -112,11 +127,13 @@ def test_offers() -> None:
 
 
 def test_fallbacks() -> None:
-    fb = proto.Fallback("t1", 1, [7, 8, 9, 3], "kvl/P/r1", 12.5, 30.0)
+    fb = proto.Fallback("t1", 1, [[7, 8, 9, 3]], "kvl/P/r1", 12.5, 30.0)
     raw = proto.make_fallback(fb)
     assert proto.parse_fallback(raw) == fb
     assert proto.parse_offer(raw) is None  # not an offer: the two never mix
-    assert proto.parse_fallback(proto.make_offer(proto.Offer("t1", 0, [1], 1.0))) is None
+    assert proto.parse_fallback(proto.make_offer(proto.Offer("t1", 0, [[1]], 1.0))) is None
+    two = proto.Fallback("t1", 0, [[0, 8], [3, 4]], "kvl/P/r1", 12.5, 30.0)
+    assert proto.parse_fallback(proto.make_fallback(two)) == two
     with pytest.raises(proto.ParamsError, match=r"fallback\['tag'\]"):
         proto.parse_fallback({**raw, "tag": ""})
     with pytest.raises(proto.ParamsError, match=r"fallback\['max_pull_s'\]"):
@@ -149,11 +166,11 @@ def test_discovery_cards(make_agent) -> None:  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), "1", True, None])
 def test_offer_and_fallback_expiry_must_be_finite(bad: object) -> None:
     # An expiry that never passes would keep its entry in decode's or prefill's tables forever.
-    offer = proto.make_offer(proto.Offer("t1", 0, [3, 4], 1e9))
+    offer = proto.make_offer(proto.Offer("t1", 0, [[3, 4]], 1e9))
     offer["expires"] = bad
     with pytest.raises(proto.ParamsError, match="expires"):
         proto.parse_offer(offer)
-    fb = proto.make_fallback(proto.Fallback("t1", 0, [5], "tag", 1e9, 30.0))
+    fb = proto.make_fallback(proto.Fallback("t1", 0, [[5]], "tag", 1e9, 30.0))
     fb["max_pull_s"] = bad
     with pytest.raises(proto.ParamsError, match="max_pull_s"):
         proto.parse_fallback(fb)
@@ -273,7 +290,7 @@ def test_pull_notes() -> None:
         with pytest.raises(proto.ParamsError):
             proto.parse_pull_note(bad)
     assert proto.parse_release(proto.make_release("kvl/P/r1")) == "kvl/P/r1"
-    assert proto.parse_release(proto.make_offer(proto.Offer("t", 0, [1], 1.0))) is None
+    assert proto.parse_release(proto.make_offer(proto.Offer("t", 0, [[1]], 1.0))) is None
     with pytest.raises(proto.ParamsError):
         proto.parse_release({proto.RELEASE_KEY: "", "v": proto.VERSION})
 
@@ -294,3 +311,16 @@ def test_piece_segments_cut_heads_out_of_blocks(make_agent) -> None:  # type: ig
         kv.block_segments(sl, dl, [1], [5], piece=(32, 100, 64))
     with pytest.raises(kvlink.InvalidArgumentError, match="blocks of 128 bytes"):
         kv.block_segments(sl, dl, [1], [5])
+
+
+def test_cards_carry_kv_cache_groups(make_agent) -> None:  # type: ignore[no-untyped-def]
+    c = card(make_agent("g"))
+    assert "groups" not in c.to_dict()  # one full-attention group: the card says nothing
+    hybrid = dataclasses.replace(c, groups=("sliding64x2", "fullx2"))
+    assert proto.Card.from_dict(hybrid.to_dict(), "x") == hybrid
+    with pytest.raises(proto.ParamsError, match=r"x\['groups'\]"):
+        proto.Card.from_dict({**hybrid.to_dict(), "groups": []}, "x")
+    # the two sides must move the same groups: a hybrid allocator on one side only is refused
+    with pytest.raises(proto.ParamsError, match="hybrid KV cache manager"):
+        proto.pieces([hybrid], [c])
+    assert proto.pieces([hybrid], [hybrid]) == [proto.Piece(0, 0, 0, 0, c.layout.block_bytes)]

@@ -19,11 +19,14 @@ import math
 import time
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 import kvlink
@@ -58,6 +61,114 @@ _FALLBACK_POLL_S = 0.05
 _MAX_PENDING = 4096
 
 
+# vLLM's KV cache specs kvlink moves, by kind (docs/vllm.md, "Several KV cache groups").
+_FULL_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+_SLIDING_SPECS = ("SlidingWindowSpec", "SlidingWindowMLASpec")
+
+
+@dataclasses.dataclass(frozen=True)
+class KvGroups:
+    """The KV cache groups a request's blocks move in: vLLM's ids of the groups that transfer
+    (every block list on the wire has one list per group, in this order), their names on the
+    cards, and which group each layer belongs to."""
+
+    ids: tuple[int, ...] = (0,)
+    names: tuple[str, ...] = proto.FULL_ONLY
+    of_layer: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def windowed(self) -> bool:
+        """A group keeps only a window of blocks (the others of a request are the null block)."""
+        return any(n.startswith("sliding") for n in self.names)
+
+    @classmethod
+    def of(cls, kv_cache_config: Any) -> KvGroups:
+        """Raises: kvlink.ConfigError for a group of a kind kvlink does not move (Mamba state,
+        chunked local attention, ...), naming it."""
+        groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+        if not groups:
+            return cls()
+        ids = tuple(getattr(kv_cache_config, "transfer_group_ids", range(len(groups))))
+        names: list[str] = []
+        of_layer: dict[str, int] = {}
+        for i, gid in enumerate(ids):
+            g = groups[gid]
+            kind = type(g.kv_cache_spec).__name__
+            if kind in _SLIDING_SPECS:
+                names.append(proto.group_name("sliding", g.kv_cache_spec.sliding_window,
+                                              len(g.layer_names)))
+            elif kind in _FULL_SPECS or len(groups) == 1:
+                # one group: every block of a request is there, whatever the spec
+                names.append(proto.group_name("full", None, len(g.layer_names)))
+            else:
+                raise kvlink.ConfigError(
+                    f"KvlinkConnector: KV cache group {gid} ({kind}, layers "
+                    f"{list(g.layer_names)[:3]}...) is of a kind kvlink does not move; it moves "
+                    f"full-attention, MLA and sliding-window groups"
+                )
+            of_layer.update(dict.fromkeys(g.layer_names, i))
+        if len(names) == 1 and names[0].startswith("full"):
+            names = list(proto.FULL_ONLY)
+        return cls(ids, tuple(names), of_layer)
+
+    def select(self, block_ids: Any) -> proto.GroupBlocks:
+        """vLLM's block ids of every group (a tuple of lists) -> the groups that move."""
+        return [list(block_ids[g]) for g in self.ids]
+
+
+def _nonzero(groups: proto.GroupBlocks) -> list[int]:
+    """Every real block of ``groups`` (0 is vLLM's null block)."""
+    return [b for g in groups for b in g if b]
+
+
+def _units(
+    names: list[str], tensor_of: dict[str, int], group_of: dict[str, int]
+) -> tuple[dict[str, int], list[tuple[int, int]]]:
+    """(each layer's unit, each unit's (tensor, group)): a unit per (tensor, group) written,
+    numbered in the model's layer order so that every instance of the model numbers them
+    alike. Layers of no group that moves get none; layers sharing another's KV (cross-layer
+    sharing) share its unit."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    def order(item: tuple[int, str]) -> tuple[int, int]:
+        pos, name = item
+        try:
+            return int(extract_layer_index(name)), pos
+        except (AssertionError, ValueError):
+            return pos, pos
+
+    unit_of: dict[tuple[int, int], int] = {}
+    layer_index: dict[str, int] = {}
+    for _, name in sorted(enumerate(names), key=order):
+        g = group_of.get(name, 0 if not group_of else -1)
+        if g < 0:
+            continue
+        layer_index[name] = unit_of.setdefault((tensor_of[name], g), len(unit_of))
+    return layer_index, list(unit_of)
+
+
+def _pairs(group: int, src: list[int], dst: list[int]) -> tuple[list[int], list[int]]:
+    """The (source, destination) blocks of one group's positions, where decode holds a block.
+
+    Raises:
+        kvlink.InvalidArgumentError: decode needs a position prefill does not hold.
+    """
+    s_out: list[int] = []
+    d_out: list[int] = []
+    for i, d in enumerate(dst):
+        if not d:
+            continue
+        s = src[i] if i < len(src) else 0
+        if not s:
+            raise kvlink.InvalidArgumentError(
+                f"KV cache group {group}: decode needs block position {i}, which prefill does "
+                "not hold (its window had left it)"
+            )
+        s_out.append(s)
+        d_out.append(d)
+    return s_out, d_out
+
+
 def _bounded_put(table: dict[Any, Any], key: Any, value: Any) -> None:
     """table[key] = value, dropping the oldest entry first when ``table`` is full."""
     if key not in table and len(table) >= _MAX_PENDING:
@@ -74,12 +185,16 @@ def _bounded_put(table: dict[Any, Any], key: Any, value: Any) -> None:
 
 @dataclasses.dataclass
 class LoadJob:
-    """Decode: load ``local_blocks`` of request ``req_id`` in this step's forward pass."""
+    """Decode: load ``local_blocks`` (per KV cache group, positions ``first`` ..) of request
+    ``req_id``: in this step's forward pass, or, ``async_load``, while the engine goes on (the
+    request waits; reported by get_transfer_results)."""
 
     req_id: str
-    local_blocks: list[int]
+    local_blocks: proto.GroupBlocks
     source: proto.PullSource | proto.PushSource
-    remote_blocks: list[int]  # pull: the prefill blocks paired with local_blocks
+    remote_blocks: proto.GroupBlocks  # pull: the prefill blocks paired with local_blocks
+    first: int = 0
+    async_load: bool = False
 
 
 @dataclasses.dataclass
@@ -88,7 +203,7 @@ class PushJob:
 
     req_id: str
     transfer_id: str
-    src_blocks: list[int]
+    src_blocks: proto.GroupBlocks
     decode: list[proto.Card]  # one per decode rank
 
 
@@ -102,7 +217,7 @@ class Hold:
     # ``blocks`` are, for a pull) when the blocks are not pushed.
     transfer_id: str | None = None
     decode: list[proto.Card] | None = None
-    blocks: list[int] = dataclasses.field(default_factory=list)
+    blocks: proto.GroupBlocks = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -123,12 +238,14 @@ class KvlinkHandshake(KVConnectorHandshakeMetadata):
 # ---------------------------------------------------------------------------------------------
 
 
-class KvlinkConnector(KVConnectorBase_V1):
+class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector over kvlink (``kv_connector="KvlinkConnector"``,
-    ``kv_connector_module_path="kvlink.integrations.vllm"``).
+    ``kv_connector_module_path="kvlink.integrations.vllm"``). It supports vLLM's hybrid KV
+    cache manager: a model with several KV cache groups moves every group's blocks.
 
     Raises:
-        kvlink.ConfigError: at construction, for a bad ``kv_connector_extra_config``.
+        kvlink.ConfigError: at construction, for a bad ``kv_connector_extra_config`` or a KV
+            cache group kvlink does not move.
     """
 
     def __init__(
@@ -140,13 +257,14 @@ class KvlinkConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         tc = self._kv_transfer_config
         self.settings = parse_settings(tc.kv_connector_extra_config)
+        groups = KvGroups.of(kv_cache_config)
         self._scheduler: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = _SchedulerSide(self.settings, vllm_config)
+            self._scheduler = _SchedulerSide(self.settings, vllm_config, groups, kv_cache_config)
         else:
             num_blocks = getattr(kv_cache_config, "num_blocks", None)
-            self._worker = _WorkerSide(self.settings, vllm_config, num_blocks)
+            self._worker = _WorkerSide(self.settings, vllm_config, num_blocks, groups)
 
     # -- worker side -----------------------------------------------------------------------
 
@@ -193,7 +311,18 @@ class KvlinkConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None
-        return self._worker.finished(finished_req_ids), None
+        sending = self._worker.finished(finished_req_ids)
+        return sending, self._worker.async_results()[0]
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # Loads that ran while the engine went on (several KV cache groups) end here: a failed
+        # one is reported as received and failed (vLLM recomputes or fails it, per policy).
+        assert self._worker is not None
+        sending = self._worker.finished(finished_req_ids)
+        received, failed = self._worker.async_results()
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=received, failed_recving=failed
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None
@@ -280,18 +409,39 @@ class KvlinkConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        # vLLM calls this one with its hybrid KV cache manager off (one group).
         assert self._scheduler is not None
-        return self._scheduler.finished(request, block_ids)
+        return self._scheduler.finished(request, [list(block_ids)])
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.finished(request, self._scheduler.groups.select(block_ids))
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        # A load brings the request's own blocks of every group that transfers.
+        assert self._scheduler is not None
+        return self._scheduler.groups.ids
+
+    def on_new_request(self, request: Request) -> None:
+        assert self._scheduler is not None
+        self._scheduler.new_request(request)
 
 
 # ---------------------------------------------------------------------------------------------
 
 
 class _SchedulerSide:
-    def __init__(self, settings: Settings, vllm_config: VllmConfig) -> None:
+    def __init__(self, settings: Settings, vllm_config: VllmConfig, groups: KvGroups,
+                 kv_cache_config: Any) -> None:
         tc = vllm_config.kv_transfer_config
         assert tc is not None
         self.settings = settings
+        self.groups = groups
+        # vLLM reports failed synchronous loads by block id only with one KV cache group:
+        # with several, loads run while the engine goes on and fail by request.
+        self.async_load = len(getattr(kv_cache_config, "kv_cache_groups", None) or [0]) > 1
         self.engine_id = str(tc.engine_id)
         self.producer = bool(tc.is_kv_producer)
         self.consumer = bool(tc.is_kv_consumer)
@@ -324,6 +474,22 @@ class _SchedulerSide:
 
     def _allowed(self, mode: Mode) -> bool:
         return self.settings.mode in (Mode.AUTO, mode)
+
+    def new_request(self, request: Request) -> None:
+        """Prefill with a sliding-window group: computes all but the prompt's last token.
+        vLLM frees a window's blocks for the next token to compute, so a prefill of the whole
+        prompt can have freed the block holding token n - window, which decode's computation
+        of token n - 1 reads; computing up to token n - 2 keeps exactly decode's window."""
+        params = request.kv_transfer_params
+        if (not self.groups.windowed or not self.producer or not params
+                or not params.get("do_remote_decode") or params.get("kvlink_short")
+                or request.num_prompt_tokens < 2 or request.prompt_token_ids is None):
+            return
+        del request.prompt_token_ids[-1]
+        del request._all_token_ids[-1]
+        request.num_prompt_tokens -= 1
+        request.max_tokens = 1
+        params["kvlink_short"] = True  # once, also after a preemption
 
     def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
@@ -362,18 +528,24 @@ class _SchedulerSide:
             except proto.ParamsError as exc:
                 log.error("request %s: %s; computing its prompt here", request.request_id, exc)
                 return 0, False
+        if isinstance(src, proto.PullSource) and len(src.blocks) != len(self.groups.ids):
+            log.error("request %s: prefill sent block ids of %d KV cache groups, this instance "
+                      "has %d; computing its prompt here", request.request_id, len(src.blocks),
+                      len(self.groups.ids))
+            return 0, False
         # The last prompt position is computed here: its logits give the first token.
         count = request.num_prompt_tokens - 1 - num_computed_tokens
         if isinstance(src, proto.PullSource):
-            count = min(count, len(src.blocks) * self.block_size - num_computed_tokens)
+            count = min(count, len(src.blocks[0]) * self.block_size - num_computed_tokens)
         if count <= 0 or num_computed_tokens % self.block_size:
             return 0, False
         self._local[request.request_id] = num_computed_tokens
         self.times.seen(request, "decode",
                         src.tag if isinstance(src, proto.PullSource) else src.transfer_id)
         # Loaded synchronously, inside the forward pass that needs it: the attention of layer
-        # i waits for layer i only, so layer 0 runs as soon as it is here.
-        return count, False
+        # i waits for layer i only, so layer 0 runs as soon as it is here. With several KV
+        # cache groups, while the engine goes on (self.async_load).
+        return count, self.async_load
 
     def after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -397,9 +569,10 @@ class _SchedulerSide:
         local_computed = self._local.pop(req_id, 0)
         first = local_computed // self.block_size
         last = math.ceil((local_computed + num_external_tokens) / self.block_size)
-        local = list(blocks.get_block_ids()[0][first:last])
-        remote = src.blocks[first:last] if isinstance(src, proto.PullSource) else []
-        self._loads[req_id] = LoadJob(req_id, local, src, remote)
+        local = [g[first:last] for g in self.groups.select(blocks.get_block_ids())]
+        # prefill's whole lists: paired with local's by position (from ``first``)
+        remote = src.blocks if isinstance(src, proto.PullSource) else []
+        self._loads[req_id] = LoadJob(req_id, local, src, remote, first, self.async_load)
         # Loaded once: after a preemption the request recomputes instead of loading again.
         params["do_remote_prefill"] = False
 
@@ -413,13 +586,15 @@ class _SchedulerSide:
             if n and request.num_computed_tokens + n >= request.num_prompt_tokens:
                 del self._push[req_id]
                 nblocks = math.ceil(request.num_prompt_tokens / self.block_size)
-                blocks = list(kv_cache_manager.get_block_ids(req_id)[0][:nblocks])
+                blocks = [g[:nblocks] for g in
+                          self.groups.select(kv_cache_manager.get_block_ids(req_id))]
                 meta.pushes.append(PushJob(req_id, tid, blocks, decode))
         return meta
 
     def finished(
-        self, request: Request, block_ids: list[int]
+        self, request: Request, block_ids: proto.GroupBlocks
     ) -> tuple[bool, dict[str, Any] | None]:
+        """``block_ids``: the request's blocks of every group that moves."""
         from vllm.v1.request import RequestStatus
 
         req_id = request.request_id
@@ -435,7 +610,7 @@ class _SchedulerSide:
         if self.card is None:
             log.error("request %s: this worker published no card; nothing to hand off", req_id)
             return False, None
-        if request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not block_ids:
+        if request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not _nonzero(block_ids):
             self.times.forget(req_id)
             return False, None
         tag = f"kvl/{self.engine_id}/{req_id}"
@@ -448,14 +623,14 @@ class _SchedulerSide:
         if push is not None:
             # Also when this instance does not push (mode "pull"): decode's offer is then
             # answered with a fallback to a pull instead of waiting for decode's timeout.
-            hold.transfer_id, hold.decode, hold.blocks = push[0], push[1], list(block_ids)
+            hold.transfer_id, hold.decode, hold.blocks = push[0], push[1], block_ids
         self._holds.append(hold)
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self.engine_id,
             "remote_request_id": req_id,
-            "remote_block_ids": list(block_ids),
+            "remote_block_ids": proto.blocks_to_wire(block_ids),
             "kvlink": {
                 "card": self.card,
                 "tag": tag,
@@ -528,6 +703,7 @@ class _Load:
     job: LoadJob
     deadline: float  # time.monotonic()
     sources: list[_Source] = dataclasses.field(default_factory=list)
+    units: set[int] = dataclasses.field(default_factory=set)  # the units with blocks to load
     layers_waited: set[int] = dataclasses.field(default_factory=set)
     failed: str | None = None
     # time.monotonic(): started, layer 0 and the last layer verified (the request's breakdown)
@@ -543,7 +719,7 @@ class _Target:
     piece: proto.Piece
     card: proto.Card  # that decode rank's
     offer: proto.Offer | None = None  # its destination, once it came
-    layers_pushed: int = 0
+    layers_pushed: int = 0  # units 0 .. layers_pushed-1 pushed (or nothing of them to push)
     pushes: list[kvlink.Transfer] = dataclasses.field(default_factory=list)
     failed: bool = False  # the push was given up: the blocks wait for its pull (or the lease)
     fallback_sent: bool = False
@@ -568,19 +744,26 @@ class _Send:
     # push requests (from the PushJob or the Hold): the decode ranks this rank serves
     transfer_id: str | None = None
     targets: dict[int, _Target] | None = None
-    src_blocks: list[int] = dataclasses.field(default_factory=list)
+    src_blocks: proto.GroupBlocks = dataclasses.field(default_factory=list)
     # time.monotonic(): the forward pass computing the prompt's last chunk, with pushes
     t_forward_start: float | None = None
     t_forward_end: float | None = None
 
 
 class _WorkerSide:
+    """Moves the bytes. Its unit of transfer and completion is a *unit*: one KV tensor's
+    blocks of one KV cache group (vLLM's layers of different groups share tensors, each in its
+    own blocks), numbered in the model's layer order, the same on every instance of a model;
+    with one group, a unit is a layer's tensor."""
+
     def __init__(
-        self, settings: Settings, vllm_config: VllmConfig, num_blocks: int | None
+        self, settings: Settings, vllm_config: VllmConfig, num_blocks: int | None,
+        groups: KvGroups,
     ) -> None:
         tc = vllm_config.kv_transfer_config
         assert tc is not None
         self.settings = settings
+        self.groups = groups
         self.vllm_config = vllm_config
         self.engine_id = str(tc.engine_id)
         self.block_size = int(vllm_config.cache_config.block_size)
@@ -596,10 +779,12 @@ class _WorkerSide:
         self.agent: kvlink.Agent | None = None
         self.layout: kv.PagedLayout | None = None
         self.card: proto.Card | None = None
-        self.layer_index: dict[str, int] = {}  # vLLM's layer name -> kvlink layer
-        self.num_layers = 0
+        self.layer_index: dict[str, int] = {}  # vLLM's layer name -> unit
+        self.units: list[tuple[int, int]] = []  # unit -> (tensor, group)
+        self.num_layers = 0  # units
         self._regions: list[kvlink.Region] = []
         self._loads: list[_Load] = []
+        self._async: dict[str, _Load] = {}  # loads running while the engine goes on
         self._errors: set[int] = set()
         self._sends: dict[str, _Send] = {}
         self._offers: dict[tuple[str, int], proto.Offer] = {}  # (transfer id, decode rank)
@@ -640,12 +825,13 @@ class _WorkerSide:
         # tensor under their own name: it is registered and moved once, as that layer.
         tensors: list[Any] = []
         by_ptr: dict[int, int] = {}
-        layer_index: dict[str, int] = {}
+        tensor_of: dict[str, int] = {}
         for n, t in kv_caches.items():
             i = by_ptr.setdefault(int(t.data_ptr()), len(tensors))
             if i == len(tensors):
                 tensors.append(t)
-            layer_index[n] = i
+            tensor_of[n] = i
+        layer_index, units = _units(list(kv_caches), tensor_of, self.groups.of_layer)
         shape = tuple(tensors[0].shape)
         for n, t in kv_caches.items():
             if tuple(t.shape) != shape or t.dtype != tensors[0].dtype:
@@ -671,9 +857,9 @@ class _WorkerSide:
                 "supported"
             )
         self.agent = kvlink.Agent(name, self.config)
-        self.layer_index = layer_index
-        self.num_layers = len(tensors)
-        names = {i: n for n, i in reversed(layer_index.items())}  # each tensor's first name
+        self.layer_index, self.units = layer_index, units
+        self.num_layers = len(units)
+        names = {i: n for n, i in reversed(tensor_of.items())}  # each tensor's first name
         for i, t in enumerate(tensors):
             self._regions.append(
                 self.agent.register(t, remote_read=True, remote_write=True, name=names[i][-63:])
@@ -688,13 +874,14 @@ class _WorkerSide:
             self.agent.name,
             None if self.settings.discovery else self.agent.metadata().decode(),
             self.layout, self.block_size, f"{self.agent.instance_id:016x}", shard,
+            self.groups.names,
         )
         log.info(
             "kvlink agent %s: %d layers of %d blocks (%d bytes each, %d planes; TP rank %d of "
-            "%d, %s) on %s", name, len(tensors), num_blocks, self.layout.block_bytes, planes,
-            shard.rank, shard.size,
+            "%d, %s; KV cache groups %s) on %s", name, len(tensors), num_blocks,
+            self.layout.block_bytes, planes, shard.rank, shard.size,
             "replicated KV" if shard.replicated else f"KV heads {list(shard.heads())}",
-            ", ".join(f"{h}:{p}" for h, p in self.agent.addresses),
+            "/".join(self.groups.names), ", ".join(f"{h}:{p}" for h, p in self.agent.addresses),
         )
 
     def _shard(self, block_shape: tuple[int, ...], block_bytes: int) -> proto.Shard:
@@ -836,20 +1023,53 @@ class _WorkerSide:
         ]
 
     def _segments(self, src: kv.PagedLayout, dst: kv.PagedLayout, piece: proto.Piece,
-                  src_blocks: list[int], dst_blocks: list[int],
-                  layers: list[int] | None = None) -> Any:
-        whole = piece.whole and src.block_bytes == dst.block_bytes == piece.length
-        return kv.block_segments(
-            src, dst, src_blocks, dst_blocks, layers,
-            piece=None if whole else (piece.src_offset, piece.dst_offset, piece.length),
-        )
+                  src_blocks: proto.GroupBlocks, dst_blocks: proto.GroupBlocks,
+                  units: Any = None) -> Any:
+        """Segments of ``units`` (default: all), each segment's layer its unit: per group,
+        block i of ``src_blocks`` goes to block i of ``dst_blocks`` where decode holds one;
+        None when none of the units has a block to move.
 
-    def _pull(self, load: _Load, src: _Source, blocks: list[int], tag: str,
+        Raises:
+            kvlink.InvalidArgumentError: decode needs a block prefill does not hold, or
+                block lists of another number of groups.
+        """
+        whole = piece.whole and src.block_bytes == dst.block_bytes == piece.length
+        ng = len(self.groups.ids)
+        if len(src_blocks) != ng or len(dst_blocks) != ng:
+            raise kvlink.InvalidArgumentError(
+                f"block ids of {len(src_blocks)} / {len(dst_blocks)} KV cache groups, the model "
+                f"has {ng}"
+            )
+        pairs = [_pairs(g, s, d) for g, (s, d) in enumerate(zip(src_blocks, dst_blocks,
+                                                                strict=True))]
+        out = []
+        for u in range(len(self.units)) if units is None else units:
+            tensor, g = self.units[u]
+            if not pairs[g][0]:
+                continue
+            segs = kv.block_segments(
+                src, dst, pairs[g][0], pairs[g][1], [tensor],
+                piece=None if whole else (piece.src_offset, piece.dst_offset, piece.length),
+            )
+            segs["layer"] = u
+            out.append(segs)
+        return np.concatenate(out) if out else None
+
+    def _units_to_load(self, dst_blocks: proto.GroupBlocks) -> set[int]:
+        """The units with blocks to load into ``dst_blocks`` (a group of null blocks only:
+        none)."""
+        return {u for u, (_, g) in enumerate(self.units) if g < len(dst_blocks)
+                and any(dst_blocks[g])}
+
+    def _pull(self, load: _Load, src: _Source, blocks: proto.GroupBlocks, tag: str,
               deadline: float) -> None:
-        """Starts ``src``'s pull of ``blocks`` (prefill's, paired with the load's)."""
+        """Starts ``src``'s pull of ``blocks`` (prefill's whole lists, paired with the load's
+        by position)."""
         assert self.agent is not None and self.layout is not None
-        segs = self._segments(src.card.layout, self.layout, src.piece, blocks,
-                              load.job.local_blocks)
+        segs = self._segments(src.card.layout, self.layout, src.piece,
+                              [g[load.job.first:] for g in blocks], load.job.local_blocks)
+        if segs is None:
+            raise kvlink.InvalidArgumentError("the load has no block to move")
         src.pull = self.agent.pull(
             self._peer(src.card), segments=segs,
             notify=proto.pull_note(tag, self.rank, src.readers),
@@ -864,8 +1084,12 @@ class _WorkerSide:
         now = time.monotonic()
         self._loads = []
         for job in meta.loads:
-            load = _Load(job, now + self.settings.load_timeout_s, t_start=now)
-            self._loads.append(load)
+            load = _Load(job, now + self.settings.load_timeout_s, t_start=now,
+                         units=self._units_to_load(job.local_blocks))
+            if job.async_load:
+                self._async[job.req_id] = load
+            else:
+                self._loads.append(load)
             try:
                 load.sources = self._sources(job)
                 if isinstance(job.source, proto.PullSource):
@@ -880,7 +1104,7 @@ class _WorkerSide:
                 else:
                     offer = proto.make_offer(proto.Offer(
                         job.source.transfer_id, self.rank, job.local_blocks,
-                        time.time() + self.settings.load_timeout_s,
+                        time.time() + self.settings.load_timeout_s, job.first,
                     ))
                     for src in load.sources:
                         self.agent.prepare(
@@ -902,12 +1126,14 @@ class _WorkerSide:
             load.failed = why
             self.stats.last_load_failure = why
             self.stats.load_failures += 1
-            self.stats.blocks_failed += len(load.job.local_blocks)
-            self._errors.update(load.job.local_blocks)
+            blocks = _nonzero(load.job.local_blocks)
+            self.stats.blocks_failed += len(blocks)
+            if not load.job.async_load:  # an async load fails by request (async_results)
+                self._errors.update(blocks)
             log.warning(
                 "request %s: loading %d blocks failed (%s); they are reported to vLLM "
                 "(kv_load_failure_policy decides: recompute or fail)",
-                load.job.req_id, len(load.job.local_blocks), why,
+                load.job.req_id, len(blocks), why,
             )
 
     def wait_layer(self, layer_name: str) -> None:
@@ -917,6 +1143,9 @@ class _WorkerSide:
         assert self.agent is not None
         for load in self._loads:
             if load.failed is not None:
+                continue
+            if i not in load.units:
+                load.layers_waited.add(i)
                 continue
             try:
                 for src in load.sources:
@@ -937,7 +1166,7 @@ class _WorkerSide:
                     self.stats.layer0_ready_t.append(now)
                 if i == 0:
                     load.t_layer0 = now
-                if i == self.num_layers - 1:
+                if i == max(load.units):
                     load.t_last = now
                 load.layers_waited.add(i)
             except (kvlink.KvlinkError, ValueError) as exc:
@@ -1051,11 +1280,6 @@ class _WorkerSide:
         offered."""
         job_src = load.job.source
         assert isinstance(job_src, proto.PushSource)
-        if len(fb.blocks) != len(load.job.local_blocks):
-            raise kvlink.InvalidArgumentError(
-                f"prefill's fallback names {len(fb.blocks)} blocks for the "
-                f"{len(load.job.local_blocks)} offered"
-            )
         if time.time() > fb.expires:
             raise kvlink.TransferTimeoutError(
                 "prefill answered with a fallback whose lease has expired (kv_connector_extra_"
@@ -1097,15 +1321,13 @@ class _WorkerSide:
                 if remaining <= 0:
                     raise kvlink.TransferTimeoutError("decode's offer expired")
                 peer = self._peer(tg.card)
-                dst_blocks = tg.offer.blocks
-                n = len(dst_blocks)
-                if n > len(s.push.src_blocks):
-                    raise kvlink.InvalidArgumentError(
-                        f"decode offered {n} blocks for a prompt of {len(s.push.src_blocks)}"
-                    )
+                src_blocks = [g[tg.offer.first:] for g in s.push.src_blocks]
                 for layer in range(tg.layers_pushed, upto):
                     segs = self._segments(self.layout, tg.card.layout, tg.piece,
-                                          s.push.src_blocks[:n], dst_blocks, [layer])
+                                          src_blocks, tg.offer.blocks, [layer])
+                    if segs is None:  # decode needs no block of this unit
+                        tg.layers_pushed = layer + 1
+                        continue
                     t = self.agent.push(
                         peer, segments=segs, notify=proto.layer_tag(tid, self.rank, layer),
                         timeout_s=remaining, instance=proto.instance_of(tg.card),
@@ -1172,17 +1394,12 @@ class _WorkerSide:
                 if offer is None:
                     continue
                 tg.fallback_sent = True
-                n = len(offer.blocks)
                 # Decode starts its pull by then, and it runs at most load_timeout_s: the
                 # blocks are held until s.expires, past both.
                 start_by = time.time() + (s.expires - now - self.settings.load_timeout_s)
-                fb = proto.Fallback(s.transfer_id, self.rank, s.src_blocks[:n], s.tag, start_by,
+                fb = proto.Fallback(s.transfer_id, self.rank, s.src_blocks, s.tag, start_by,
                                     self.settings.load_timeout_s)
                 try:
-                    if n > len(s.src_blocks):
-                        raise kvlink.InvalidArgumentError(
-                            f"decode offered {n} blocks for a prompt of {len(s.src_blocks)}"
-                        )
                     assert self.agent is not None
                     self.agent.prepare(
                         self._peer(tg.card), layout=proto.make_fallback(fb),
@@ -1282,7 +1499,7 @@ class _WorkerSide:
         """After the forward pass: every load of the step ends (or is failed) here, and no
         failed pull writes into blocks vLLM will reuse."""
         for load in self._loads:
-            if load.failed is None and len(load.layers_waited) != self.num_layers:
+            if load.failed is None and not load.units <= load.layers_waited:
                 # The attention of some layer ran without waiting for its KV.
                 self._fail(load, f"only layers {sorted(load.layers_waited)} were waited for")
             for src in load.sources:
@@ -1295,17 +1512,96 @@ class _WorkerSide:
                     # The pull's own deadline is the load deadline: it ends by then.
                     with contextlib.suppress(kvlink.KvlinkError):
                         src.pull.wait(timeout_s=1.0)
-            if load.failed is None:
-                self.stats.blocks_loaded += len(load.job.local_blocks)
-            job_src = load.job.source
-            self._interval.record("req_parts", {
-                "req": load.job.req_id, "rank": self.rank, "ok": load.failed is None,
-                "xfer": (job_src.tag if isinstance(job_src, proto.PullSource)
-                         else job_src.transfer_id),
-                "t0": load.t_start, "l0": load.t_layer0, "ln": load.t_last,
-                "end": time.monotonic(),
-            })
+            self._loaded(load)
         self._loads = []
+
+    def _loaded(self, load: _Load) -> None:
+        """Counts an ended load and records its times (the request's breakdown)."""
+        if load.failed is None:
+            self.stats.blocks_loaded += len(_nonzero(load.job.local_blocks))
+        job_src = load.job.source
+        self._interval.record("req_parts", {
+            "req": load.job.req_id, "rank": self.rank, "ok": load.failed is None,
+            "xfer": (job_src.tag if isinstance(job_src, proto.PullSource)
+                     else job_src.transfer_id),
+            "t0": load.t_start, "l0": load.t_layer0, "ln": load.t_last,
+            "end": time.monotonic(),
+        })
+
+    def async_results(self) -> tuple[set[str], set[str]]:
+        """(ended, failed) loads that run while the engine goes on (several KV cache groups):
+        every request of ``failed`` is also in ``ended``. A load ends once nothing of it is
+        in flight any more, so a failed one writes nothing into blocks vLLM then reuses."""
+        ended: set[str] = set()
+        failed: set[str] = set()
+        if not self._async or self.agent is None:
+            return ended, failed
+        self._drain_notifications()
+        for req_id, load in list(self._async.items()):
+            if not self._poll(load):
+                continue
+            del self._async[req_id]
+            self._loaded(load)
+            ended.add(req_id)
+            if load.failed is not None:
+                failed.add(req_id)
+        return ended, failed
+
+    def _poll(self, load: _Load) -> bool:
+        """Moves an async load on without waiting: claims the layers pushed so far (or
+        prefill's fallback), checks prefill's paths and the deadline. Whether it ended."""
+        now = time.monotonic()
+        if load.failed is None:
+            try:
+                if now >= load.deadline:
+                    raise kvlink.TransferTimeoutError(
+                        f"no KV within load_timeout_s={self.settings.load_timeout_s}"
+                    )
+                for src in load.sources:
+                    if src.pull is None:
+                        self._claim_pushes(load, src)
+                    self._check_source(load, src)
+            except (kvlink.KvlinkError, ValueError) as exc:
+                self._fail(load, str(exc))
+        transfers = [t for src in load.sources
+                     for t in ([src.pull] if src.pull is not None else
+                               list(src.layer_pushes.values()))]
+        if any(not t.done for t in transfers):
+            return False  # also after a failure: until nothing writes into the blocks
+        if load.failed is None:
+            for t in transfers:
+                if not t.ok:
+                    try:
+                        t.wait(timeout_s=0)
+                    except kvlink.KvlinkError as exc:
+                        self._fail(load, str(exc))
+                        break
+            else:
+                complete = all(src.pull is not None or set(src.layer_pushes) >= load.units
+                               for src in load.sources)
+                if not complete:
+                    return False
+                load.t_layer0 = load.t_last = now
+        return True
+
+    def _claim_pushes(self, load: _Load, src: _Source) -> None:
+        """Async push load: the layer pushes of ``src`` announced so far; or, while it has
+        pushed nothing, its fallback answer, which turns ``src`` into a pull."""
+        assert self.agent is not None
+        job_src = load.job.source
+        assert isinstance(job_src, proto.PushSource)
+        tid, p = job_src.transfer_id, src.piece.src_rank
+        for u in sorted(load.units - set(src.layer_pushes)):
+            try:
+                h = self.agent.inbound(proto.layer_tag(tid, p, u), timeout_s=0)
+            except kvlink.TransferTimeoutError:
+                continue
+            src.layer_pushes[u] = h
+            self._watch.append((False, h))
+        if not src.layer_pushes:
+            fb = self._fallbacks.pop((tid, p), None)
+            if fb is not None:
+                self._start_fallback_pull(load, src, fb)
 
     def take_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()

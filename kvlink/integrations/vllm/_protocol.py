@@ -33,6 +33,12 @@ from kvlink import kv
 VERSION = 2
 #: at most this many ranks (cards) per instance in params: a peer cannot make us build more
 MAX_RANKS = 64
+#: at most this many KV cache groups (vLLM's hybrid allocator: one per attention kind)
+MAX_GROUPS = 16
+#: at most this many block ids in one offer or fallback (a peer's runs expand to this)
+MAX_BLOCKS = 1 << 22
+#: the KV cache groups of a card that does not say (one group of full-attention layers)
+FULL_ONLY = ("full",)
 #: key of the offer inside a PREPARE announcement's "layout"
 OFFER_KEY = "kvlink_offer"
 #: key of prefill's answer to an offer it will not push to ("pull these instead")
@@ -115,6 +121,9 @@ class Card:
     block_size: int
     instance: str | None = None
     shard: Shard = Shard()
+    # the engine's KV cache groups that move, in vLLM's order (:func:`group_name`): block
+    # lists travel as one list per group, and both sides must have the same groups
+    groups: tuple[str, ...] = FULL_ONLY
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"v": VERSION, "agent": self.agent}
@@ -125,6 +134,8 @@ class Card:
         d["layout"] = self.layout.to_dict()
         d["block_size"] = self.block_size
         d["tp"] = self.shard.to_dict()
+        if self.groups != FULL_ONLY:
+            d["groups"] = list(self.groups)
         return d
 
     @classmethod
@@ -153,8 +164,20 @@ class Card:
         except (ValueError, TypeError, KeyError) as exc:
             raise ParamsError(f"{where}['layout']: {exc}") from exc
         shard = Shard.from_dict(d.get("tp"), f"{where}['tp']")
+        groups = d.get("groups", list(FULL_ONLY))
+        if (not isinstance(groups, list) or not 1 <= len(groups) <= MAX_GROUPS
+                or not all(isinstance(g, str) and 0 < len(g) <= 64 for g in groups)):
+            raise ParamsError(
+                f"{where}['groups']: expected a list of 1..{MAX_GROUPS} KV cache group names"
+            )
         return cls(d["agent"], d.get("metadata"), layout, d["block_size"], d.get("instance"),
-                   shard)
+                   shard, tuple(groups))
+
+
+def group_name(kind: str, sliding_window: int | None, num_layers: int) -> str:
+    """A KV cache group as cards name it: its attention kind ("full", or "sliding" with its
+    window in tokens) and how many layers it has, e.g. ``sliding64x2``."""
+    return f"{kind}{sliding_window or ''}x{num_layers}"
 
 
 def cards_to_wire(cards: list[Card]) -> dict[str, Any] | list[dict[str, Any]]:
@@ -181,8 +204,9 @@ def cards_from_wire(value: Any, where: str) -> list[Card]:
                 f"{where}: card {i} is rank {c.shard.rank} of {c.shard.size}, but {len(cards)} "
                 "cards came (one per rank, in rank order)"
             )
-        if (c.shard.kv_heads, c.shard.replicated, c.block_size) != (
-            cards[0].shard.kv_heads, cards[0].shard.replicated, cards[0].block_size
+        if (c.shard.kv_heads, c.shard.replicated, c.block_size, c.groups) != (
+            cards[0].shard.kv_heads, cards[0].shard.replicated, cards[0].block_size,
+            cards[0].groups,
         ):
             raise ParamsError(f"{where}: the ranks' cards disagree on the model's KV")
     return cards
@@ -216,6 +240,12 @@ def pieces(prefill: list[Card], decode: list[Card]) -> list[Piece]:
         ParamsError: the two sides hold different models' KV, or heads would have to be cut
             out of a layout that interleaves them (head_bytes 0).
     """
+    if prefill[0].groups != decode[0].groups:
+        raise ParamsError(
+            f"prefill's KV cache groups {list(prefill[0].groups)} differ from decode's "
+            f"{list(decode[0].groups)}: not the same model, or vLLM's hybrid KV cache manager "
+            "is on for one side only (--disable-hybrid-kv-cache-manager on both, or on neither)"
+        )
     p0, d0 = prefill[0].shard, decode[0].shard
     tp_p, tp_d = len(prefill), len(decode)
     if p0.replicated != d0.replicated:
@@ -280,11 +310,31 @@ def instance_of(card: Card) -> int | None:
 
 
 def _block_list(value: Any, where: str) -> list[int]:
-    if not isinstance(value, list) or not all(
+    if not isinstance(value, list) or len(value) > MAX_BLOCKS or not all(
         isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in value
     ):
         raise ParamsError(f"{where}: expected a list of block ids (ints >= 0)")
     return value
+
+
+#: a request's block ids, one list per KV cache group (index i of every list: the block of
+#: tokens i * block_size ..; 0 is vLLM's null block, a position that group does not keep)
+GroupBlocks = list[list[int]]
+
+
+def blocks_to_wire(groups: GroupBlocks) -> list[int] | list[list[int]]:
+    """Block ids as ``remote_block_ids`` carries them: one flat list for one group (what
+    NixlConnector's proxies expect), one list per group otherwise."""
+    return list(groups[0]) if len(groups) == 1 else [list(g) for g in groups]
+
+
+def blocks_from_wire(value: Any, where: str) -> GroupBlocks:
+    """Inverse of :func:`blocks_to_wire`. Raises: ParamsError naming ``where``."""
+    if isinstance(value, list) and value and all(isinstance(g, list) for g in value):
+        if len(value) > MAX_GROUPS:
+            raise ParamsError(f"{where}: more than {MAX_GROUPS} KV cache groups")
+        return [_block_list(g, f"{where}[{i}]") for i, g in enumerate(value)]
+    return [_block_list(value, where)]
 
 
 def _number(d: dict[str, Any], key: str, where: str) -> float:
@@ -321,7 +371,7 @@ class PullSource:
     the same block ids; ``cards`` has one card per rank)."""
 
     cards: list[Card]
-    blocks: list[int]
+    blocks: GroupBlocks
     tag: str
     expires: float  # unix seconds: no pull starts after this
     max_pull_s: float  # how long a pull may run; prefill holds the blocks that long past expires
@@ -358,7 +408,8 @@ def parse_decode_params(params: dict[str, Any]) -> PullSource | PushSource:
             "prefill's kv_transfer_params unchanged) nor 'kvlink_push' (push mode: "
             "{'transfer_id': ..., 'prefill': <prefill's card>})"
         )
-    blocks = _block_list(params.get("remote_block_ids"), "kv_transfer_params['remote_block_ids']")
+    blocks = blocks_from_wire(params.get("remote_block_ids"),
+                              "kv_transfer_params['remote_block_ids']")
     tag, expires, max_pull_s = _pull_lease(info, "kv_transfer_params['kvlink']")
     if len(tag) > 512:
         raise ParamsError("kv_transfer_params['kvlink']['tag']: longer than 512 characters")
@@ -455,7 +506,7 @@ def runs(blocks: list[int]) -> list[list[int]]:
 
 
 def unruns(value: Any, where: str) -> list[int]:
-    """Inverse of :func:`runs`. Raises: ParamsError."""
+    """Inverse of :func:`runs` (at most MAX_BLOCKS ids). Raises: ParamsError."""
     if not isinstance(value, list):
         raise ParamsError(f"{where}: expected [[first, count], ...]")
     out: list[int] = []
@@ -468,24 +519,51 @@ def unruns(value: Any, where: str) -> list[int]:
             or not 1 <= r[1] <= 1 << 20
         ):
             raise ParamsError(f"{where}: expected [[first, count], ...], got element {r!r}")
+        if len(out) + r[1] > MAX_BLOCKS:
+            raise ParamsError(f"{where}: more than {MAX_BLOCKS} block ids")
         out.extend(range(r[0], r[0] + r[1]))
+    return out
+
+
+def _groups_to_layout(d: dict[str, Any], groups: GroupBlocks) -> dict[str, Any]:
+    """``d`` with ``groups`` as runs: "blocks" for one group, "groups" for several."""
+    if len(groups) == 1:
+        d["blocks"] = runs(groups[0])
+    else:
+        d["groups"] = [runs(g) for g in groups]
+    return d
+
+
+def _groups_of_layout(layout: dict[str, Any], where: str) -> GroupBlocks:
+    """Inverse of :func:`_groups_to_layout`. Raises: ParamsError."""
+    if "groups" not in layout:
+        return [unruns(layout.get("blocks"), f"{where}['blocks']")]
+    groups = layout["groups"]
+    if not isinstance(groups, list) or not 1 <= len(groups) <= MAX_GROUPS:
+        raise ParamsError(f"{where}['groups']: expected a list of 1..{MAX_GROUPS} run lists")
+    out = [unruns(g, f"{where}['groups'][{i}]") for i, g in enumerate(groups)]
+    if sum(map(len, out)) > MAX_BLOCKS:
+        raise ParamsError(f"{where}['groups']: more than {MAX_BLOCKS} block ids")
     return out
 
 
 @dataclasses.dataclass(frozen=True)
 class Offer:
-    """Decode rank ``rank``'s destination blocks for a push of ``transfer_id``."""
+    """Decode rank ``rank``'s destination blocks for a push of ``transfer_id``: per KV cache
+    group, the blocks of positions ``first`` .. (decode computed the ones before itself)."""
 
     transfer_id: str
     rank: int
-    blocks: list[int]
+    blocks: GroupBlocks
     expires: float  # unix seconds
+    first: int = 0
 
 
 def make_offer(offer: Offer) -> dict[str, Any]:
     """An offer as a PREPARE announcement's layout."""
-    return {OFFER_KEY: offer.transfer_id, "v": VERSION, "rank": offer.rank,
-            "blocks": runs(offer.blocks), "expires": offer.expires}
+    d = {OFFER_KEY: offer.transfer_id, "v": VERSION, "rank": offer.rank,
+         "expires": offer.expires, "first": offer.first}
+    return _groups_to_layout(d, offer.blocks)
 
 
 def _rank(d: dict[str, Any], where: str) -> int:
@@ -504,18 +582,21 @@ def parse_offer(layout: Any) -> Offer | None:
         raise ParamsError(f"offer: version {layout.get('v')!r}, this connector speaks {VERSION}")
     tid = _transfer_id(layout[OFFER_KEY], "offer['kvlink_offer']")
     expires = _number(layout, "expires", "offer")
-    return Offer(tid, _rank(layout, "offer"), unruns(layout.get("blocks"), "offer['blocks']"),
-                 expires)
+    first = layout.get("first", 0)
+    if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first <= MAX_BLOCKS:
+        raise ParamsError(f"offer['first']: expected an int in [0, {MAX_BLOCKS}]")
+    return Offer(tid, _rank(layout, "offer"), _groups_of_layout(layout, "offer"), expires, first)
 
 
 @dataclasses.dataclass(frozen=True)
 class Fallback:
-    """Prefill's answer to an offer it will not push to: decode pulls ``blocks`` (paired with
-    the blocks it offered, in order) with ``tag`` as the pull's notification, as in pull mode."""
+    """Prefill's answer to an offer it will not push to: decode pulls ``blocks`` (the request's
+    blocks per KV cache group, paired with the offered ones by position) with ``tag`` as the
+    pull's notification, as in pull mode."""
 
     transfer_id: str
     rank: int  # the prefill rank answering
-    blocks: list[int]
+    blocks: GroupBlocks
     tag: str
     expires: float  # unix seconds: no pull starts after this
     max_pull_s: float
@@ -523,10 +604,11 @@ class Fallback:
 
 def make_fallback(fb: Fallback) -> dict[str, Any]:
     """A fallback as a PREPARE announcement's layout (a few hundred bytes: blocks as runs)."""
-    return {
-        FALLBACK_KEY: fb.transfer_id, "v": VERSION, "rank": fb.rank, "blocks": runs(fb.blocks),
+    d = {
+        FALLBACK_KEY: fb.transfer_id, "v": VERSION, "rank": fb.rank,
         "tag": fb.tag, "expires": fb.expires, "max_pull_s": fb.max_pull_s,
     }
+    return _groups_to_layout(d, fb.blocks)
 
 
 def parse_fallback(layout: Any) -> Fallback | None:
@@ -542,6 +624,6 @@ def parse_fallback(layout: Any) -> Fallback | None:
     tid = _transfer_id(layout[FALLBACK_KEY], "fallback['kvlink_fallback']")
     tag, expires, max_pull_s = _pull_lease(layout, "fallback")
     return Fallback(
-        tid, _rank(layout, "fallback"), unruns(layout.get("blocks"), "fallback['blocks']"), tag,
-        expires, max_pull_s,
+        tid, _rank(layout, "fallback"), _groups_of_layout(layout, "fallback"), tag, expires,
+        max_pull_s,
     )

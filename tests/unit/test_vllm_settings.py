@@ -51,6 +51,9 @@ def test_defaults_and_values() -> None:
         ({"discovery": "consul://x"}, "['discovery']: expected 'static' (the default"),
         ({"discovery": 5}, "['discovery']: expected 'static'"),
         ({"discovery": "etcd://user:pw@h:2379"}, "['discovery']"),
+        ({"bootstrap_port": 0}, "['bootstrap_port']: expected a TCP port in 1..65535"),
+        ({"bootstrap_port": "8998"}, "['bootstrap_port']"),
+        ({"bootstrap_host": ""}, "['bootstrap_host']"),
         (["mode"], "expected a dict"),
     ],
 )
@@ -324,3 +327,75 @@ def test_cards_carry_kv_cache_groups(make_agent) -> None:  # type: ignore[no-unt
     with pytest.raises(proto.ParamsError, match="hybrid KV cache manager"):
         proto.pieces([hybrid], [c])
     assert proto.pieces([hybrid], [hybrid]) == [proto.Piece(0, 0, 0, 0, c.layout.block_bytes)]
+
+
+def test_router_push_params() -> None:
+    """vllm-router's push flow (--kv-connector mooncake) names no card: a transfer id on both
+    sides, prefill's bootstrap address at decode."""
+    assert proto.router_push({"do_remote_decode": True}) is None
+    assert proto.router_push({"do_remote_decode": True, "transfer_id": "xfer-1"}) == (
+        "xfer-1", None)
+    assert proto.parse_prefill_push({"do_remote_decode": True, "transfer_id": "xfer-1"}) == (
+        "xfer-1", None)
+    dec = {"do_remote_prefill": True, "transfer_id": "xfer-1",
+           "remote_bootstrap_addr": "http://10.0.0.5:8998", "remote_engine_id": "e"}
+    assert proto.router_push(dec) == ("xfer-1", "http://10.0.0.5:8998")
+    with pytest.raises(proto.ParamsError, match="remote_bootstrap_addr"):
+        proto.router_push({**dec, "remote_bootstrap_addr": "http://x:1/evil?path"})
+    with pytest.raises(proto.ParamsError, match="transfer id"):
+        proto.router_push({**dec, "transfer_id": "a b"})
+    # kvlink's own params win over the router's fields
+    assert proto.router_push({**dec, "kvlink_push": {}}) is None
+
+
+def test_offers_may_carry_decode_card(make_agent) -> None:  # type: ignore[no-untyped-def]
+    c = card(make_agent("d"))
+    offer = proto.Offer("t1", 0, [[1, 2]], 12.5, card=c)
+    assert proto.parse_offer(proto.make_offer(offer)) == offer
+    other = dataclasses.replace(c, shard=proto.Shard(1, 2))
+    with pytest.raises(proto.ParamsError, match="rank 1's card"):
+        proto.parse_offer(proto.make_offer(dataclasses.replace(offer, card=other)))
+
+
+def test_bootstrap_server_and_fetcher(make_agent) -> None:  # type: ignore[no-untyped-def]
+    """A prefill's cards over a real HTTP socket, fetched in the background at decode."""
+    import json
+    import time
+    import urllib.request
+
+    from kvlink.integrations.vllm._bootstrap import BootstrapServer, CardFetcher
+
+    c = card(make_agent("p"))
+    server = BootstrapServer("127.0.0.1", 0, "engine-p", c.to_dict(), [c.agent])
+    try:
+        base = f"http://127.0.0.1:{server.port}"
+        with urllib.request.urlopen(f"{base}/query", timeout=5) as r:
+            assert json.loads(r.read()) == {"0": {"engine_id": "engine-p",
+                                                  "worker_addr": {"0": {"0": c.agent}}}}
+        fetcher = CardFetcher(timeout_s=5)
+        assert fetcher.cards(base) is None  # fetching: the scheduler asks again later
+        end = time.monotonic() + 10
+        while (got := fetcher.cards(base)) is None:
+            assert time.monotonic() < end
+            time.sleep(0.01)
+        assert got == [c]
+        # a prefill without the server: the error names the address and the setting
+        bad = f"http://127.0.0.1:{server.port + 1 if server.port < 65535 else 1}"
+        fetcher.cards(bad)
+        while True:
+            try:
+                if fetcher.cards(bad) is None:
+                    time.sleep(0.01)
+                    continue
+            except proto.ParamsError as exc:
+                assert "bootstrap_port" in str(exc) and bad in str(exc)
+                break
+            raise AssertionError("a card from a port nobody serves")
+    finally:
+        server.close()
+    with pytest.raises(kvlink.ConfigError, match="bootstrap_port"):
+        taken = BootstrapServer("127.0.0.1", 0, "x", c.to_dict(), [c.agent])
+        try:
+            BootstrapServer("127.0.0.1", taken.port, "y", c.to_dict(), [c.agent])
+        finally:
+            taken.close()

@@ -32,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 import kvlink
 from kvlink import kv
 from kvlink.integrations.vllm import _protocol as proto
+from kvlink.integrations.vllm._bootstrap import BootstrapServer, CardFetcher
 from kvlink.integrations.vllm._breakdown import RequestTimes
 from kvlink.integrations.vllm._settings import Mode, Settings, parse_settings
 from kvlink.integrations.vllm._stats import KvlinkConnectorStats, KvlinkPromMetrics
@@ -204,7 +205,7 @@ class PushJob:
     req_id: str
     transfer_id: str
     src_blocks: proto.GroupBlocks
-    decode: list[proto.Card]  # one per decode rank
+    decode: list[proto.Card] | None  # one per decode rank; None: its offers bring them
 
 
 @dataclasses.dataclass
@@ -331,6 +332,8 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
 
     # -- metrics (docs/vllm.md, "Metrics") -----------------------------------------------------
 
@@ -452,7 +455,12 @@ class _SchedulerSide:
         self.cards: list[proto.Card] = []  # the same, parsed (rank order)
         self._loads: dict[str, LoadJob] = {}
         self._local: dict[str, int] = {}  # req -> locally computed tokens at the match
-        self._push: dict[str, tuple[Request, str, list[proto.Card]]] = {}
+        self._sources: dict[str, proto.PullSource | proto.PushSource] = {}  # ... its source
+        # req -> (request, transfer id, decode's cards: None when its offers bring them)
+        self._push: dict[str, tuple[Request, str, list[proto.Card] | None]] = {}
+        # vllm-router's push flow: prefill serves its cards, decode fetches prefills' cards
+        self._bootstrap: BootstrapServer | None = None
+        self._fetcher = CardFetcher(settings.connect_timeout_s)
         self._holds: list[Hold] = []
         self.times = RequestTimes(self.tp_size)
 
@@ -471,6 +479,31 @@ class _SchedulerSide:
             cards.append(proto.Card.from_dict(meta.card, f"rank {rank}'s card"))
         self.cards = cards
         self.card = proto.cards_to_wire(cards)
+        if self.producer and self.settings.bootstrap_port and self._bootstrap is None:
+            self._bootstrap = BootstrapServer(
+                self.settings.bootstrap_host, self.settings.bootstrap_port, self.engine_id,
+                self.card, [c.agent for c in cards],
+            )
+
+    def close(self) -> None:
+        if self._bootstrap is not None:
+            self._bootstrap.close()
+            self._bootstrap = None
+
+    def _decode_source(self, params: dict[str, Any]) -> proto.PullSource | proto.PushSource | None:
+        """The load ``params`` ask for; None while prefill's cards are being fetched from its
+        bootstrap server (vllm-router's push flow).
+
+        Raises:
+            proto.ParamsError: malformed params, or prefill's cards could not be fetched.
+        """
+        routed = proto.router_push(params)
+        if routed is None:
+            return proto.parse_decode_params(params)
+        tid, addr = routed
+        assert addr is not None  # do_remote_prefill is set
+        cards = self._fetcher.cards(addr)
+        return None if cards is None else proto.PushSource(cards, tid, addr)
 
     def _allowed(self, mode: Mode) -> bool:
         return self.settings.mode in (Mode.AUTO, mode)
@@ -491,15 +524,19 @@ class _SchedulerSide:
         request.max_tokens = 1
         params["kvlink_short"] = True  # once, also after a preemption
 
-    def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         params = request.kv_transfer_params
         if not self.consumer or not params or not params.get("do_remote_prefill"):
             return 0, False
         try:
-            src = proto.parse_decode_params(params)
+            src = self._decode_source(params)
         except proto.ParamsError as exc:
             log.error("request %s: %s; computing its prompt here", request.request_id, exc)
             return 0, False
+        if src is None:
+            return None, False  # asked again next step
         mode = Mode.PUSH if isinstance(src, proto.PushSource) else Mode.PULL
         if not self._allowed(mode):
             log.error(
@@ -540,6 +577,7 @@ class _SchedulerSide:
         if count <= 0 or num_computed_tokens % self.block_size:
             return 0, False
         self._local[request.request_id] = num_computed_tokens
+        self._sources[request.request_id] = src
         self.times.seen(request, "decode",
                         src.tag if isinstance(src, proto.PullSource) else src.transfer_id)
         # Loaded synchronously, inside the forward pass that needs it: the attention of layer
@@ -565,7 +603,9 @@ class _SchedulerSide:
             self.times.seen(request, "prefill", push[0] if push else None)
         if num_external_tokens <= 0 or not params.get("do_remote_prefill"):
             return
-        src = proto.parse_decode_params(params)  # checked in matched_tokens
+        src = self._sources.pop(req_id, None)
+        if src is None:  # no match of ours: nothing to load
+            return
         local_computed = self._local.pop(req_id, 0)
         first = local_computed // self.block_size
         last = math.ceil((local_computed + num_external_tokens) / self.block_size)
@@ -601,6 +641,7 @@ class _SchedulerSide:
         self._push.pop(req_id, None)
         self._loads.pop(req_id, None)
         self._local.pop(req_id, None)
+        self._sources.pop(req_id, None)
         params = request.kv_transfer_params
         if params and params.get("kvlink_card_only"):
             # A proxy asking for this instance's card(s) (push mode needs both up front).
@@ -744,6 +785,7 @@ class _Send:
     # push requests (from the PushJob or the Hold): the decode ranks this rank serves
     transfer_id: str | None = None
     targets: dict[int, _Target] | None = None
+    decode_from_offers: bool = False  # decode's cards come with its offers (vllm-router)
     src_blocks: proto.GroupBlocks = dataclasses.field(default_factory=list)
     # time.monotonic(): the forward pass computing the prompt's last chunk, with pushes
     t_forward_start: float | None = None
@@ -979,6 +1021,10 @@ class _WorkerSide:
             s.t_forward_start = now
             s.offer_deadline = now + self.settings.offer_timeout_s
             s.transfer_id, s.src_blocks = push.transfer_id, push.src_blocks
+            if push.decode is None:
+                s.decode_from_offers = True
+                self._step_pushes.append(s)
+                continue
             try:
                 s.targets = self._targets(push.decode)
             except proto.ParamsError as exc:
@@ -989,10 +1035,11 @@ class _WorkerSide:
         for hold in meta.holds:
             s = self._sends.setdefault(hold.req_id, _Send(hold.req_id, 0.0))
             s.tag = hold.tag
-            if s.transfer_id is None and hold.transfer_id is not None and hold.decode:
+            if s.transfer_id is None and hold.transfer_id is not None:
                 s.transfer_id, s.src_blocks = hold.transfer_id, hold.blocks
+                s.decode_from_offers = hold.decode is None
                 try:
-                    s.targets = self._targets(hold.decode)
+                    s.targets = None if hold.decode is None else self._targets(hold.decode)
                 except proto.ParamsError:
                     s.targets = None  # logged by the scheduler side's match on decode
             s.expires = now + self.settings.lease_s + self.settings.load_timeout_s
@@ -1105,6 +1152,7 @@ class _WorkerSide:
                     offer = proto.make_offer(proto.Offer(
                         job.source.transfer_id, self.rank, job.local_blocks,
                         time.time() + self.settings.load_timeout_s, job.first,
+                        self.card if job.source.bootstrap is not None else None,
                     ))
                     for src in load.sources:
                         self.agent.prepare(
@@ -1303,24 +1351,60 @@ class _WorkerSide:
         for s in self._step_pushes:
             self._push_layers(s, i + 1)
 
+    def _targets_from_offers(self, s: _Send) -> bool:
+        """vllm-router's push flow: the decode ranks of ``s``, known once the first of their
+        offers (which carry decode's cards) is here. Whether ``s`` has its targets."""
+        if s.targets is not None:
+            return True
+        if not s.decode_from_offers or s.transfer_id is None:
+            return False
+        offer = next((o for (tid, _), o in self._offers.items()
+                      if tid == s.transfer_id and o.card is not None), None)
+        if offer is None or offer.card is None:
+            return False
+        try:
+            s.targets = self._targets(self._engine_cards(offer.card))
+        except proto.ParamsError as exc:
+            log.warning("request %s: %s; its blocks are held for a pull", s.req_id, exc)
+            s.decode_from_offers = False
+            return False
+        return True
+
+    def _claim_offer(self, s: _Send, d: int, tg: _Target) -> proto.Offer | None:
+        """Decode rank ``d``'s offer for ``s``, once it came (its card with it, in
+        vllm-router's flow)."""
+        if tg.offer is None and s.transfer_id is not None:
+            tg.offer = self._offers.pop((s.transfer_id, d), None)
+            if tg.offer is not None and s.decode_from_offers:
+                if tg.offer.card is None:
+                    raise kvlink.InvalidArgumentError(
+                        f"decode rank {d}'s offer has no card, and prefill was not given one"
+                    )
+                tg.card = tg.offer.card
+        return tg.offer
+
     def _push_layers(self, s: _Send, upto: int, late: bool = False) -> None:
         """Pushes layers .. upto-1 of ``s`` to every decode rank whose offer is here."""
         assert self.agent is not None and self.layout is not None
-        if s.push is None or not s.targets:
+        if s.push is None or not self._targets_from_offers(s) or not s.targets:
             return
-        tid = s.push.transfer_id
         for d, tg in s.targets.items():
             if tg.failed or tg.layers_pushed >= upto:
                 continue
-            if tg.offer is None:
-                tg.offer = self._offers.pop((tid, d), None)
-                if tg.offer is None:
+            try:
+                if self._claim_offer(s, d, tg) is None:
                     continue
+            except kvlink.InvalidArgumentError as exc:
+                tg.failed = True
+                log.warning("request %s: %s; blocks held for a pull", s.req_id, exc)
+                continue
+            assert tg.offer is not None
             remaining = tg.offer.expires - time.time()
             try:
                 if remaining <= 0:
                     raise kvlink.TransferTimeoutError("decode's offer expired")
                 peer = self._peer(tg.card)
+                tid = s.push.transfer_id
                 src_blocks = [g[tg.offer.first:] for g in s.push.src_blocks]
                 for layer in range(tg.layers_pushed, upto):
                     segs = self._segments(self.layout, tg.card.layout, tg.piece,
@@ -1385,12 +1469,16 @@ class _WorkerSide:
         so decode pulls them now instead of waiting for its load_timeout_s."""
         now = time.monotonic()
         for s in self._sends.values():
-            if s.transfer_id is None or not s.targets or s.tag is None:
+            if s.transfer_id is None or s.tag is None or not self._targets_from_offers(s):
                 continue
+            assert s.targets is not None
             for d, tg in s.targets.items():
                 if tg.fallback_sent or tg.layers_pushed or (s.push is not None and not tg.failed):
                     continue
-                offer = self._offers.pop((s.transfer_id, d), None) or tg.offer
+                try:
+                    offer = self._claim_offer(s, d, tg)
+                except kvlink.InvalidArgumentError:
+                    continue
                 if offer is None:
                     continue
                 tg.fallback_sent = True
@@ -1437,10 +1525,10 @@ class _WorkerSide:
         # A push whose offer came after the forward pass goes out now (the blocks are held).
         now = time.monotonic()
         for s in self._sends.values():
-            if s.push is None or not s.targets:
+            if s.push is None:
                 continue
             self._push_layers(s, num_layers, late=True)
-            for d, tg in s.targets.items():
+            for d, tg in (s.targets or {}).items():
                 if tg.offer is None and not tg.failed and now > s.offer_deadline:
                     tg.failed = True
                     self.stats.push_failures += 1

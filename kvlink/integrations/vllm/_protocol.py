@@ -46,6 +46,9 @@ FALLBACK_KEY = "kvlink_fallback"
 _TID_WHERE = "kv_transfer_params['kvlink_push']['transfer_id']"
 _TRANSFER_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _INSTANCE = re.compile(r"^[0-9a-f]{16}$")
+_BOOTSTRAP = re.compile(r"^https?://[A-Za-z0-9.:\[\]-]{1,255}:[0-9]{1,5}$")
+#: path of a prefill's bootstrap server (vllm-router's push flow) that serves its cards
+CARDS_PATH = "/kvlink/cards"
 
 
 class ParamsError(ValueError):
@@ -380,10 +383,34 @@ class PullSource:
 @dataclasses.dataclass(frozen=True)
 class PushSource:
     """Decode side, push: which prefill will push (one card per rank), under which transfer
-    id."""
+    id. ``bootstrap``: the cards came from that prefill's bootstrap server (vllm-router's
+    flow), and prefill learns decode's cards from its offers."""
 
     cards: list[Card]
     transfer_id: str
+    bootstrap: str | None = None
+
+
+def router_push(params: dict[str, Any]) -> tuple[str, str | None] | None:
+    """vllm-router's push request (its ``--kv-connector mooncake`` flow, which names neither
+    side's card): (transfer id, prefill's bootstrap address at decode / None at prefill), or
+    None when ``params`` are not one.
+
+    Raises:
+        ParamsError: a malformed transfer id or bootstrap address.
+    """
+    if "kvlink_push" in params or "kvlink" in params or "transfer_id" not in params:
+        return None
+    tid = _transfer_id(params["transfer_id"], "kv_transfer_params['transfer_id']")
+    if not params.get("do_remote_prefill"):
+        return tid, None
+    addr = params.get("remote_bootstrap_addr")
+    if not isinstance(addr, str) or not _BOOTSTRAP.match(addr):
+        raise ParamsError(
+            "kv_transfer_params['remote_bootstrap_addr']: expected prefill's bootstrap server "
+            f"as http://HOST:PORT, got {addr!r}"
+        )
+    return tid, addr
 
 
 def parse_decode_params(params: dict[str, Any]) -> PullSource | PushSource:
@@ -419,15 +446,17 @@ def parse_decode_params(params: dict[str, Any]) -> PullSource | PushSource:
     )
 
 
-def parse_prefill_push(params: dict[str, Any]) -> tuple[str, list[Card]] | None:
+def parse_prefill_push(params: dict[str, Any]) -> tuple[str, list[Card] | None] | None:
     """Prefill side: (transfer id, decode's cards) of a push request, None for a pull one.
+    Decode's cards are None in vllm-router's flow: decode's offers bring them.
 
     Raises:
-        ParamsError: a malformed ``kvlink_push``.
+        ParamsError: a malformed ``kvlink_push`` or transfer id.
     """
     push = params.get("kvlink_push")
     if push is None:
-        return None
+        routed = router_push(params)
+        return None if routed is None else (routed[0], None)
     if not isinstance(push, dict):
         raise ParamsError("kv_transfer_params['kvlink_push']: expected a JSON object")
     return (
@@ -557,12 +586,15 @@ class Offer:
     blocks: GroupBlocks
     expires: float  # unix seconds
     first: int = 0
+    card: Card | None = None  # the decode rank's own, when prefill was not given it
 
 
 def make_offer(offer: Offer) -> dict[str, Any]:
     """An offer as a PREPARE announcement's layout."""
-    d = {OFFER_KEY: offer.transfer_id, "v": VERSION, "rank": offer.rank,
-         "expires": offer.expires, "first": offer.first}
+    d: dict[str, Any] = {OFFER_KEY: offer.transfer_id, "v": VERSION, "rank": offer.rank,
+                         "expires": offer.expires, "first": offer.first}
+    if offer.card is not None:
+        d["card"] = offer.card.to_dict()
     return _groups_to_layout(d, offer.blocks)
 
 
@@ -585,7 +617,13 @@ def parse_offer(layout: Any) -> Offer | None:
     first = layout.get("first", 0)
     if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first <= MAX_BLOCKS:
         raise ParamsError(f"offer['first']: expected an int in [0, {MAX_BLOCKS}]")
-    return Offer(tid, _rank(layout, "offer"), _groups_of_layout(layout, "offer"), expires, first)
+    rank = _rank(layout, "offer")
+    card = None
+    if layout.get("card") is not None:
+        card = Card.from_dict(layout["card"], "offer['card']")
+        if card.shard.rank != rank:
+            raise ParamsError(f"offer: decode rank {rank} sent rank {card.shard.rank}'s card")
+    return Offer(tid, rank, _groups_of_layout(layout, "offer"), expires, first, card)
 
 
 @dataclasses.dataclass(frozen=True)

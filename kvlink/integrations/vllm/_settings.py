@@ -171,6 +171,11 @@ class Settings:
     # Relays this worker's agent may route through (docs/relays.md): relay agents' metadata
     # (JSON) or paths of files holding it; with discovery, relaying members are found there.
     relays: tuple[str, ...] = ()
+    # Push behind vllm-router's "--kv-connector mooncake" flow (docs/vllm.md, "Behind
+    # vllm-router"): a prefill serves its card on this HTTP port (the router's "--prefill URL
+    # PORT"), decode fetches it from there. None: no such server.
+    bootstrap_port: int | None = None
+    bootstrap_host: str = "0.0.0.0"
     # KvlinkStoreConnector only: the store (StoreSettings); the P/D connector ignores it.
     store: StoreSettings = dataclasses.field(default_factory=StoreSettings)
 
@@ -282,6 +287,22 @@ def parse_settings(extra: Mapping[str, Any] | None) -> Settings:
                 raise kvlink.ConfigError(
                     f"{WHERE}['secret']: expected a str of 16..256 bytes shared by every "
                     "instance (e.g. `openssl rand -hex 32`), or leave it out and set KVLINK_SECRET"
+                )
+            out[key] = value
+        elif key == "bootstrap_port":
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+                raise kvlink.ConfigError(
+                    f"{WHERE}['bootstrap_port']: expected a TCP port in 1..65535 (the one "
+                    f"vllm-router's --prefill URL PORT names), got {value!r}"
+                )
+            out[key] = value
+        elif key == "bootstrap_host":
+            if not isinstance(value, str) or not value:
+                raise kvlink.ConfigError(
+                    f"{WHERE}['bootstrap_host']: expected the address to listen on, e.g. "
+                    "'0.0.0.0' or '10.0.0.5'"
                 )
             out[key] = value
         elif key == "allow_unauthenticated":

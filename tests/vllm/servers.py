@@ -174,12 +174,13 @@ class Server(Child):
 
 class Router(Child):
     """vllm-router in P/D mode in front of ``prefill`` and ``decode`` servers, or, with
-    ``workers``, in its regular mode (each request to one of them, computed there whole)."""
+    ``workers``, in its regular mode (each request to one of them, computed there whole).
+    ``bootstrap``: each prefill's bootstrap port (the push flow, ``kv_connector="mooncake"``)."""
 
     def __init__(self, prefill: list[str], decode: list[str], *, log_dir: Path,
                  kv_connector: str = "nixl", policy: str = "round_robin",
                  args: Iterable[str] = (), name: str = "router",
-                 workers: list[str] | None = None) -> None:
+                 workers: list[str] | None = None, bootstrap: list[int] | None = None) -> None:
         self.port, self.prom_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [str(ROUTER), "--host", "127.0.0.1", "--port", str(self.port),
@@ -189,8 +190,9 @@ class Router(Child):
             cmd += ["--worker-urls", *workers]
         else:
             cmd += ["--vllm-pd-disaggregation", "--kv-connector", kv_connector]
-        for url in prefill:
-            cmd += ["--prefill", url]
+        for i, url in enumerate(prefill):
+            # "--prefill URL PORT": that prefill's bootstrap server (--kv-connector mooncake)
+            cmd += ["--prefill", url, *([str(bootstrap[i])] if bootstrap else [])]
         for url in decode:
             cmd += ["--decode", url]
         super().__init__(name, [*cmd, *args], {}, log_dir / f"{name}.log")

@@ -47,6 +47,7 @@ class PD:
     decode: list[servers.Server]
     router: servers.Router
     router_rev: servers.Router  # the same pools, decode instances listed the other way round
+    router_push: servers.Router  # the same pools, the router's push flow (mooncake)
     proxies: dict[str, servers.Child]  # pull / push -> examples/vllm_disagg/proxy.py
     proxy_urls: dict[str, str]
     model: str
@@ -66,11 +67,14 @@ def pd(vllm_model: Path, cluster_secret: str, log_dir: Path) -> Iterator[PD]:
     # Long leases and load timeouts: other tests on this host can stall an engine for tens of
     # seconds. A dead prefill is still given up after 2 s with every path down.
     pre = {"lease_s": 120.0}
+    boot = [servers.free_port() for _ in range(2)]  # prefills' bootstrap servers (push)
     dec = {"load_timeout_s": 60.0, "connect_timeout_s": 2.0}
     children: list[servers.Child] = []
     try:
         prefill = [servers.Server(f"prefill{i}", vllm_model, log_dir=log_dir, env=env, cpu=i,
-                                  kv=kv_config("kv_producer", "recompute", pre),
+                                  kv=kv_config("kv_producer", "recompute", {
+                                      **pre, "bootstrap_port": boot[i],
+                                      "bootstrap_host": "127.0.0.1"}),
                                   max_model_len=1024) for i in range(2)]
         children += prefill
         # VLLM_SERVER_DEV_MODE: /pause and /resume, for the kill test
@@ -90,9 +94,12 @@ def pd(vllm_model: Path, cluster_secret: str, log_dir: Path) -> Iterator[PD]:
                                 log_dir=log_dir, args=health)
         router_rev = servers.Router([p.url for p in prefill], [d.url for d in decode[::-1]],
                                     log_dir=log_dir, args=health, name="router-rev")
-        children += [router, router_rev]  # they wait for the servers themselves
+        router_push = servers.Router([p.url for p in prefill], [d.url for d in decode],
+                                     log_dir=log_dir, args=health, name="router-push",
+                                     kv_connector="mooncake", bootstrap=boot)
+        children += [router, router_rev, router_push]  # they wait for the servers themselves
         servers.wait_ready(prefill + decode, timeout_s=600)
-        servers.wait_ready([router, router_rev], timeout_s=120)
+        servers.wait_ready([router, router_rev, router_push], timeout_s=120)
         proxies: dict[str, servers.Child] = {}
         proxy_urls: dict[str, str] = {}
         for mode in ("pull", "push"):
@@ -108,7 +115,7 @@ def pd(vllm_model: Path, cluster_secret: str, log_dir: Path) -> Iterator[PD]:
         wait_for(lambda: all(_answers(f"{u}/stats") for u in proxy_urls.values()), 60,
                  "the proxies to start")
         model = json.loads(servers.get(f"{router.url}/v1/models"))["data"][0]["id"]
-        yield PD(prefill, decode, router, router_rev, proxies, proxy_urls, model)
+        yield PD(prefill, decode, router, router_rev, router_push, proxies, proxy_urls, model)
     finally:
         for c in reversed(children):
             c.close()
@@ -262,6 +269,29 @@ def test_outputs_match_single_server_and_spread(pd: PD) -> None:
             assert n >= 3, (name, s.url, n)
     # The KV came over kvlink (decode did not compute the prompts): a load per request.
     assert_loaded(pd.decode, since, len(prompts) + 1)
+    assert_idle(pd.prefill + pd.decode)
+
+
+def test_push_behind_the_router(pd: PD) -> None:
+    """The router's push flow (--kv-connector mooncake, "--prefill URL PORT"): it hands decode
+    only prefill's bootstrap address and a transfer id, prefill only the transfer id. Decode
+    fetches prefill's card from kvlink's bootstrap server, its offer brings decode's card to
+    prefill, and prefill pushes: the texts equal one server's, every request's KV was loaded
+    over kvlink (none recomputed), prefill sent it, and every instance took part."""
+    prompts = prompts_of(LENGTHS, 4)
+    want = baseline(pd, prompts, MAX_TOKENS)
+    since = marks(pd.decode)
+    sent = [metric(s, "kvlink_vllm_sent_bytes_total") for s in pd.prefill]
+    before = [successes(s) for s in pd.prefill + pd.decode]
+    got = run_all(pd.router_push.url, pd.model, prompts, MAX_TOKENS)
+    assert [t for _, t in got] == want
+    assert {s for s, _ in got} == {200}
+    assert_loaded(pd.decode, since, len(prompts))
+    wait_for(lambda: all(metric(s, "kvlink_vllm_sent_bytes_total") > b
+                         for s, b in zip(pd.prefill, sent, strict=True)), 30,
+             "pushes from both prefills")
+    served = [successes(s) - b for s, b in zip(pd.prefill + pd.decode, before, strict=True)]
+    assert all(n >= 3 for n in served), served
     assert_idle(pd.prefill + pd.decode)
 
 

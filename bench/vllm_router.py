@@ -1,7 +1,8 @@
 """TTFT and throughput of 2 prefill + 2 decode vLLM OpenAI servers behind vllm-router, with
-KvlinkConnector (pull) and, where it is installed, NixlConnector, each against a baseline of the
-same run: the same four servers behind vllm-router in its regular mode (each request computed
-whole by one of them, no KV moved).
+KvlinkConnector (pull through the router's nixl flow, push through its mooncake flow) and,
+where it is installed, NixlConnector, each against a baseline of the same run: the same four
+servers behind vllm-router in its regular mode (each request computed whole by one of them, no
+KV moved).
 
     .venv/bin/python bench/vllm_router.py --json out.jsonl
     .venv/bin/python bench/vllm_router.py --connector kvlink --requests 32 --rate 0.5
@@ -78,8 +79,11 @@ os.sched_setaffinity = lambda pid, cpus: None
 
 
 def start_servers(connector: str, model: Path, log_dir: Path, nics: str, max_model_len: int,
-                  unpin: bool = False) -> tuple[list[servers.Server], list[servers.Server]]:
-    """Two prefill and two decode servers with ``connector``, started together."""
+                  unpin: bool = False, bootstrap: list[int] | None = None
+                  ) -> tuple[list[servers.Server], list[servers.Server]]:
+    """Two prefill and two decode servers with ``connector``, started together; with
+    ``bootstrap``, prefill i serves its cards on port bootstrap[i] (kvlink's push behind the
+    router)."""
     secret = secrets.token_hex(16)
     site = log_dir / "unpin"
     if connector == "nixl" and unpin:
@@ -90,10 +94,12 @@ def start_servers(connector: str, model: Path, log_dir: Path, nics: str, max_mod
         for role, name in (("kv_producer", "prefill"), ("kv_consumer", "decode")):
             for i in range(2):
                 env: dict[str, str] = {}
-                if connector == "kvlink":
+                if connector.startswith("kvlink"):
                     extra: dict[str, Any] = {"nics": nics}
                     extra.update({"lease_s": 120.0} if role == "kv_producer"
                                  else {"load_timeout_s": 60.0})
+                    if bootstrap and role == "kv_producer":
+                        extra.update(bootstrap_port=bootstrap[i], bootstrap_host="127.0.0.1")
                     kv: dict[str, Any] = {**servers.KVLINK, "kv_role": role,
                                           "kv_load_failure_policy": "recompute",
                                           "kv_connector_extra_config": extra}
@@ -203,8 +209,10 @@ def records(s: servers.Server) -> list[dict[str, Any]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--connector", choices=["kvlink", "nixl", "both"], default="both",
-                    help="both: kvlink, then NixlConnector where it is installed")
+    ap.add_argument("--connector", choices=["kvlink", "kvlink-push", "nixl", "both"],
+                    default="both",
+                    help="kvlink: pull (the router's nixl flow); kvlink-push: push (its mooncake "
+                    "flow); both: kvlink, kvlink-push, then NixlConnector where it is installed")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--rate", type=float, default=1.0, help="requests a second")
     ap.add_argument("--lengths", default="256,1900", help="prompt tokens, uniform in MIN,MAX")
@@ -226,7 +234,7 @@ def main() -> None:
     problem = servers.router_problem()
     if problem:
         sys.exit(problem)
-    connectors = ["kvlink", "nixl"] if a.connector == "both" else [a.connector]
+    connectors = ["kvlink", "kvlink-push", "nixl"] if a.connector == "both" else [a.connector]
     if "nixl" in connectors and (why := nixl_problem()):
         if a.connector == "nixl":
             sys.exit(why)
@@ -268,14 +276,17 @@ def bench_connector(a: argparse.Namespace, connector: str, model: Path, work: Pa
     log_dir = work / f"logs-{connector}"
     log_dir.mkdir(exist_ok=True)
     t_start = time.monotonic()
+    push = connector == "kvlink-push"
+    boot = [servers.free_port() for _ in range(2)] if push else None
     prefill, decode = start_servers(connector, model, log_dir, a.nics, max_model_len,
-                                    a.nixl_unpin)
+                                    a.nixl_unpin, boot)
     children: list[servers.Child] = [*prefill, *decode]
     out: dict[str, list[dict[str, Any]]] = {"baseline": [], "pd": []}
     try:
         print(f"# {connector}: 4 servers up in {time.monotonic() - t_start:.0f} s", flush=True)
         pd = servers.Router([p.url for p in prefill], [d.url for d in decode],
-                            log_dir=log_dir, policy=a.policy, name="router-pd")
+                            log_dir=log_dir, policy=a.policy, name="router-pd",
+                            kv_connector="mooncake" if push else "nixl", bootstrap=boot)
         plain = servers.Router([], [], log_dir=log_dir, policy=a.policy, name="router-plain",
                                workers=[s.url for s in prefill + decode])
         children += [pd, plain]
@@ -316,7 +327,7 @@ def measure(a: argparse.Namespace, connector: str, phase: str, rnd: int,
             prefill: list[servers.Server], decode: list[servers.Server]) -> dict[str, Any]:
     insts = prefill + decode
     before = [servers.metrics(s.metrics(), "vllm:request_success_total") for s in insts]
-    recs0 = [len(records(s)) for s in insts] if connector == "kvlink" else []
+    recs0 = [len(records(s)) for s in insts] if connector.startswith("kvlink") else []
     load0 = os.getloadavg()[0]
     results, wall = run_phase(router.url, model, prompts, a.rate, a.max_tokens,
                               a.phase_timeout_s)
@@ -346,7 +357,7 @@ def measure(a: argparse.Namespace, connector: str, phase: str, rnd: int,
     else:
         row["share"] = {s.name: round(n / total["all"], 3) if total["all"] else None
                         for s, n in zip(insts, served, strict=True)}
-    if connector == "kvlink" and phase == "pd":
+    if connector.startswith("kvlink") and phase == "pd":
         # Where the time went: the connector's per-request phases (docs/vllm.md, "Where a
         # request's time goes"), medians over this phase's requests.
         new = [r for s, n0 in zip(insts, recs0, strict=True) for r in records(s)[n0:]]

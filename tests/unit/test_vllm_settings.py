@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -399,3 +400,42 @@ def test_bootstrap_server_and_fetcher(make_agent) -> None:  # type: ignore[no-un
             BootstrapServer("127.0.0.1", taken.port, "y", c.to_dict(), [c.agent])
         finally:
             taken.close()
+
+
+def test_bootstrap_server_bounds_its_clients(make_agent) -> None:  # type: ignore[no-untyped-def]
+    """Idle connections cannot pile up threads: past MAX_CLIENTS the server closes new ones
+    at once, and serves again once the idle ones are gone."""
+    import socket
+    import urllib.request
+
+    from kvlink.integrations.vllm import _bootstrap
+    from kvlink.integrations.vllm._bootstrap import BootstrapServer
+
+    c = card(make_agent("p"))
+    server = BootstrapServer("127.0.0.1", 0, "engine-p", c.to_dict(), [c.agent])
+    idle = []
+    try:
+        for _ in range(_bootstrap.MAX_CLIENTS):
+            idle.append(socket.create_connection(("127.0.0.1", server.port), timeout=5))
+        time.sleep(0.3)  # the server took them
+        extra = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        extra.sendall(b"GET /query HTTP/1.0\r\n\r\n")
+        assert extra.recv(100) == b""  # closed without an answer
+        extra.close()
+        for s in idle:
+            s.close()
+        idle = []
+        end = time.monotonic() + 10
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/query",
+                                            timeout=5) as r:
+                    assert r.status == 200
+                break
+            except OSError:
+                assert time.monotonic() < end
+                time.sleep(0.1)
+    finally:
+        for s in idle:
+            s.close()
+        server.close()

@@ -34,6 +34,36 @@ MAX_CACHED = 1024
 MAX_FETCHES = 16
 #: a card answer larger than this is refused (one card per rank: a few KiB each)
 MAX_ANSWER = 1 << 20
+#: connections the bootstrap server serves at once; more are closed at once (each is dropped
+#: after 5 s without a request, so idle clients cannot hold the server)
+MAX_CLIENTS = 64
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    """A threading HTTP server with at most MAX_CLIENTS connections (threads) at once."""
+
+    daemon_threads = True
+    request_queue_size = 128  # the listen backlog: accepted (or closed) at once, not queued
+
+    def __init__(self, addr: tuple[str, int], handler: Any) -> None:
+        self._slots = threading.BoundedSemaphore(MAX_CLIENTS)
+        super().__init__(addr, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class BootstrapServer:
@@ -65,13 +95,12 @@ class BootstrapServer:
                 return
 
         try:
-            self._httpd = http.server.ThreadingHTTPServer((host, port), Handler)
+            self._httpd = _Server((host, port), Handler)
         except OSError as exc:
             raise kvlink.ConfigError(
                 f"kv_connector_extra_config['bootstrap_port']: cannot listen on {host}:{port} "
                 f"({exc}); give each prefill on a host its own port"
             ) from exc
-        self._httpd.daemon_threads = True
         self.port = int(self._httpd.server_address[1])
         self._thread = threading.Thread(target=self._httpd.serve_forever,
                                         name="kvlink-bootstrap", daemon=True)

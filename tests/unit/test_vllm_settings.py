@@ -417,7 +417,10 @@ def test_bootstrap_server_bounds_its_clients(make_agent) -> None:  # type: ignor
     try:
         for _ in range(_bootstrap.MAX_CLIENTS):
             idle.append(socket.create_connection(("127.0.0.1", server.port), timeout=5))
-        time.sleep(0.3)  # the server took them
+        end = time.monotonic() + 10
+        while server._httpd._slots._value:  # type: ignore[attr-defined] # until all are taken
+            assert time.monotonic() < end
+            time.sleep(0.01)
         extra = socket.create_connection(("127.0.0.1", server.port), timeout=5)
         extra.sendall(b"GET /query HTTP/1.0\r\n\r\n")
         assert extra.recv(100) == b""  # closed without an answer

@@ -418,7 +418,7 @@ def test_bootstrap_server_bounds_its_clients(make_agent) -> None:  # type: ignor
         for _ in range(_bootstrap.MAX_CLIENTS):
             idle.append(socket.create_connection(("127.0.0.1", server.port), timeout=5))
         end = time.monotonic() + 10
-        while server._httpd._slots._value:  # type: ignore[attr-defined] # until all are taken
+        while server._httpd._slots._value:  # until the server took them all
             assert time.monotonic() < end
             time.sleep(0.01)
         extra = socket.create_connection(("127.0.0.1", server.port), timeout=5)

@@ -368,6 +368,7 @@ def run(a: argparse.Namespace, net: Net, work: Path, model: Path, emit: Any,
     xfers.clear()  # the warm-up's records are not measured
     for n in [int(x) for x in a.lengths.split(",")]:
         samples: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+        failed: dict[str, int] = {}
         for _ in range(a.rounds):
             prompt = [rng.randrange(4, 1024) for _ in range(n)]
             ans = d.call({"op": "generate", "prompts": [prompt], "max_tokens": 1}, 600)
@@ -376,10 +377,20 @@ def run(a: argparse.Namespace, net: Net, work: Path, model: Path, emit: Any,
                                          "e2e_ms": ans["wall_s"] * 1e3})
             for mode in modes[1:]:
                 s = (pull if mode == "pull" else push)(prompt)
-                assert s.pop("tokens") == ref, (mode, n, ref)
-                samples[mode].append(s)
+                got = s.pop("tokens")
+                # No token: the load failed (policy "fail"), counted and left out of the
+                # medians; another token would be wrong KV, which stops the run.
+                assert got == ref or not got, (mode, n, got, ref)
+                if got:
+                    samples[mode].append(s)
+                else:
+                    failed[mode] = failed.get(mode, 0) + 1
         base = statistics.median(s["decode_ms"] for s in samples["recompute"])
         for mode, runs in samples.items():
+            if not runs:
+                emit({"metric": "ttft", "mode": mode, "prompt_tokens": n,
+                      "failed": failed.get(mode, 0)})
+                continue
             dec = statistics.median(s["decode_ms"] for s in runs)
             row = {"metric": "ttft", "mode": mode, "prompt_tokens": n,
                    "kv_mb": round(n * KV_BYTES_PER_TOKEN[a.model] / 1e6, 1),
@@ -388,7 +399,8 @@ def run(a: argparse.Namespace, net: Net, work: Path, model: Path, emit: Any,
                    "ratio_to_recompute": round(dec / base, 3), "rounds": len(runs),
                    "runs_decode_ms": [round(s["decode_ms"], 1) for s in runs],
                    "runs_e2e_ms": [round(s["e2e_ms"], 1) for s in runs],
-                   "loadavg_1m": round(os.getloadavg()[0], 2)}
+                   "loadavg_1m": round(os.getloadavg()[0], 2),
+                   "failed": failed.get(mode, 0)}
             if runs and "prefill_ms" in runs[0]:
                 row["prefill_ms"] = round(statistics.median(s["prefill_ms"] for s in runs), 1)
                 row["runs_prefill_ms"] = [round(s["prefill_ms"], 1) for s in runs]

@@ -683,6 +683,24 @@ class _SchedulerSide:
         }
 
 
+def _warn_spinning_omp(workers: int) -> None:
+    """CPU engines whose workers fill the host's cores: OpenMP's default spin-waiting starves
+    kvlink's I/O threads (docs/vllm.md, "Tensor parallelism"); say so once, at start."""
+    import os
+
+    from vllm.platforms import current_platform
+
+    cores = os.cpu_count()
+    if (current_platform.device_type == "cpu" and workers >= (cores or 1)
+            and os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE"):
+        log.warning(
+            "kvlink: %d CPU model workers on %s cores with OpenMP's threads spinning "
+            "(OMP_WAIT_POLICY is not PASSIVE): they can starve kvlink's transfers for "
+            "seconds; set OMP_WAIT_POLICY=PASSIVE in the engine's environment (docs/vllm.md, "
+            "\"Tensor parallelism\")", workers, cores,
+        )
+
+
 def _tp_rank() -> int:
     """This worker's tensor-parallel rank (vLLM's process group, set up before the connector)."""
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -812,6 +830,8 @@ class _WorkerSide:
         self.num_blocks = num_blocks
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         self.rank = _tp_rank() if self.tp_size > 1 else 0
+        if self.rank == 0:
+            _warn_spinning_omp(self.tp_size)
         self.config = settings.kvlink_config()
         if self.rank and self.config.metrics_port:
             # Each rank's agent serves its own endpoint: rank r on the port after rank r-1's.

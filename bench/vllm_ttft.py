@@ -50,7 +50,6 @@ import contextlib
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -63,6 +62,7 @@ from typing import Any
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kvlink.bench.ports import free_port
 from tests.vllm import harness
 
 MODELS = {
@@ -116,14 +116,6 @@ def _current_device_index():
 
 _acc.current_device_index = _current_device_index
 """
-
-
-def free_port() -> int:
-    """A TCP port free on this host's loopback now (the instances bind it moments later)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class Net:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import socket
 import ssl
 import subprocess
 import tempfile
@@ -21,13 +20,9 @@ from typing import Any
 
 import httpx
 
+from .ports import free_port
+
 START_TIMEOUT_S = 20.0  # etcd starts in ~1 s; a loaded 2-core host can take much longer
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class EtcdServer:
@@ -41,8 +36,8 @@ class EtcdServer:
         self.binary = binary or shutil.which("etcd") or "etcd"
         self.tls = tls
         self.dir = Path(tempfile.mkdtemp(prefix="kvl-etcd-"))
-        self.client_port = _free_port()
-        self.peer_port = _free_port()
+        self.client_port = free_port()
+        self.peer_port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
         self.start()

@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from . import measure
+from .ports import free_ports
 from .protocol import BenchError
 
 INSTALL_HINT = "apt-get install iperf3"
@@ -88,20 +88,6 @@ def aggregate_gbps(results: Sequence[Result]) -> float:
     return sum(r.sent_bytes for r in results) / max(r.seconds for r in results) / 1e9
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` TCP ports free in this namespace now."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
-            s.bind(("::", 0))
-            socks.append(s)
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def listening(pid: int, port: int) -> bool:
     """Whether something in ``pid``'s network namespace listens on TCP ``port``."""
     for table in ("tcp6", "tcp"):  # /proc/PID/net/*: the table of PID's namespace
@@ -159,7 +145,7 @@ def run(streams: Sequence[Stream], timeout_s: float = 300.0) -> list[Result]:
     """
     if not available():
         raise Iperf3Error(f"iperf3 is not installed ({INSTALL_HINT})")
-    ports = free_ports(len(streams))
+    ports = free_ports(len(streams), "::")
     procs: list[subprocess.Popen[bytes]] = []
     with contextlib.ExitStack() as stack:
         outs = [stack.enter_context(tempfile.TemporaryFile()) for _ in streams]

@@ -276,9 +276,9 @@ def test_many_threads_look_up_one_peer_once(cluster):
 
 
 def test_unreachable_etcd_does_not_stop_the_agent(make_agent, caplog):
-    from kvlink.bench.etcd import _free_port
+    from kvlink.bench.ports import free_port
 
-    url = f"etcd://127.0.0.1:{_free_port()}/t"
+    url = f"etcd://127.0.0.1:{free_port()}/t"
     a = make_agent("a", discovery=url, **FAST)
     assert "cannot reach etcd" in caplog.text
     with pytest.raises(kvlink.DiscoveryError, match="cannot reach etcd"):

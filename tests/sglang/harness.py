@@ -1,6 +1,6 @@
 """Drives real SGLang servers (sglang 0.5.23 on CPU, in .venv-sglang) for the tests and
-bench/sglang_ttft.py. Standard library only: the caller runs in kvlink's own venv. Every wait
-has a timeout; close() ends the server's whole process group for sure."""
+bench/sglang_ttft.py. Standard library and kvlink.bench.ports only: the caller runs in kvlink's
+own venv. Every wait has a timeout; close() ends the server's whole process group for sure."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import IO, Any
+
+from kvlink.bench.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = ROOT / ".venv-sglang"
@@ -54,12 +55,6 @@ def make_model(path: Path, *args: str, timeout_s: float = 300) -> Path:
     subprocess.run([str(PYTHON), str(MAKE_MODEL), str(path), *args], check=True,
                    timeout=timeout_s, stdout=subprocess.DEVNULL)
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class ServerError(RuntimeError):

@@ -1,6 +1,6 @@
 """vLLM OpenAI servers and vllm-router in child processes, for tests/vllm/test_router.py and
-bench/vllm_router.py. Standard library only (the caller runs in kvlink's venv, the servers
-and the router in .venv-vllm). Every wait has a timeout; close() and kill() end each child's
+bench/vllm_router.py. Standard library and kvlink.bench.ports only (the caller runs in kvlink's
+venv, the servers and the router in .venv-vllm). Every wait has a timeout; close() and kill() end each child's
 whole process group (a vLLM server is three processes: API server, engine core, worker)."""
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -19,6 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, Any
 
+from kvlink.bench.ports import free_port
 from tests.vllm import harness
 
 ROUTER = harness.VENV / "bin" / "vllm-router"
@@ -37,12 +37,6 @@ def router_problem() -> str | None:
     if not ROUTER.exists():
         return f"{ROUTER} is missing: run `make vllm-venv` (make test does)"
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def get(url: str, timeout_s: float = 5) -> str:

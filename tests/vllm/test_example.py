@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from kvlink.bench.ports import free_port
 from tests.conftest import unavailable
 from tests.vllm import harness
 
@@ -89,12 +90,6 @@ class FakeServer:
         self.url = f"http://127.0.0.1:{self.srv.server_address[1]}"
         self.thread = threading.Thread(target=self.srv.serve_forever, daemon=True)
         self.thread.start()
-
-    @staticmethod
-    def free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return int(s.getsockname()[1])
 
     def close(self) -> None:
         self.srv.shutdown()
@@ -176,7 +171,7 @@ def post(url: str, body: dict[str, Any]) -> tuple[int, str]:
 def test_push_proxy_started_before_its_servers_waits_for_them(servers: list[FakeServer],
                                                                tmp_path: Path) -> None:
     p_sock, d_sock = listening(), listening()
-    port = FakeServer.free_port()
+    port = free_port()
     log_path = tmp_path / "proxy.log"
     log = open(log_path, "w")  # noqa: SIM115 (closed below)
     proxy = subprocess.Popen(

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -28,6 +27,7 @@ from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll  # noqa: E402
 from sglang.srt.disaggregation.utils import DisaggregationMode  # noqa: E402
 from sglang.srt.runtime_context import get_context, get_parallel  # noqa: E402
 
+from kvlink.bench.ports import free_port  # noqa: E402
 from kvlink.integrations.sglang._backend import (  # noqa: E402
     KvlinkKVBootstrapServer,
     KvlinkKVManager,
@@ -37,12 +37,6 @@ from kvlink.integrations.sglang._backend import (  # noqa: E402
 
 LAYERS, PAGES, ITEM, AUX_SLOTS, AUX_ITEM = 3, 128, 512, 8, 64
 TERMINAL = (KVPoll.Success, KVPoll.Failed)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def kv_args(bufs: list[np.ndarray], aux: np.ndarray) -> KVArgs:

@@ -97,6 +97,18 @@ def test_cards_name_every_rank(insts: dict[str, Instance]) -> None:
     assert one["layout"]["block_bytes"] == 2 * cards[0]["layout"]["block_bytes"]
 
 
+def test_workers_filling_the_cores_are_warned_about(insts: dict[str, Instance]) -> None:
+    """OpenMP's spinning threads starve kvlink's transfers when a CPU engine's workers fill
+    the host's cores (docs/vllm.md): rank 0 says so at start, unless OMP_WAIT_POLICY is
+    PASSIVE; an engine with a core to spare says nothing."""
+    passive = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
+    cores = os.cpu_count() or 1
+    for name, workers in (("P2", 2), ("D2", 2), ("P1", 1), ("D1", 1)):
+        said = insts[name].log_path.read_text(errors="replace").count(
+            "OMP_WAIT_POLICY is not PASSIVE")
+        assert bool(said) == (workers >= cores and not passive), (name, said, cores)
+
+
 @pytest.mark.parametrize(("pname", "dname"), MAPPINGS)
 def test_pull_matches_decode_recompute(insts: dict[str, Instance], baseline: Any,
                                        pname: str, dname: str) -> None:

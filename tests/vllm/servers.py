@@ -1,7 +1,8 @@
 """vLLM OpenAI servers and vllm-router in child processes, for tests/vllm/test_router.py and
 bench/vllm_router.py. Standard library and kvlink.bench.ports only (the caller runs in kvlink's
-venv, the servers and the router in .venv-vllm). Every wait has a timeout; close() and kill() end each child's
-whole process group (a vLLM server is three processes: API server, engine core, worker)."""
+venv, the servers and the router in .venv-vllm). Every wait has a timeout; close() and kill()
+end each child's whole process group (a vLLM server is three processes: API server, engine
+core, worker)."""
 
 from __future__ import annotations
 

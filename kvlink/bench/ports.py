@@ -29,9 +29,12 @@ def _ephemeral_start() -> int:
         return _DEFAULT_EPHEMERAL
 
 
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
 def _bindable(host: str, port: int) -> bool:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
+    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
         try:
             s.bind((host, port))
         except OSError:
@@ -50,7 +53,7 @@ def free_port(host: str = "127.0.0.1") -> int:
                 if port not in _given and _bindable(host, port) and _bindable("0.0.0.0", port):
                     _given.add(port)
                     return port
-        with socket.socket() as s:  # an odd port range: the kernel's choice is all there is
+        with socket.socket(_family(host)) as s:  # an odd port range: the kernel's choice
             s.bind((host, 0))
             port = int(s.getsockname()[1])
         _given.add(port)

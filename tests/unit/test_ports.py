@@ -20,8 +20,8 @@ def test_ports_come_from_below_the_ephemeral_range_and_are_bindable() -> None:
 
 
 def test_an_outgoing_connection_cannot_take_the_port() -> None:
-    """Many connections' local ports never land on a port handed out (they all come from the
-    ephemeral range): what bind(0) gave would be among them."""
+    """200 outgoing connections (their local ports come from the ephemeral range) neither
+    land on a port handed out nor keep it from binding afterwards."""
     port = ports.free_port()
     conns: list[socket.socket] = []
     with socket.create_server(("127.0.0.1", 0), backlog=256) as srv:

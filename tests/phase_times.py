@@ -1,0 +1,42 @@
+"""Times the phases of `make test`: ``run FILE LABEL -- COMMAND...`` runs COMMAND, appends
+``LABEL<TAB>seconds<TAB>exit status`` to FILE and exits with COMMAND's status; ``report FILE``
+prints the phases and their sum. Standard library only (it runs before any virtualenv exists).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def run(times: Path, label: str, cmd: list[str]) -> int:
+    t0 = time.monotonic()
+    rc = subprocess.call(cmd)
+    with times.open("a") as f:
+        f.write(f"{label}\t{time.monotonic() - t0:.0f}\t{rc}\n")
+    return rc
+
+
+def report(times: Path) -> int:
+    rows = [line.split("\t") for line in times.read_text().splitlines() if line]
+    total = sum(float(s) for _, s, _ in rows)
+    print("\nmake test, per phase:")
+    for label, s, rc in rows:
+        print(f"  {label:<32} {float(s) / 60:6.1f} min{'' if rc == '0' else f'  (exit {rc})'}")
+    print(f"  {'total':<32} {total / 60:6.1f} min")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) >= 5 and argv[0] == "run" and argv[3] == "--":
+        return run(Path(argv[1]), argv[2], argv[4:])
+    if len(argv) == 2 and argv[0] == "report":
+        return report(Path(argv[1]))
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -6,7 +6,7 @@
 # from a folder outside the checkout. On failure the reason goes to $VENV/.unavailable (the tests
 # of that engine then skip saying why, and fail in CI) and the script exits 0.
 set -u
-VENV=${1:?usage: tests/install_wheel.sh VENV}
+VENV=$(cd "${1:?usage: tests/install_wheel.sh VENV}" && pwd)
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 [ -e "$VENV/.unavailable" ] && exit 0   # the engine itself could not be installed: said there
 WHEEL=$(ls "$ROOT"/dist/kvlink-*.whl 2>/dev/null | head -n 1)

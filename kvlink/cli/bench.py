@@ -49,6 +49,7 @@ from ..bench import iperf3, measure, share_run_secret
 from ..bench.protocol import WorkerError
 from ..bench.report import Reporter, plot_unavailable, run_info
 from ..bench.runner import RunSpec
+from . import _logging
 
 PEERS = ("iperf3", "mooncake", "nixl", "ucxx")
 # What a run measures when a flag is not given: (normal, --quick). --quick changes only the
@@ -354,6 +355,7 @@ def build_parser(prog: str = "kvlink-bench") -> argparse.ArgumentParser:
                     help="layers a block spreads over in the engine layout (default: 32)")
     so.add_argument("--iters", type=int_range(1), default=3, help="rounds (default: 3)")
     so.add_argument("--json", action="store_true", help="one JSON object per row")
+    _logging.add_log_level(ap)
     return ap
 
 
@@ -897,6 +899,7 @@ def _main(argv: Sequence[str] | None, prog: str) -> int:
 
         return demo.main(argv[1:], prog=f"{prog} demo")
     args = build_parser(prog).parse_args(argv)
+    _logging.setup(args.log_level, prog)
     if args.command == "table":
         return cmd_table(args)
     if args.command == "store":

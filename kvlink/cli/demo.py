@@ -27,6 +27,7 @@ from .._nics import MAX_PATHS
 from ..bench import iperf3, measure
 from ..bench.protocol import WorkerError
 from ..bench.worker import Worker
+from . import _logging
 from .bench import check_environment, int_range
 
 MEMCPY_SLICE = 64 << 20  # bytes per memcpy step: no second full-size cache is needed
@@ -225,12 +226,14 @@ def build_parser(prog: str = "kvlink-bench demo") -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=_positive_s, default=60.0,
                    help="seconds any one step may take before the demo fails with the reason "
                    "(default: 60)")  # fmt: skip
+    _logging.add_log_level(p)
     return p
 
 
 def main(argv: list[str] | None = None, prog: str = "kvlink-bench demo") -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(prog).parse_args(argv)
+    _logging.setup(args.log_level, prog)
     if err := check_environment():
         print(f"kvlink-bench demo: {err}", file=sys.stderr)
         return 2

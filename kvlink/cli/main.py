@@ -7,6 +7,10 @@ Commands:
   paths      an agent's paths once, as a table or JSON; kvlink paths --help
   relay      lend this host's idle NICs to the cluster's relayed paths; kvlink relay --help
   trace      where the last P/D requests' time went, from vLLM servers' metrics; kvlink trace --help
+  doctor     what this install and this host have and lack, and what to do; kvlink doctor --help
+
+Every command takes --log-level (debug, info, warning, error): kvlink's log records at that level
+and above go to stderr.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-COMMANDS = ("testbed", "bench", "top", "paths", "relay", "trace")
+COMMANDS = ("testbed", "bench", "top", "paths", "relay", "trace", "doctor")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -46,6 +50,10 @@ def _main(argv: Sequence[str] | None) -> int:
         from . import trace
 
         return trace.main(argv[1:], prog="kvlink trace")
+    if argv[:1] == ["doctor"]:
+        from . import doctor
+
+        return doctor.main(argv[1:], prog="kvlink doctor")
     if argv[:1] in (["top"], ["paths"]):
         from . import top
 

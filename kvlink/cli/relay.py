@@ -20,6 +20,8 @@ from collections.abc import Sequence
 
 import kvlink
 
+from . import _logging
+
 
 def _parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -60,11 +62,14 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         metavar="S",
         help="print the relay's counters every S seconds (0: never)",
     )
+    # a daemon: what it refuses and what it gives back is worth a line (docs/security.md)
+    _logging.add_log_level(p, default="info")
     return p
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "kvlink relay") -> int:
     args = _parser(prog).parse_args(argv)
+    _logging.setup(args.log_level, prog)
     try:
         cfg = kvlink.Config.load(
             nics=args.nics,

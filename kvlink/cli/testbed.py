@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -37,6 +36,8 @@ from kvlink.testbed import (
     parse_topology,
     teardown,
 )
+
+from . import _logging
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -77,7 +78,8 @@ def _parser(prog: str = "kvlink testbed") -> argparse.ArgumentParser:
         description="Two network namespaces joined by N rate-limited veth links, or a topology "
         "of more hosts joined pairwise (needs root).",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log every ip/tc command")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log every ip/tc command (the same as --log-level debug)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def tagged(name: str, help_text: str) -> argparse.ArgumentParser:
@@ -138,6 +140,7 @@ def _parser(prog: str = "kvlink testbed") -> argparse.ArgumentParser:
         "--host", help="the host of a topology to run in, e.g. r (default: none; this or --side)"
     )
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
+    _logging.add_log_level(parser)
     return parser
 
 
@@ -299,10 +302,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "kvlink testbed") -> int
     parser = _parser(prog)
     try:
         args = parser.parse_args(argv)
-        logging.basicConfig(
-            level=logging.DEBUG if args.verbose else logging.WARNING,
-            format="%(levelname)s %(name)s: %(message)s",
-        )
+        _logging.setup("debug" if args.verbose else args.log_level, prog)
         if args.command == "up":
             return _cmd_up(args, parser)
         if args.command == "down":

@@ -37,6 +37,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from . import _logging
+
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 _STATE_STYLE = {
@@ -534,7 +536,9 @@ def main(argv: Sequence[str], prog: str, command: str) -> int:
         )
     else:
         parser.add_argument("--json", action="store_true", help="a JSON list, for scripts")
+    _logging.add_log_level(parser)
     args = parser.parse_args(argv)
+    _logging.setup(args.log_level, prog)
     url = endpoint_url(args.target)
     console = Console()
     if command == "top":

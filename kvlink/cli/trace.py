@@ -29,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
+from . import _logging
 from .top import _table, endpoint_url
 
 FAMILY = "kvlink_vllm_request_last_phase_seconds"
@@ -124,7 +125,9 @@ def main(argv: Sequence[str], prog: str = "kvlink trace") -> int:
     parser.add_argument("--last", type=int, default=20, help="show the last N requests (20)")
     parser.add_argument("--json", action="store_true", help="the joined records as JSON")
     parser.add_argument("--png", metavar="PATH", help="also draw a waterfall to PATH")
+    _logging.add_log_level(parser)
     args = parser.parse_args(argv)
+    _logging.setup(args.log_level, prog)
     if args.last < 1:
         parser.error(f"--last: {args.last} must be at least 1")
     console = Console()

@@ -32,6 +32,9 @@ BASE_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
     "HF_HUB_OFFLINE": "1",
     "PYTHONUNBUFFERED": "1",
+    # no cwd or script folder on sys.path (and the servers start outside the checkout): kvlink is
+    # the wheel installed in the venv, as for a user
+    "PYTHONSAFEPATH": "1",
 }
 BASE_ARGS = [
     "--device", "cpu", "--attention-backend", "torch_native", "--disable-overlap-schedule",
@@ -104,6 +107,7 @@ class Server:
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
             env={**os.environ, **BASE_ENV, **(env or {})}, start_new_session=True,
+            cwd=log_dir,
         )
 
     @property

@@ -3,6 +3,7 @@ decode in one process) in .venv-sglang, where SGLang is installed."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 from tests.conftest import unavailable
@@ -17,7 +18,8 @@ def test_kvpoll_state_machine_in_sglang() -> None:
     run = subprocess.run(
         [str(harness.PYTHON), "-m", "pytest", "-c", str(inproc / "pytest.ini"), str(inproc),
          "-q"],
-        cwd=harness.ROOT, capture_output=True, text=True, timeout=600,
+        cwd=inproc, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONSAFEPATH": "1"},
     )
     summary = run.stdout.strip().splitlines()[-1:] or ["(no output)"]
     assert run.returncode == 0, f"{summary[0]}\n{run.stdout[-6000:]}\n{run.stderr[-3000:]}"

@@ -16,6 +16,9 @@ from pathlib import Path
 from typing import IO, Any
 
 ROOT = Path(__file__).resolve().parents[2]
+# The engines' children never see this checkout: they start outside it with PYTHONSAFEPATH (no
+# cwd or script folder on sys.path), so kvlink is the wheel installed in the venv.
+OUTSIDE_ENV = {"PYTHONSAFEPATH": "1"}
 VENV = ROOT / ".venv-vllm"
 PYTHON = VENV / "bin" / "python"
 ENGINE = ROOT / "tests" / "vllm" / "engine_proc.py"
@@ -30,6 +33,14 @@ def venv_problem() -> str | None:
     if not (VENV / ".kvlink-vllm").exists() or not PYTHON.exists():
         return f"{VENV} is missing: run `make vllm-venv` (make test does)"
     return None
+
+
+def installed_only(what: str, kvlink_file: str | None) -> None:
+    """Raises InstanceError unless ``kvlink_file`` (a child's ``kvlink.__file__``) lies in the
+    vLLM venv: the tests run kvlink as users install it, never this checkout."""
+    if not kvlink_file or not Path(kvlink_file).resolve().is_relative_to(VENV.resolve()):
+        raise InstanceError(f"{what} imported kvlink from {kvlink_file}, not from {VENV}'s "
+                            "installed wheel (make vllm-venv installs it)")
 
 
 def make_model(path: Path, *args: str, timeout_s: float = 300) -> Path:
@@ -89,7 +100,8 @@ class Instance:
         self._log: IO[str] = open(self.log_path, "w")  # noqa: SIM115 (closed in close())
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
-            env={**os.environ, **(env or {})}, start_new_session=True,
+            env={**os.environ, **OUTSIDE_ENV, **(env or {})}, start_new_session=True,
+            cwd=self.log_path.parent,
         )
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -114,6 +126,7 @@ class Instance:
             self.ready = self.recv(timeout_s)
             if not self.ready.get("ready"):
                 raise InstanceError(f"{self.name} did not start: {self.ready}\n{self.tail()}")
+            installed_only(self.name, self.ready.get("kvlink"))
         return self.ready
 
     def send(self, req: dict[str, Any]) -> None:

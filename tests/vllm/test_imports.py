@@ -50,7 +50,7 @@ def _check(pythonpath: str | None) -> str:
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
     out = subprocess.run([str(harness.PYTHON), "-c", CHECK], capture_output=True, text=True,
-                         timeout=300, env=env)
+                         timeout=300, env={**env, **harness.OUTSIDE_ENV}, cwd="/")
     assert out.returncode == 0 and out.stdout.strip().startswith("ok"), out.stderr[-2000:]
     return out.stdout.split()[-1]
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,6 +22,10 @@ import pytest
 os.environ["KVLINK_NICS"] = "loopback:2"
 
 import kvlink.integrations.sglang as kvlink_sglang
+
+# kvlink as users install it: the wheel in this venv, never the checkout above this folder
+if not Path(kvlink_sglang.__file__).resolve().is_relative_to(Path(sys.prefix).resolve()):
+    raise RuntimeError(f"kvlink imported from {kvlink_sglang.__file__}, not {sys.prefix}'s wheel")
 
 kvlink_sglang.register()
 

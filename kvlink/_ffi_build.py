@@ -62,9 +62,11 @@ def compiler() -> list[str]:
     if not cc or shutil.which(cc[0]) is None:
         fallback = next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
         if fallback is None or os.environ.get("CC"):
+            looked = [cc[0] if cc else "cc"]
+            if not os.environ.get("CC"):
+                looked += [c for c in ("cc", "gcc", "clang") if c not in looked]
             _stop(
-                f"no C compiler found (looked for {cc[0] if cc else 'cc'!r}"
-                f"{'' if os.environ.get('CC') else ', cc, gcc, clang'}). Install one "
+                f"no C compiler found (looked for {', '.join(looked)}). Install one "
                 "(Debian/Ubuntu: apt-get install gcc; Fedora/RHEL: dnf install gcc), or set "
                 "CC, or install a prebuilt kvlink wheel instead of the sdist."
             )

@@ -114,6 +114,7 @@ def probe_ucx() -> Finding:
                        str(build.get("ucx_missing", "")))
     ok, why = _transport.ucx_status()
     if not ok:
+        why = why.replace(f" ({_transport._HINT})", "")  # the fix below says it
         return Finding("ucx", "missing", f"UCX does not load: {why}; transport='ucx' is "
                        "unavailable, TCP and same-host copies work",
                        "pip install 'kvlink[ucx]' (the libucx-cu12 wheel), or install UCX "

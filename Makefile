@@ -51,7 +51,7 @@ sysdeps:
 	@$(PYTHON) tests/sysdeps.py
 
 test-py: sysdeps build vllm-venv sglang-venv wheel-venv
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=40
 
 lint: build
 	$(VENV)/bin/ruff check kvlink tests bench examples/vllm_disagg

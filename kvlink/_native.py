@@ -43,8 +43,9 @@ try:
     from ._kvlink_c import ffi, lib
 except ImportError as exc:  # pragma: no cover - only without a build
     raise ImportError(
-        "kvlink's C core is not built: run `make build` (or `pip install -e .`) in the "
-        "kvlink checkout"
+        f"kvlink's C core does not load ({exc}): in a kvlink checkout run `make build`; an "
+        "installed kvlink should be reinstalled (pip install --force-reinstall kvlink), from the "
+        "sdist where no wheel fits this system"
     ) from exc
 
 __all__ = ["ErrorCode", "check", "crc32c", "ffi", "lib", "make_plan"]

@@ -111,3 +111,61 @@ def test_the_sdist_installs_as_a_user_would(sdist: Path, tmp_path: Path) -> None
     assert core["data"]["build"]["ucx"] is False
     assert found["ucx"]["status"] == "missing"
     assert "libucx-cu12" in found["ucx"]["fix"]
+
+
+def _other_cpythons() -> list[Path]:
+    """CPython 3.10+ interpreters on this host other than the one running the tests: pyenv's
+    and python3.X on PATH, the oldest and the newest."""
+    found: dict[tuple[int, int], Path] = {}
+    here = sys.version_info[:2]
+    pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    cands = [*pyenv.glob("3.*/bin/python3"), *(Path(d) / f"python3.{m}"
+             for d in os.environ.get("PATH", "").split(os.pathsep) for m in range(10, 20))]
+    for exe in cands:
+        if not exe.is_file():
+            continue
+        r = subprocess.run([str(exe), "-c", "import sys; print(*sys.version_info[:2])"],
+                           capture_output=True, text=True, timeout=30)
+        if r.returncode != 0:
+            continue
+        ver = tuple(int(x) for x in r.stdout.split())
+        if ver >= (3, 10) and ver != here and len(ver) == 2:
+            found.setdefault((ver[0], ver[1]), exe)
+    picked = sorted(found)
+    return [found[v] for v in dict.fromkeys([picked[0], picked[-1]])] if picked else []
+
+
+# loads the wheel's C core alone (kvlink's package __init__ needs numpy and more) and runs it
+ABI3_PROBE = """
+import importlib.util, sys, types
+pkg = types.ModuleType("kvlink"); pkg.__path__ = [sys.argv[1]]; sys.modules["kvlink"] = pkg
+so = sys.argv[1] + "/_kvlink_c.abi3.so"
+spec = importlib.util.spec_from_file_location("kvlink._kvlink_c", so)
+mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+print(hex(mod.lib.kvl_crc32c(0, b"123456789", 9)))
+"""
+
+
+@pytest.mark.timeout(600)
+def test_one_wheel_serves_other_cpythons(wheel: Path, tmp_path: Path) -> None:
+    """abi3: the same wheel installs into CPython 3.10 and the newest CPython here, and its C
+    core loads and computes there (crc32c's check value)."""
+    others = _other_cpythons()
+    if not others:
+        pytest.skip("no other CPython 3.10+ on this host to install the wheel into")
+    for exe in others:
+        venv = tmp_path / exe.parents[1].name
+        subprocess.run([str(exe), "-m", "venv", str(venv)], check=True, timeout=120)
+        pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+        r = subprocess.run([*pip, "--no-deps", str(wheel)], capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, (exe, r.stderr[-2000:])
+        r = subprocess.run([*pip, "cffi>=1.16"], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, (exe, r.stderr[-2000:])
+        site = subprocess.run([str(venv / "bin" / "python"), "-c",
+                               "import sysconfig; print(sysconfig.get_paths()['platlib'])"],
+                              capture_output=True, text=True, timeout=60).stdout.strip()
+        r = subprocess.run([str(venv / "bin" / "python"), "-c", ABI3_PROBE, f"{site}/kvlink"],
+                           capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                           env={**os.environ, **OUTSIDE_ENV})
+        assert r.returncode == 0 and r.stdout.strip() == "0xe3069283", (exe, r.stderr[-2000:])

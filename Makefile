@@ -57,12 +57,15 @@ lint: build
 	$(VENV)/bin/ruff check kvlink tests bench examples/vllm_disagg
 	$(VENV)/bin/mypy
 
-# Each phase timed into $(TIMES) (tests/phase_times.py prints the table at the end).
+# Each phase timed into $(TIMES); pytest adds one line per suite (tests/conftest.py), and
+# tests/phase_times.py prints the table at the end.
 test:
 	@rm -f $(TIMES)
+	@$(PYTHON) tests/phase_times.py run $(TIMES) "set-up: venv, C core build" -- $(MAKE) sysdeps build
 	@$(PYTHON) tests/phase_times.py run $(TIMES) "C tests (ASan/UBSan, TSan)" -- $(MAKE) test-c
-	@$(PYTHON) tests/phase_times.py run $(TIMES) "build, wheel, venvs" -- $(MAKE) build wheel-venv vllm-venv sglang-venv
-	@$(PYTHON) tests/phase_times.py run $(TIMES) "pytest (every suite)" -- $(MAKE) test-py
+	@$(PYTHON) tests/phase_times.py run $(TIMES) "sdist, wheel, plain venv" -- $(MAKE) wheel-venv
+	@$(PYTHON) tests/phase_times.py run $(TIMES) "vLLM and SGLang venvs" -- $(MAKE) vllm-venv sglang-venv
+	@KVLINK_PHASE_TIMES=$(CURDIR)/$(TIMES) $(PYTHON) tests/phase_times.py run $(TIMES) "pytest (all suites)" -- $(MAKE) test-py
 	@$(PYTHON) tests/phase_times.py run $(TIMES) "lint (ruff, mypy)" -- $(MAKE) lint
 	@$(PYTHON) tests/phase_times.py report $(TIMES)
 

@@ -143,3 +143,28 @@ def scripted_receiver() -> Iterator[Callable[..., Any]]:
     yield make
     for r in made:
         r.close()
+
+
+# ---- time per suite (make test reports it: tests/phase_times.py) ---------------------------
+
+_SUITE_S: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Adds each test's set-up, call and tear-down time to its suite (tests/<suite>/...)."""
+    parts = report.nodeid.split("::")[0].split("/")
+    suite = parts[1] if len(parts) > 2 and parts[0] == "tests" else parts[0]
+    _SUITE_S[suite] = _SUITE_S.get(suite, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if not _SUITE_S:
+        return
+    terminalreporter.write_sep("-", "time per suite (set-up + call + tear-down)")
+    for suite, s in sorted(_SUITE_S.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{suite:<14} {s / 60:6.1f} min")
+    path = os.environ.get("KVLINK_PHASE_TIMES")
+    if path:  # `make test`'s phase table: one line a suite, inside the pytest phase
+        with open(path, "a") as f:
+            for suite, s in sorted(_SUITE_S.items()):
+                f.write(f"pytest: tests/{suite}\t{s:.0f}\tpart\n")

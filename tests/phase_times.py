@@ -21,11 +21,19 @@ def run(times: Path, label: str, cmd: list[str]) -> int:
 
 def report(times: Path) -> int:
     rows = [line.split("\t") for line in times.read_text().splitlines() if line]
-    total = sum(float(s) for _, s, _ in rows)
+    # a phase's parts ("part": pytest's suites) come before the phase's own line
+    total = sum(float(s) for _, s, rc in rows if rc != "part")
     print("\nmake test, per phase:")
+    parts: list[list[str]] = []
     for label, s, rc in rows:
-        print(f"  {label:<32} {float(s) / 60:6.1f} min{'' if rc == '0' else f'  (exit {rc})'}")
-    print(f"  {'total':<32} {total / 60:6.1f} min")
+        if rc == "part":
+            parts.append([label, s])
+            continue
+        print(f"  {label:<34} {float(s) / 60:6.1f} min{'' if rc == '0' else f'  (exit {rc})'}")
+        for plabel, ps in parts:
+            print(f"    {plabel:<32} {float(ps) / 60:6.1f} min")
+        parts = []
+    print(f"  {'total':<34} {total / 60:6.1f} min")
     return 0
 
 

@@ -100,9 +100,11 @@ class Child:
         self.name = name
         self.log_path = log_path
         self._log: IO[str] = open(log_path, "w")  # noqa: SIM115 (closed in close())
+        # outside the checkout, no cwd on sys.path: the servers run the venv's installed kvlink
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log,
-                                     stderr=subprocess.STDOUT, env={**os.environ, **env},
-                                     start_new_session=True)
+                                     stderr=subprocess.STDOUT,
+                                     env={**os.environ, **harness.OUTSIDE_ENV, **env},
+                                     start_new_session=True, cwd=log_path.parent)
 
     def tail(self, n: int = 30) -> str:
         try:

@@ -13,6 +13,7 @@ loads reported by request, as vLLM requires with several groups.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from collections.abc import Iterator
@@ -51,7 +52,8 @@ def probe(tmp_path_factory: pytest.TempPathFactory, swa_model: Path) -> dict[str
     out = tmp_path_factory.mktemp("hma") / "hooks.jsonl"
     run = subprocess.run(
         [str(harness.PYTHON), str(PROBE), str(model), str(out), ",".join(map(str, LENGTHS))],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=600, cwd=out.parent,
+        env={**os.environ, **harness.OUTSIDE_ENV},
     )
     assert run.returncode == 0, run.stderr[-4000:]
     results = {int(k): v for k, v in json.loads(run.stdout.strip().splitlines()[-1]).items()}

@@ -33,12 +33,13 @@ MODEL_LOAD_MARKS = ("Initializing a V1 LLM engine", "Starting to load model")
 
 def test_the_venv_has_kvlinks_command_and_vllm_plugin(vllm_model: Path) -> None:
     out = subprocess.run([str(harness.VENV / "bin" / "kvlink"), "--help"], capture_output=True,
-                         text=True, timeout=60, check=False)
+                         text=True, timeout=60, check=False, cwd="/")
     assert out.returncode == 0 and "operational commands" in out.stdout, out.stderr
     out = subprocess.run(
         [str(harness.PYTHON), "-c", "from importlib.metadata import entry_points; "
          "print([e.value for e in entry_points(group='vllm.general_plugins')])"],
-        capture_output=True, text=True, timeout=60, check=True)
+        capture_output=True, text=True, timeout=60, check=True, cwd="/",
+        env={**os.environ, **harness.OUTSIDE_ENV})
     assert "kvlink.integrations.vllm:register" in out.stdout, (
         f"{out.stdout}: kvlink's vLLM plugin is not installed in {harness.VENV} "
         "(make vllm-venv installs it)")
@@ -95,8 +96,9 @@ def test_a_typo_stops_the_openai_server_before_the_model_loads(
              "--max-model-len", "1024", "--block-size", "32", "--enforce-eager",
              "--kv-transfer-config", json.dumps(kv)],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, timeout=300,
-            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"},
-            check=False,
+            env={**os.environ, **harness.OUTSIDE_ENV, "VLLM_CPU_KVCACHE_SPACE": "1",
+                 "HF_HUB_OFFLINE": "1"},
+            check=False, cwd=log_dir,
         )
     took = time.monotonic() - t0
     out = log_path.read_text(errors="replace")

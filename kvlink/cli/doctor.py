@@ -51,9 +51,9 @@ def probe_core() -> Finding:
     from kvlink import __file__ as kvlink_file
     from kvlink import __version__, _native
 
-    so = next(Path(_native.__file__).parent.glob("_kvlink_c*.so"), None)
+    so = Path(_native.core_file())
     info = _build_info()
-    abi = "abi3" if so is not None and so.name.endswith(".abi3.so") else "version-specific"
+    abi = "abi3" if so.name.endswith(".abi3.so") else "version-specific"
     parts = ", ".join(
         f"{name} {'compiled in' if info.get(key) else 'NOT compiled in'}"
         for key, name in (("ucx", "UCX"), ("io_uring", "io_uring"))
@@ -75,9 +75,7 @@ def probe_core() -> Finding:
 def _build_info() -> dict[str, Any]:
     from kvlink import _native
 
-    if not hasattr(_native.lib, "kvl_py_build_info"):
-        return {}
-    return dict(json.loads(_native.cstr(_native.lib.kvl_py_build_info())))
+    return _native.build_info()
 
 
 def _ucx_transports(lib: str | None) -> list[str]:
@@ -180,7 +178,7 @@ def _sibling_copy_errno() -> int:
     (what two engines started side by side meet); 0 when it may, else its errno."""
     code = (
         "import os\nfrom kvlink import _native\n"
-        "print(_native.lib.kvl_cma_allowed(os.getppid()))"
+        "print(_native.cma_errno(os.getppid()))"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=PROBE_TIMEOUT_S * 4, check=False, cwd="/")

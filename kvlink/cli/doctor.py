@@ -307,11 +307,14 @@ def probe_discovery(url: str | None) -> Finding:
         return Finding("discovery", "error", str(exc), "fix KVLINK_DISCOVERY (or --discovery)")
     scheme = "https" if parsed.tls else "http"
     verify: Any = os.environ.get("KVLINK_DISCOVERY_CA_FILE") or True
+    cert_file, key_file = (os.environ.get(f"KVLINK_DISCOVERY_{k}_FILE") for k in ("CERT", "KEY"))
+    cert = (cert_file, key_file) if cert_file and key_file else None  # etcd with client certs
     answers = []
     for host, port in parsed.endpoints:
         base = f"{scheme}://{host}:{port}"
         try:
-            r = httpx.get(f"{base}/version", timeout=PROBE_TIMEOUT_S / 2, verify=verify)
+            with httpx.Client(verify=verify, cert=cert, timeout=PROBE_TIMEOUT_S / 2) as client:
+                r = client.get(f"{base}/version")
             r.raise_for_status()
             answers.append((base, True, str(r.json().get("etcdserver", "?"))))
         except (httpx.HTTPError, ValueError) as exc:

@@ -58,23 +58,27 @@ lint: build
 	$(VENV)/bin/mypy
 
 # Each phase timed into $(TIMES); pytest adds one line per suite (tests/conftest.py), and
-# tests/phase_times.py prints the table at the end.
+# tests/phase_times.py prints the table at the end. Every phase runs (a phase's failure does not
+# hide the others'); make test fails if any did.
 test:
-	@rm -f $(TIMES)
-	@$(PYTHON) tests/phase_times.py run $(TIMES) "set-up: venv, C core build" -- $(MAKE) sysdeps build
-	@$(PYTHON) tests/phase_times.py run $(TIMES) "C tests (ASan/UBSan, TSan)" -- $(MAKE) test-c
-	@$(PYTHON) tests/phase_times.py run $(TIMES) "sdist, wheel, plain venv" -- $(MAKE) wheel-venv
-	@$(PYTHON) tests/phase_times.py run $(TIMES) "vLLM and SGLang venvs" -- $(MAKE) vllm-venv sglang-venv
-	@KVLINK_PHASE_TIMES=$(CURDIR)/$(TIMES) $(PYTHON) tests/phase_times.py run $(TIMES) "pytest (all suites)" -- $(MAKE) test-py
-	@$(PYTHON) tests/phase_times.py run $(TIMES) "lint (ruff, mypy)" -- $(MAKE) lint
-	@$(PYTHON) tests/phase_times.py report $(TIMES)
+	@rm -f $(TIMES); fail=0; \
+	run() { label=$$1; shift; $(PYTHON) tests/phase_times.py run $(TIMES) "$$label" -- "$$@" || fail=1; }; \
+	run "set-up: venv, C core build" $(MAKE) sysdeps build; \
+	run "C tests (ASan/UBSan, TSan)" $(MAKE) test-c; \
+	run "sdist, wheel, plain venv" $(MAKE) wheel-venv; \
+	run "vLLM and SGLang venvs" $(MAKE) vllm-venv sglang-venv; \
+	export KVLINK_PHASE_TIMES=$(CURDIR)/$(TIMES); run "pytest (all suites)" $(MAKE) test-py; \
+	run "lint (ruff, mypy)" $(MAKE) lint; \
+	$(PYTHON) tests/phase_times.py report $(TIMES); \
+	exit $$fail
 
 # kvlink as users get it: `python -m build` makes the sdist and then a wheel *from that sdist*
 # (so a file missing from the sdist fails here), and auditwheel repairs the wheel to the oldest
 # manylinux tag its symbols allow (docs/install.md). --no-build-isolation: the build sees the
 # venv's libucx-cu12 headers, so the wheel carries the UCX transport.
 WHEEL_STAMP := dist/.kvlink-wheel
-$(WHEEL_STAMP): $(STAMP) $(wildcard csrc/*.c csrc/*.h csrc/include/*.h csrc/transport/*.h csrc/transport/*/*.[ch]) $(shell git ls-files kvlink 2>/dev/null) pyproject.toml setup.py MANIFEST.in
+# (after the editable build, never beside it: both write build/ and kvlink.egg-info)
+$(WHEEL_STAMP): $(STAMP) $(wildcard csrc/*.c csrc/*.h csrc/include/*.h csrc/transport/*.h csrc/transport/*/*.[ch]) $(shell find kvlink -name '*.py' -o -name py.typed) $(wildcard /usr/include/liburing.h) pyproject.toml setup.py MANIFEST.in README.md LICENSE | kvlink/_kvlink_c.abi3.so
 	rm -rf dist
 	$(WERROR) $(PY) -m build --no-isolation --outdir dist/raw . > dist.log 2>&1 || { tail -n 30 dist.log; exit 1; }
 	@grep '^kvlink' dist.log || true
@@ -133,7 +137,8 @@ $(VLLM_VENV)/.kvlink-router: $(VLLM_VENV)/.kvlink-vllm tests/vllm/add_router.sh 
 	nice tests/vllm/add_router.sh $(VLLM_VENV)
 
 # The wheel into it, again whenever the wheel changed.
-$(VLLM_VENV)/.kvlink-wheel: $(WHEEL_STAMP) $(VLLM_VENV)/.kvlink-vllm tests/install_wheel.sh
+# (after the router and vllm 0.33.0: one pip at a time in the venv)
+$(VLLM_VENV)/.kvlink-wheel: $(WHEEL_STAMP) $(VLLM_VENV)/.kvlink-vllm tests/install_wheel.sh | $(VLLM_VENV)/.kvlink-router $(VLLM_VENV)/vllm-0.33.0/.kvlink-done
 	tests/install_wheel.sh $(VLLM_VENV)
 
 vllm-venv: $(VLLM_VENV)/.kvlink-router $(VLLM_VENV)/vllm-0.33.0/.kvlink-done $(VLLM_VENV)/.kvlink-wheel

@@ -44,7 +44,8 @@ def _add(parser: argparse.ArgumentParser, default: str | None) -> None:
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for sub in dict.fromkeys(action.choices.values()):
-                _add(sub, None)
+                if sub.add_help:  # a placeholder (add_help=False) hands its argv on whole
+                    _add(sub, None)
 
 
 def setup(level: str, prog: str) -> None:

@@ -894,10 +894,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "kvlink-bench") -> int:
 
 def _main(argv: Sequence[str] | None, prog: str) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["demo"]:
+    # `--log-level X demo ...` as well as `demo ... --log-level X`: the demo's own parser takes it
+    lead = 2 if argv[:1] == ["--log-level"] else 0
+    if argv[lead : lead + 1] == ["demo"]:
         from . import demo
 
-        return demo.main(argv[1:], prog=f"{prog} demo")
+        return demo.main(argv[:lead] + argv[lead + 1 :], prog=f"{prog} demo")
     args = build_parser(prog).parse_args(argv)
     _logging.setup(args.log_level, prog)
     if args.command == "table":

@@ -49,8 +49,13 @@ def venv_problem() -> str | None:
     why = VENV / ".unavailable"
     if why.exists():
         return "the SGLang virtualenv could not be built: " + why.read_text().strip()
+    why = VENV / ".wheel-unavailable"
+    if why.exists():
+        return "kvlink's wheel could not be installed into it: " + why.read_text().strip()
     if not (VENV / ".kvlink-sglang").exists() or not PYTHON.exists():
         return f"{VENV} is missing: run `make sglang-venv` (make test does)"
+    if not (VENV / ".kvlink-wheel").exists():
+        return f"kvlink's wheel is not installed in {VENV}: run `make sglang-venv` (make test does)"
     return None
 
 

@@ -92,3 +92,11 @@ def test_the_relay_daemon_logs_what_it_refuses(tmp_path: Path) -> None:
         finally:
             proc.kill()
             err.close()
+
+
+def test_log_level_before_the_demo_reaches_it() -> None:
+    """`kvlink-bench --log-level debug demo ...`: the level given before the command counts."""
+    demo = COMMANDS["kvlink-bench demo"]
+    r = run([demo[0], "--log-level", "debug", *demo[1:]])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "DEBUG kvlink: kvlink-bench demo:" in r.stderr, r.stderr[-2000:]

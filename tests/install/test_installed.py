@@ -135,6 +135,9 @@ def test_doctor_asks_the_discovery_etcd(wheel_venv: Path, etcd: Any) -> None:
     assert dead["status"] == "error" and "unreachable" in dead["detail"], dead
     bad = doctor(wheel_venv, "--discovery", "http://x")["discovery"]
     assert bad["status"] == "error" and "unknown scheme" in bad["detail"], bad
+    tls = doctor(wheel_venv, "--discovery", "etcds://127.0.0.1:1/x",
+                 env={"KVLINK_DISCOVERY_CA_FILE": "/nonexistent"})["discovery"]
+    assert tls["status"] == "error" and "KVLINK_DISCOVERY_CA_FILE" in tls["detail"], tls
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])

@@ -53,7 +53,9 @@ def probe(tmp_path_factory: pytest.TempPathFactory, swa_model: Path) -> dict[str
     run = subprocess.run(
         [str(harness.PYTHON), str(PROBE), str(model), str(out), ",".join(map(str, LENGTHS))],
         capture_output=True, text=True, timeout=600, cwd=out.parent,
-        env={**os.environ, **harness.OUTSIDE_ENV},
+        # the probe names itself as the connector's module (so its folder is on the path);
+        # kvlink comes from the venv
+        env={**os.environ, **harness.OUTSIDE_ENV, "PYTHONPATH": str(PROBE.parent)},
     )
     assert run.returncode == 0, run.stderr[-4000:]
     results = {int(k): v for k, v in json.loads(run.stdout.strip().splitlines()[-1]).items()}

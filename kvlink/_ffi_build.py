@@ -172,7 +172,7 @@ def uring_flags() -> tuple[list[str], list[str]]:
 
 
 def version() -> str:
-    """kvlink's version, from kvlink/__init__.py (the one place it is written)."""
+    """kvlink's version, from kvlink/__init__.py (pyproject.toml carries the same)."""
     m = re.search(r'^__version__ = "([^"]+)"', (ROOT / "kvlink" / "__init__.py").read_text(), re.M)
     return m.group(1) if m else "unknown"
 
@@ -182,17 +182,24 @@ def compiler_version() -> str:
     return (r.stdout.splitlines() or ["unknown"])[0].strip()
 
 
+def _left_out(part: str, missing: str) -> str:
+    """Why part ("UCX", "URING") is not compiled in: asked (KVLINK_BUILD_<part>=0) or not found."""
+    if os.environ.get(f"KVLINK_BUILD_{part}") == "0":
+        return (f"left out on request (KVLINK_BUILD_{part}=0); unset it and reinstall to "
+                "compile it in")
+    return missing
+
+
 def build_info() -> dict[str, object]:
     """What this build compiled, as kvlink doctor shows it."""
     return {
         "version": version(),
         "ucx": bool(UCX_CFLAGS),
-        "ucx_missing": "" if UCX_CFLAGS else UCX_MISSING,
+        "ucx_missing": "" if UCX_CFLAGS else _left_out("UCX", UCX_MISSING),
         "io_uring": bool(URING_CFLAGS),
-        "io_uring_missing": "" if URING_CFLAGS else URING_MISSING,
+        "io_uring_missing": "" if URING_CFLAGS else _left_out("URING", URING_MISSING),
         "compiler": compiler_version(),
         "werror": "-Werror" in CFLAGS,
-        "py_limited_api": True,
     }
 
 

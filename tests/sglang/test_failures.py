@@ -43,8 +43,7 @@ class Cluster:
         return p
 
     def close(self) -> None:
-        for s in [*self.prefills, self.decode]:
-            s.close()
+        harness.close_all([*self.prefills, self.decode])
 
 
 def used_tokens(s: harness.Server) -> int:

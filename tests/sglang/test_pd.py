@@ -38,8 +38,7 @@ def servers(sglang_model: Path, other_model: Path, log_dir: Path, cluster_secret
         harness.start_all(list(made.values()))
         yield made
     finally:
-        for s in made.values():
-            s.close()
+        harness.close_all(list(made.values()))
 
 
 def mono_ids(servers: dict[str, harness.Server], prompt: str) -> list[int]:

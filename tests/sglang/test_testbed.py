@@ -48,8 +48,7 @@ def bed(sglang_model: Path, log_dir: Path, tmp_path_factory: pytest.TempPathFact
             client(tb, "wait", *(s.url for s in servers))
             yield {"tb": tb, "prefill": servers[0], "decode": servers[1], "bport": bport}
         finally:
-            for s in servers:
-                s.close()
+            harness.close_all(servers)
 
 
 def client(tb: object, *args: str) -> list[dict[str, object]]:

@@ -1031,7 +1031,7 @@ class Store:
                 while e is not None and e.loading and time.monotonic() < deadline:
                     self._cv.wait(max(0.0, min(0.1, deadline - time.monotonic())))
                     e = self._index.get(k)
-                if e is None or e.loading:
+                if e is None or e.loading or (e.host is None and e.disk is None):
                     missing.append(i)
                 elif e.host is not None:
                     e.busy += 1
@@ -1077,11 +1077,19 @@ class Store:
             addrs = [address(bounce) + j * self.slot_bytes for j in range(len(entries))]
         else:
             addrs = [self.host.addr(s) for s in slots]
-        rows = []
-        for e, at in zip(entries, addrs, strict=True):
-            assert e.disk is not None
-            rows.append(self.disk.io(e.disk, False, at))
-        io_ok = self.disk.run(rows, write=False)
+        try:
+            rows = [self.disk.io(e.disk, False, at)  # type: ignore[arg-type]
+                    for e, at in zip(entries, addrs, strict=True)]
+            io_ok = self.disk.run(rows, write=False)
+        except BaseException:
+            # nothing read: the entries are as before the move, the slots back in the tier
+            with self._mu:
+                for e in entries:
+                    e.loading = False
+                    e.busy -= 1
+                self.host.free.extend(slots)
+                self._cv.notify_all()
+            raise
         out: list[int | None] = []
         with self._mu:
             for j, (e, at) in enumerate(zip(entries, addrs, strict=True)):
@@ -1118,10 +1126,17 @@ class Store:
                     self.disk.free.append(e.disk)
                     self._disk_lru.remove(e.key, evicted=False)
                     e.disk = None
-                if e.host is None and e.pins == 0 and e.busy == 0:
-                    self._index.pop(e.key, None)
+                self._forget_if_empty(e)
             self._cv.notify_all()
         return out
+
+    def _forget_if_empty(self, e: _Entry) -> None:
+        """Drops ``e`` from the index once it holds no copy (under ``_mu``), pinned or not:
+        an entry with neither a host nor a disk copy is a miss, never a block on disk.  Its
+        pins go with it (unpinning a key no longer held is a no-op); moves still busy on it
+        read their own slots, not the entry's."""
+        if e.host is None and e.disk is None and self._index.get(e.key) is e:
+            del self._index[e.key]
 
     # ---- remote hits ------------------------------------------------------------------
 
@@ -1328,7 +1343,7 @@ class Store:
                         break
                     if pf._add_pin(k):
                         e.pins += 1
-                    if e.host is None and not e.loading:
+                    if e.host is None and e.disk is not None and not e.loading:
                         e.loading = True
                         e.busy += 1
                         promote.append(e)

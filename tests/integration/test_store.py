@@ -449,3 +449,43 @@ def test_concurrent_puts_gets_and_evictions_stay_exact(agent, stores, tmp_path):
     s = st.stats()
     assert s.blocks["host"] <= 6 and s.blocks["disk"] <= 40
     assert len(os.listdir(tmp_path / "d")) == 1
+
+
+def test_a_disk_copy_failing_its_check_while_pinned_leaves_no_ghost(agent, stores, tmp_path):
+    """A prefetch pins a disk-only block, then finds its copy bad: the block is gone at once
+    (no lookup says it is held, a get says it failed without waiting, it can be stored again),
+    though the prefetch's pin outlives it (issue 32, item 2)."""
+    src, dst = Engine(agent, 13), Engine(agent, 14)
+    d = tmp_path / "d"
+    cfg = {"host_bytes": 8 * SLOT, "disk_path": str(d), "disk_bytes": 16 * SLOT}
+    st = stores(agent, **cfg)
+    keys = keys_for(3)
+    st.put(keys, src.layout, range(3))
+    st.close()  # every block on disk alone now
+    st2 = stores(agent, name="s2", **cfg)
+    assert st2.lookup(keys).tiers == (Tier.DISK,) * 3
+    slab = d / "slab-0000.kvl"
+    data = slab.read_bytes()
+    bad = next(o for o in _slots_on_disk(slab) if keys[1] in data[o : o + PAGE])
+    with open(slab, "r+b") as f:  # the disk went bad under the store after it was opened
+        f.seek(bad + PAGE + 100)
+        f.write(b"\x5a" * 256)
+    pf = st2.prefetch(keys, policy=PrefetchPolicy.WAIT, timeout_s=20)
+    pf.wait()
+    assert pf.done
+    assert st2.lookup(keys, remote=False).tiers == (Tier.HOST, None, Tier.HOST)
+    assert keys[1] not in st2
+    dst.zero()
+    t0 = time.monotonic()
+    load = st2.get(keys, dst.layout, range(3), timeout_s=20).wait(timeout_s=20)
+    assert time.monotonic() - t0 < 10, "the get waited for a block nobody was loading"
+    assert load.failed == [1]
+    assert dst.block(0) == src.block(0) and dst.block(2) == src.block(2)
+    pf.release()
+    # stored again, it is served again
+    st2.put(keys[1:2], src.layout, [1])
+    dst.zero()
+    assert st2.get(keys[1:2], dst.layout, [1]).wait(timeout_s=10).ok
+    assert dst.block(1) == src.block(1)
+    # nothing left pinned, busy or loading
+    assert all(e.pins == 0 and e.busy == 0 and not e.loading for e in st2._index.values())

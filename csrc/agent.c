@@ -104,7 +104,16 @@ static void run_commands(kvl_agent *a, kvl_cmd *cmd)
     while (cmd) {
         kvl_cmd *next = cmd->next;
         kvl_peer *p = cmd->type == KVL_CMD_SUBMIT ? cmd->xfer->peer : cmd->peer;
-        if (cmd->type == KVL_CMD_REGIONS) {
+        if (cmd->type == KVL_CMD_CANCEL) {
+            /* (after its SUBMIT: commands run in order). Failing it drops its queued
+             * copies; it is retired, and a push's END sent, once no I/O uses its memory */
+            kvl_xfer *x = cmd->xfer;
+            if (kvl_xfer_running(x))
+                kvl_sched_fail(x, KVL_ERR_CANCELLED, "transfer %llu to peer '%s' was cancelled%s%s",
+                               (unsigned long long)x->id, x->peer->name, cmd->error[0] ? ": " : "",
+                               cmd->error);
+            kvl_xfer_release(x);
+        } else if (cmd->type == KVL_CMD_REGIONS) {
             for (kvl_conn *c = a->conns; c; c = kvl_conn_next(c))
                 kvl_conn_regions_changed(c);
         } else if (cmd->type == KVL_CMD_ACCEPT) {
@@ -503,6 +512,8 @@ kvl_err kvl_agent_close(kvl_agent *a)
         next = cmd->next;
         if (cmd->type == KVL_CMD_SUBMIT)
             fail_and_drop(cmd->xfer);
+        if (cmd->type == KVL_CMD_CANCEL)
+            kvl_xfer_release(cmd->xfer);
         if (cmd->type == KVL_CMD_PROBED && cmd->ep)
             a->stream->discard(cmd->ep);
         if (cmd->type == KVL_CMD_ACCEPT) {

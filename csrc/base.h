@@ -20,7 +20,7 @@
 #define KVL_MAX_IO_THREADS 64
 #define KVL_MAX_REGIONS 8192     /* regions per agent: bounds the region table frame */
 #define KVL_MAX_TAG 4096
-#define KVL_ERR_MAX KVL_ERR_AUTH  /* the highest error code: a peer's status above is garbage */
+#define KVL_ERR_MAX KVL_ERR_CANCELLED  /* the highest error code: a peer's status above is garbage */
 #define KVL_SECRET_MAX 256        /* bytes of the cluster secret */
 #define KVL_SECRET_MIN 16
 #define KVL_HANDSHAKE_BODY_MAX (4u << 20) /* HELLO_ACK's region table: 8192 x ~350 bytes */

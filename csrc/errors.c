@@ -55,6 +55,7 @@ const char *kvl_err_name(int err)
         [KVL_ERR_END] = "KVL_ERR_END",
         [KVL_ERR_DEADLINE] = "KVL_ERR_DEADLINE",
         [KVL_ERR_AUTH] = "KVL_ERR_AUTH",
+        [KVL_ERR_CANCELLED] = "KVL_ERR_CANCELLED",
     };
     if (err < 0 || (size_t)err >= sizeof names / sizeof names[0] || !names[err])
         return "KVL_ERR_UNKNOWN";

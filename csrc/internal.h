@@ -160,7 +160,8 @@ enum {
     KVL_CMD_PREPARE = 5,
     KVL_CMD_REMOVE_PEER = 6,   /* error: why */
     KVL_CMD_REGIONS = 7,       /* no peer: this agent's regions changed (movers re-map) */
-    KVL_CMD_ACCEPT = 8         /* no peer: a relayed connection arrived (kvl_engine_accept) */
+    KVL_CMD_ACCEPT = 8,        /* no peer: a relayed connection arrived (kvl_engine_accept) */
+    KVL_CMD_CANCEL = 9         /* xfer (a reference of the command's): fail it; error: why */
 };
 
 struct kvl_rx_xfer;

@@ -46,6 +46,21 @@ static void xfer_free(kvl_xfer *x)
     free(x);
 }
 
+kvl_err kvl_xfer_cancel(kvl_xfer *x, const char *why)
+{
+    if (!x)
+        return kvl_fail(KVL_ERR_INVALID_ARG, "cancel: no transfer");
+    kvl_cmd *cmd = calloc(1, sizeof *cmd);
+    if (!cmd)
+        return kvl_fail(KVL_ERR_NOMEM, "cancel: out of memory");
+    atomic_fetch_add(&x->refs, 1); /* the command's, released by the engine */
+    cmd->type = KVL_CMD_CANCEL;
+    cmd->xfer = x;
+    snprintf(cmd->error, sizeof cmd->error, "%s", why ? why : "");
+    kvl_engine_post(x->agent, cmd);
+    return KVL_OK;
+}
+
 void kvl_xfer_release(kvl_xfer *x)
 {
     if (x && atomic_fetch_sub(&x->refs, 1) == 1)

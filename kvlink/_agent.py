@@ -874,7 +874,8 @@ class Agent:
                             op, p, peer, src, dst, nbytes, src_offset, dst_offset
                         )
                     x = self._submit_native(a, p, peer, op, segs, tag, deadline_s)
-                    t = Transfer(x, op, peer, int(segs["len"].sum()), self._why_gone)
+                    t = Transfer(x, op, peer, int(segs["len"].sum()), self._why_gone,
+                                 self._using)
                 if self._metrics is not None:
                     self._metrics.track(t)  # once per transfer: nothing per chunk
                 return t

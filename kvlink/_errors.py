@@ -35,6 +35,7 @@ class ErrorCode(IntEnum):
     END = 18
     DEADLINE = 19
     AUTH = 20
+    CANCELLED = 21
 
 
 class KvlinkError(Exception):
@@ -208,6 +209,13 @@ class TransferAbortedError(TransferError):
     default_code = ErrorCode.CLOSED
 
 
+class TransferCancelledError(TransferError):
+    """The transfer was cancelled (``Transfer.cancel``, or the sender cancelled a push):
+    nothing it moved counts."""
+
+    default_code = ErrorCode.CANCELLED
+
+
 class RemoteRefusedError(TransferError, PermissionError):
     """The peer refused a chunk: its region went away, shrank or lost a right
     after this side validated the transfer."""
@@ -246,6 +254,7 @@ _TRANSFER: dict[ErrorCode, type[KvlinkError]] = {
     ErrorCode.ACCESS_DENIED: RemoteRefusedError,
     ErrorCode.UNKNOWN_REGION: RemoteRefusedError,
     ErrorCode.OUT_OF_BOUNDS: RemoteRefusedError,
+    ErrorCode.CANCELLED: TransferCancelledError,
 }
 
 

@@ -525,6 +525,12 @@ def xfer_next_event(
     return _next_event(lib.kvl_xfer_next_event, x, timeout_s, peer, transfer_id)
 
 
+def xfer_cancel(x: Handle, why: str) -> None:
+    """kvl_xfer_cancel: queued to the engine; a wait then ends once nothing reads or writes
+    the transfer's memory."""
+    check(lib.kvl_xfer_cancel(x, why.encode()[:150]))
+
+
 def xfer_info(x: Handle) -> TransferInfo:
     """kvl_xfer_info_get: a snapshot of a transfer."""
     out = ffi.new("kvl_xfer_info *")

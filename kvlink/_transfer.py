@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from . import _native
-from ._errors import ConnectionLostError, KvlinkError
+from ._errors import (
+    ArgumentTypeError,
+    ClosedError,
+    ConnectionLostError,
+    InvalidArgumentError,
+    KvlinkError,
+)
 from ._handle import NativeOps, ProgressHandle
 from ._types import ChunkEvent, Op, TransferInfo
 
@@ -23,9 +31,11 @@ class Transfer(ProgressHandle):
         peer: str,
         nbytes: int,
         why_gone: Callable[[str], str | None] | None = None,
+        using: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
     ) -> None:
         self._h = handle
         self._why_gone = why_gone
+        self._using = using  # the agent's: lends it for one call, ClosedError once closed
         self.op = op
         self.peer = peer
         self.nbytes = nbytes
@@ -64,6 +74,27 @@ class Transfer(ProgressHandle):
             exc.message = f"{exc.message} (discovery removed peer {self.peer!r}: {why})"
             exc.args = (exc.message,)
         return exc
+
+    def cancel(self, why: str = "") -> None:
+        """Fails the transfer with :class:`TransferCancelledError` (``why`` in its message)
+        unless it already finished, drops its queued chunks and, for a push, tells the peer at
+        once (its inbound handle fails; nothing it received counts). Does not wait: once
+        :meth:`wait` returns after this, no byte of the transfer's local memory is read or
+        written any more, so the memory may be reused. A no-op on a finished transfer or a
+        closed agent (closing failed it already).
+
+        Raises:
+            ArgumentTypeError: ``why`` is not a string.
+        """
+        if not isinstance(why, str):
+            raise ArgumentTypeError(f"why: expected a str, got {type(why).__name__}")
+        if self._using is None:
+            raise InvalidArgumentError("this transfer was not started by an agent")
+        try:
+            with self._using():
+                _native.xfer_cancel(self._h, why)
+        except ClosedError:
+            pass
 
     def wait(self, timeout_s: float | None = None) -> Transfer:
         """Blocks until every byte is verified at the destination.

@@ -48,7 +48,8 @@ typedef enum kvl_err {
     KVL_ERR_PROTOCOL = 17,       /* malformed frame */
     KVL_ERR_END = 18,            /* no more events: the transfer has finished */
     KVL_ERR_DEADLINE = 19,       /* the transfer's own deadline passed */
-    KVL_ERR_AUTH = 20            /* the peer failed, refused or skipped authentication */
+    KVL_ERR_AUTH = 20,           /* the peer failed, refused or skipped authentication */
+    KVL_ERR_CANCELLED = 21       /* the transfer was cancelled (kvl_xfer_cancel) */
 } kvl_err;
 
 typedef enum kvl_op {
@@ -546,6 +547,17 @@ kvl_err kvl_xfer_next_event(kvl_xfer *x, uint32_t timeout_ms,
 
 /* Snapshot of progress and error.  Thread-safe, does not block. */
 kvl_err kvl_xfer_info_get(kvl_xfer *x, kvl_xfer_info *out);
+
+/* Cancels a running transfer: it fails with KVL_ERR_CANCELLED and why (NULL:
+ * none; the first 150 bytes are kept), the copies of its chunks still queued
+ * are dropped, and a push's receiver is told at once (its handle fails: its
+ * destination never counts as received).  Once kvl_xfer_wait returns after
+ * this, no byte of the transfer's local memory is read or written any more:
+ * the memory may then be reused.  A finished transfer keeps its outcome
+ * (KVL_OK is returned all the same).  Queued to the engine; does not wait
+ * (kvl_xfer_wait does).  The agent must still be open (closing it fails
+ * every running transfer anyway).  Thread-safe. */
+kvl_err kvl_xfer_cancel(kvl_xfer *x, const char *why);
 
 /* Drops the caller's reference; the transfer goes on if still running.
  * x must not be used afterwards.  Thread-safe. */

@@ -5,7 +5,9 @@ Runs in the vLLM virtualenv: ``.venv-vllm/bin/python tests/vllm/engine_proc.py -
 each answer is one line on stdout starting with ``@@kvlink `` (vLLM's own logging goes to
 stderr). Requests:
 
-- ``{"op": "generate", "prompts": [[ids...], ...], "max_tokens": n, "params": [dict|null, ...]}``
+- ``{"op": "generate", "prompts": [[ids...], ...], "max_tokens": n, "params": [dict|null, ...],
+  "stop": [[ids...]|null, ...]}`` (``stop``: per prompt, token ids that end it before
+  ``max_tokens``, as EOS would)
   -> ``{"outputs": [{"tokens": [...], "finish": "length", "params": {...}, "ttft_s": ...}],
   "wall_s": ..., "t_end": ...}`` (t_end: time.monotonic() when generate() returned)
 - ``{"op": "pump", "seconds": s}``: step the engine (as a server's busy loop does) for s seconds
@@ -180,12 +182,14 @@ def main() -> None:
             if op == "generate":
                 prompts = [TokensPrompt(prompt_token_ids=p) for p in req["prompts"]]
                 params = req.get("params") or [None] * len(prompts)
+                stops = req.get("stop") or [None] * len(prompts)
                 sps = [
                     SamplingParams(
                         temperature=0.0, max_tokens=req.get("max_tokens", 8), ignore_eos=True,
                         extra_args={"kv_transfer_params": p} if p is not None else None,
+                        stop_token_ids=stop,
                     )
-                    for p in params
+                    for p, stop in zip(params, stops, strict=True)
                 ]
                 t = time.monotonic()
                 outs = llm.generate(prompts, sps, use_tqdm=False)

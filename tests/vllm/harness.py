@@ -313,9 +313,10 @@ class Instance:
 
     def generate(self, prompts: list[list[int]], max_tokens: int,
                  params: list[dict[str, Any] | None] | None = None,
-                 timeout_s: float = 120) -> list[dict[str, Any]]:
+                 timeout_s: float = 120, stop: list[list[int] | None] | None = None,
+                 ) -> list[dict[str, Any]]:
         ans = self.call({"op": "generate", "prompts": prompts, "max_tokens": max_tokens,
-                         "params": params}, timeout_s)
+                         "params": params, "stop": stop}, timeout_s)
         outputs: list[dict[str, Any]] = ans["outputs"]
         return outputs
 

@@ -54,10 +54,13 @@ def insts(
                                    "load_timeout_s": 1.0}, "recompute"),
         "Drecompute": ("kv_consumer", dec, "recompute"),
         "Dfail": ("kv_consumer", dec, "fail"),
+        # a cache of 40 blocks: a few prompts write every block again
+        "Psmall": ("kv_producer", {**common, "load_timeout_s": 10.0}, "recompute"),
     }
     instances = {
         name: harness.Instance(name, vllm_model, role=role, extra=extra, policy=policy,
-                               log_dir=log_dir)
+                               log_dir=log_dir,
+                               engine_args=["--num-blocks", "40"] if name == "Psmall" else None)
         for name, (role, extra, policy) in spec.items()
     }
     for lst in start(list(instances.values())):
@@ -336,6 +339,41 @@ def ghost_params(card: dict[str, Any], prompt: list[int]) -> dict[str, Any]:
     return {"do_remote_prefill": True, "remote_block_ids": list(range(1, 2 + len(prompt) // 32)),
             "kvlink": {"card": {**card, "agent": "vllm-ghost", "metadata": json.dumps(md)},
                        "tag": "kvl/ghost/x", "expires": time.time() + 60, "max_pull_s": 5.0}}
+
+
+def test_a_push_whose_request_stopped_early_never_reads_recycled_blocks(
+        insts: dict[str, harness.Instance]) -> None:
+    """Prefill's request ends on a stop token, so vLLM frees its blocks at once (no hold), and
+    decode's offer comes only after other prompts wrote every block of prefill's small cache
+    again. Before, the push then went out late from the recycled blocks and decode answered from
+    another prompt's KV (issue 32, item 1); now the request's push is fenced when vLLM frees
+    its blocks, decode's offer finds nothing to push and decode recomputes: the baseline's
+    tokens."""
+    p, d = insts["Psmall"], insts["Drecompute"]
+    prompts = prompts_of([250], 17)
+    want = [o["tokens"] for o in d.generate(prompts, MAX_TOKENS)]
+    pcard, dcard = p.call({"op": "card"})["card"], d.call({"op": "card"})["card"]
+    tid = f"stopped-{time.monotonic_ns()}"
+    before = counters(p)
+    pre = p.generate(prompts, 4, [{"do_remote_decode": True,
+                                   "kvlink_push": {"transfer_id": tid, "decode": dcard}}],
+                     stop=[[want[0][0]]])
+    assert pre[0]["finish"] == "stop" and pre[0]["params"] is None, pre
+    # every block of prefill's 40 written again (the second step also fences the push)
+    p.generate(prompts_of([600, 600], 18), 1)
+    p.generate(prompts_of([600], 19), 1)
+    d.send({"op": "generate", "prompts": prompts, "max_tokens": MAX_TOKENS, "params": [
+        {"do_remote_prefill": True, "kvlink_push": {"transfer_id": tid, "prefill": pcard}}]})
+    # decode's offer arrives while prefill serves other prompts: a late push would go out in
+    # their steps, from the blocks they are writing
+    time.sleep(1.0)
+    p.generate(prompts_of([600], 20), 1)
+    dec = d.recv(120)["outputs"]
+    after = counters(p)
+    assert after["layers_pushed"] == before["layers_pushed"], "a push read freed blocks"
+    assert [o["tokens"] for o in dec] == want
+    assert after["sends_fenced"] == before["sends_fenced"] + 1
+    assert_nothing_held(p)
 
 
 def test_churn_with_failures(insts: dict[str, harness.Instance]) -> None:

@@ -226,6 +226,10 @@ class KvlinkMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = dataclasses.field(default_factory=list)
     pushes: list[PushJob] = dataclasses.field(default_factory=list)
     holds: list[Hold] = dataclasses.field(default_factory=list)
+    # prefill: requests whose blocks vLLM freed without a Hold (a finish other than the length
+    # cap, an abort, a preemption): the worker fences their pushes before this step's forward
+    # pass, the first that can write into those blocks again
+    drops: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -462,6 +466,10 @@ class _SchedulerSide:
         self._bootstrap: BootstrapServer | None = None
         self._fetcher = CardFetcher(settings.connect_timeout_s)
         self._holds: list[Hold] = []
+        # req -> what its push job was, from the job until the request finished: a preempted
+        # request pushes again when its prompt is recomputed
+        self._pushed: dict[str, tuple[Request, str, list[proto.Card] | None]] = {}
+        self._drops: list[str] = []
         self.times = RequestTimes(self.tp_size)
 
     def set_handshake(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
@@ -617,14 +625,21 @@ class _SchedulerSide:
         params["do_remote_prefill"] = False
 
     def build_meta(self, so: SchedulerOutput, kv_cache_manager: Any) -> KvlinkMetadata:
-        meta = KvlinkMetadata(loads=list(self._loads.values()), holds=self._holds)
+        for req_id in getattr(so, "preempted_req_ids", None) or ():
+            job = self._pushed.pop(req_id, None)
+            if job is not None:  # its blocks are gone: fenced now, pushed again once recomputed
+                self._drops.append(req_id)
+                self._push[req_id] = job
+        meta = KvlinkMetadata(loads=list(self._loads.values()), holds=self._holds,
+                              drops=self._drops)
         self._loads = {}
         self._holds = []
+        self._drops = []
         self.times.scheduled(so.num_scheduled_tokens)
         for req_id, (request, tid, decode) in list(self._push.items()):
             n = so.num_scheduled_tokens.get(req_id, 0)
             if n and request.num_computed_tokens + n >= request.num_prompt_tokens:
-                del self._push[req_id]
+                self._pushed[req_id] = self._push.pop(req_id)
                 nblocks = math.ceil(request.num_prompt_tokens / self.block_size)
                 blocks = [g[:nblocks] for g in
                           self.groups.select(kv_cache_manager.get_block_ids(req_id))]
@@ -639,6 +654,7 @@ class _SchedulerSide:
 
         req_id = request.request_id
         self._push.pop(req_id, None)
+        pushed = self._pushed.pop(req_id, None) is not None
         self._loads.pop(req_id, None)
         self._local.pop(req_id, None)
         self._sources.pop(req_id, None)
@@ -652,6 +668,10 @@ class _SchedulerSide:
             log.error("request %s: this worker published no card; nothing to hand off", req_id)
             return False, None
         if request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not _nonzero(block_ids):
+            # vLLM frees the blocks now (EOS, a stop token or string, an abort): no push of
+            # theirs may read them once they are reused
+            if pushed:
+                self._drops.append(req_id)
             self.times.forget(req_id)
             return False, None
         tag = f"kvl/{self.engine_id}/{req_id}"
@@ -721,6 +741,10 @@ class ConnectorStats:
     layers_pushed: int = 0  # prefill: per-layer pushes started
     layers_pushed_late: int = 0  # ... of which after the forward pass (decode's offer was late)
     push_failures: int = 0  # prefill: pushes given up (blocks then wait for a pull or the lease)
+    # prefill: requests whose blocks vLLM freed before a hand-off (their pushes cancelled and
+    # waited for, no late one started), and the pushes so cancelled
+    sends_fenced: int = 0
+    pushes_fenced: int = 0
     fallbacks_sent: int = 0  # prefill: offers answered with "pull these blocks instead"
     pull_fallbacks: int = 0  # decode: push loads that became pulls on prefill's fallback
     source_down_failures: int = 0  # decode: loads failed early, prefill's paths all down
@@ -1033,7 +1057,10 @@ class _WorkerSide:
         }
 
     def begin_step(self, meta: KvlinkMetadata) -> None:
-        """This step's pushes (prefill) and finished requests to hold."""
+        """This step's pushes (prefill) and finished requests to hold; first, the pushes of
+        requests whose blocks vLLM freed are fenced (before the forward pass reuses them)."""
+        for req_id in meta.drops:
+            self._fence(req_id)
         now = time.monotonic()
         for push in meta.pushes:
             s = self._sends.setdefault(push.req_id, _Send(push.req_id, now + self.settings.lease_s))
@@ -1063,6 +1090,35 @@ class _WorkerSide:
                 except proto.ParamsError:
                     s.targets = None  # logged by the scheduler side's match on decode
             s.expires = now + self.settings.lease_s + self.settings.load_timeout_s
+
+    def _fence(self, req_id: str) -> None:
+        """Prefill: vLLM freed ``req_id``'s blocks without a hand-off (the request ended
+        before its length cap, was aborted or preempted). Every push still reading them is
+        cancelled and waited for (decode's handle fails: it recomputes or fails by its policy,
+        never uses what was sent), and no later offer starts one."""
+        s = self._sends.pop(req_id, None)
+        if s is None:
+            return
+        pushes = [t for tg in (s.targets or {}).values() for t in tg.pushes]
+        running = [t for t in pushes if not t.done]
+        why = "prefill's engine freed the request's blocks before handing them off"
+        for t in running:
+            t.cancel(why)
+        for t in running:
+            # a chunk half-written to a socket is finished first: a frozen decode holds it
+            # until the stall rule cuts the path (seconds), well inside load_timeout_s
+            with contextlib.suppress(kvlink.KvlinkError):  # it failed: what a fence asks
+                t.wait(timeout_s=self.settings.load_timeout_s)
+            if not t.done:
+                log.error("request %s: a push of its freed blocks did not stop within "
+                          "load_timeout_s=%s (transfer %d); decode's handle of it fails when "
+                          "it ends", req_id, self.settings.load_timeout_s, t.id)
+        self.stats.sends_fenced += 1
+        self.stats.pushes_fenced += len(running)
+        if s in self._step_pushes:
+            self._step_pushes.remove(s)
+        log.info("request %s ended without a hand-off; %d push(es) of its blocks fenced",
+                 req_id, len(running))
 
     def _sources(self, job: LoadJob) -> list[_Source]:
         """Decode: the prefill ranks this rank reads ``job``'s blocks from. Prefill ranks no

@@ -428,10 +428,14 @@ kvl_err kvl_peer_connect_routes(kvl_agent *a, const char *name, uint64_t instanc
     int old_listed = 0;
     for (kvl_peer *q = a->peers; old && q; q = q->next)
         old_listed |= q == old;
-    if (old_listed && retire)
+    if (old_listed && retire && !(flags & KVL_PEER_DEFER_RETIRE))
         unlink_and_retire(a, old, retire, "replaced by a newer connection of the same name");
-    else if (old_listed)
-        old->replaced = 1; /* out of memory to retire it: it stays until close */
+    else if (old_listed) /* kvl_peer_retire_replaced's, or out of memory: it stays until close */
+        old->replaced = 1;
+    if (flags & KVL_PEER_DEFER_RETIRE) {
+        free(retire);
+        retire = NULL;
+    }
     p->next = a->peers;
     a->peers = p;
     pthread_mutex_unlock(&a->mu);
@@ -450,6 +454,30 @@ kvl_err kvl_peer_connect_routes(kvl_agent *a, const char *name, uint64_t instanc
     pthread_mutex_unlock(&p->mu);
     *out = p;
     return KVL_OK;
+}
+
+kvl_err kvl_peer_retire_replaced(kvl_agent *a)
+{
+    kvl_clear_error();
+    if (!a)
+        return kvl_fail(KVL_ERR_INVALID_ARG, "retire_replaced: NULL agent");
+    for (;;) {
+        kvl_cmd *retire = calloc(1, sizeof *retire);
+        if (!retire)
+            return kvl_fail(KVL_ERR_NOMEM, "retire_replaced: out of memory");
+        pthread_mutex_lock(&a->mu);
+        kvl_peer *old = a->peers;
+        while (old && !old->replaced)
+            old = old->next;
+        if (old)
+            unlink_and_retire(a, old, retire, "replaced by a newer connection of the same name");
+        pthread_mutex_unlock(&a->mu);
+        if (!old) {
+            free(retire);
+            return KVL_OK;
+        }
+        kvl_engine_post(a, retire);
+    }
 }
 
 kvl_err kvl_peer_send_prepare(kvl_peer *p, const void *tag, size_t len)

@@ -124,8 +124,7 @@ class Agent:
         self._relay_addrs = relay_addrs or [h for h, _ in self.addresses]
         self._relays: dict[str, dict[str, Any]] = {}
         self._discovered_relays: set[str] = set()
-        # its own lock: add_peer of a known peer plans routes inside _alone(), which holds
-        # self._lock
+        # its own lock: add_peer plans routes while other calls run (self._lock is not held)
         self._relay_lock = threading.Lock()
         self._peer_md: dict[str, tuple[int, tuple[tuple[str, int], ...]]] = {}
         self._discover_lock = threading.Lock()
@@ -443,28 +442,36 @@ class Agent:
                 p = self._connect(a, md)
                 self._take_keys(p, md)
         if known:
-            # a restarted agent of that name replaces the old peer, which is
-            # then freed: no other call may hold the old one meanwhile
-            with self._alone() as a:
-                p = self._connect(a, md)
-                self._take_keys(p, md)
+            # A restarted agent of that name replaces the old peer. Connecting takes up to
+            # connect_timeout_s a path, so it runs beside every other call (the old peer is
+            # only hidden meanwhile); freeing the old one needs no other call holding it:
+            # that part alone keeps them out, and it is short.
+            try:
+                with self._using() as a:
+                    p = self._connect(a, md, defer_retire=True)
+                    self._take_keys(p, md)
+            finally:
+                with self._alone() as a:
+                    _native.peer_retire_replaced(a)
         with self._lock:
             self._peer_md[md["name"]] = (md["instance"], tuple(md["addrs"]))
         return str(md["name"])
 
-    def _connect(self, a: Any, md: dict[str, Any]) -> Any:
+    def _connect(self, a: Any, md: dict[str, Any], defer_retire: bool = False) -> Any:
         """The peer of metadata ``md``, connected: directly on every path, and through every
-        relay this agent knows that reaches it (docs/relays.md)."""
+        relay this agent knows that reaches it (docs/relays.md). ``defer_retire``: a peer of
+        that name it replaces waits for ``_native.peer_retire_replaced``."""
         with self._relay_lock:
             relays = list(self._relays.values())
         local = [h for h, _ in self.addresses]
         hosts, routes = _relays.plan_routes(local, md, relays, self.name)
         if not any(r.via for r in routes):
             return _native.peer_connect(
-                a, md["name"], md["instance"], md["addrs"], self._same_host(md)
+                a, md["name"], md["instance"], md["addrs"], self._same_host(md), defer_retire
             )
         return _native.peer_connect_routes(
-            a, md["name"], md["instance"], hosts, routes, md["e2e"], self._same_host(md)
+            a, md["name"], md["instance"], hosts, routes, md["e2e"], self._same_host(md),
+            defer_retire,
         )
 
     def add_relay(self, metadata: bytes | str | dict[str, Any]) -> str:

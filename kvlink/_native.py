@@ -284,12 +284,19 @@ def buffer_address(obj: Any) -> tuple[int, Any]:
 # ---- peers -------------------------------------------------------------------
 
 
+def _peer_flags(same_host: bool, defer_retire: bool) -> int:
+    return (lib.KVL_PEER_SAME_HOST if same_host else 0) | (
+        lib.KVL_PEER_DEFER_RETIRE if defer_retire else 0)
+
+
 def peer_connect(
-    a: Handle, name: str, instance: int, addrs: Sequence[tuple[str, int]], same_host: bool = False
+    a: Handle, name: str, instance: int, addrs: Sequence[tuple[str, int]], same_host: bool = False,
+    defer_retire: bool = False,
 ) -> Handle:
     """kvl_peer_connect: the peer, connected (blocks up to connect_timeout per connection).
     ``same_host``: another process on this host that takes same-host copies
-    (KVL_PEER_SAME_HOST: docs/ucx.md, "Same-host peers").
+    (KVL_PEER_SAME_HOST: docs/ucx.md, "Same-host peers"); ``defer_retire``: a peer of that
+    name it replaces waits for :func:`peer_retire_replaced` (KVL_PEER_DEFER_RETIRE).
 
     Raises:
         PeerUnreachableError, HandshakeError, DuplicateNameError: as the C core says.
@@ -298,7 +305,7 @@ def peer_connect(
     harr = ffi.new("const char *[]", hosts)
     parr = ffi.new("uint16_t[]", [p for _, p in addrs])
     out = ffi.new("kvl_peer **")
-    flags = lib.KVL_PEER_SAME_HOST if same_host else 0
+    flags = _peer_flags(same_host, defer_retire)
     check(
         lib.kvl_peer_connect(a, name.encode(), instance, harr, parr, len(addrs), flags, out),
         peer=name,
@@ -314,6 +321,7 @@ def peer_connect_routes(
     routes: Sequence[tuple[int, int, str, int, str]],
     e2e: bytes | None,
     same_host: bool = False,
+    defer_retire: bool = False,
 ) -> Handle:
     """kvl_peer_connect_routes: the peer, connected over the data paths ``routes`` spell
     out, each (local address index, index into ``hosts``, relay address or "", relay port,
@@ -333,7 +341,7 @@ def peer_connect_routes(
         r.via_port = via_port
         r.via_name = via_name.encode()
     out = ffi.new("kvl_peer **")
-    flags = lib.KVL_PEER_SAME_HOST if same_host else 0
+    flags = _peer_flags(same_host, defer_retire)
     key = ffi.new("uint8_t[]", e2e) if e2e else ffi.NULL
     check(
         lib.kvl_peer_connect_routes(
@@ -343,6 +351,12 @@ def peer_connect_routes(
         peer=name,
     )
     return out[0]
+
+
+def peer_retire_replaced(a: Handle) -> None:
+    """kvl_peer_retire_replaced: the peers replaced under ``defer_retire`` are retired (no
+    other call may hold one: the caller serialises)."""
+    check(lib.kvl_peer_retire_replaced(a))
 
 
 def relay_info(a: Handle) -> dict[str, Any]:

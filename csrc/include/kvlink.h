@@ -470,8 +470,18 @@ kvl_err kvl_agent_relay_info(kvl_agent *agent, kvl_relay_info *out);
  * host, in the same PID and network namespace, that takes same-host copies
  * and whose memory this process may read (the caller compared the metadata's
  * host id and pid, and asked kvl_cma_allowed): unless transport is TCP its
- * data connections copy process to process. */
-enum { KVL_PEER_SAME_HOST = 1u };
+ * data connections copy process to process.  DEFER_RETIRE: a peer this call
+ * replaces is only hidden (lookups no longer find it; calls holding it see
+ * its paths down) and stays allocated until kvl_peer_retire_replaced, so the
+ * caller need not keep every other call out while it connects, only while it
+ * retires. */
+enum { KVL_PEER_SAME_HOST = 1u, KVL_PEER_DEFER_RETIRE = 2u };
+
+/* Retires the peers kvl_peer_connect replaced under KVL_PEER_DEFER_RETIRE:
+ * their transfers fail, they are freed (like kvl_peer_remove: the caller
+ * serialises this with other calls that may hold one of them).  Does not
+ * block.  Thread-safe against the engine. */
+kvl_err kvl_peer_retire_replaced(kvl_agent *agent);
 
 /* 0 if this process may copy from process pid's memory (process_vm_readv:
  * what a same-host path's receiver does), else the errno that forbids it

@@ -177,3 +177,67 @@ def test_prepare_waits_for_paths_to_come_back(make_agent):
         assert not t.is_alive() and len(got) == 1 and isinstance(got[0], kvlink.ClosedError)
     finally:
         proxy.close()
+
+
+def test_a_slow_add_peer_of_a_restarted_peer_stalls_no_other_call(make_agent):
+    """add_peer of a known name (a restarted peer) connects while every other call of the
+    agent goes on: before, it held the agent's lock for its whole connect (up to
+    connect_timeout_s a path) and a push to a healthy peer waited all that time (issue 32,
+    item 3)."""
+    import json
+    import socket
+
+    tx = make_agent("tx", connect_timeout_s=3.0)
+    c = make_agent("c")
+    dst = np.zeros(MiB, np.uint8)
+    c.register(dst, remote_write=True, name="kv")
+    tx.add_peer(c.metadata())
+    src = np.full(MiB, 7, np.uint8)
+    tx.register(src)
+    old = make_agent("rx")
+    md = json.loads(old.metadata())
+    tx.add_peer(old.metadata())
+    old.close()
+    wait_paths(tx, "rx", lambda ps: ps and all(p.state == kvlink.PathState.DOWN for p in ps))
+    # "rx" restarted as a process that takes connections and never answers
+    silent = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    arrived = threading.Event()
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = silent.accept()
+            except OSError:
+                return
+            held.append(conn)
+            arrived.set()
+
+    acceptor = threading.Thread(target=accept, daemon=True)
+    acceptor.start()
+    md.update(instance=f"{0x5eed:016x}", addrs=[["127.0.0.1", silent.getsockname()[1]]])
+    failed: list[BaseException] = []
+
+    def add() -> None:
+        try:
+            tx.add_peer(md)
+        except kvlink.KvlinkError as exc:
+            failed.append(exc)
+
+    adder = threading.Thread(target=add)
+    try:
+        adder.start()
+        assert arrived.wait(timeout=10), "add_peer never reached the restarted peer"
+        tx.push("c", src=src, dst="kv").wait(timeout_s=30)
+        assert adder.is_alive(), "the push waited for the add_peer"
+        assert np.array_equal(dst, src)
+        adder.join(timeout=30)
+        assert not adder.is_alive()
+        assert failed and isinstance(failed[0], (kvlink.PeerUnreachableError,
+                                                 kvlink.HandshakeError)), failed
+        tx.push("c", src=src, dst="kv").wait(timeout_s=30)  # and the agent works on
+    finally:
+        silent.close()
+        for conn in held:
+            conn.close()
+        adder.join(timeout=30)

@@ -10,7 +10,7 @@ WERROR := KVLINK_WERROR=1
 # Each phase of `make test` says how long it took (seconds) in this file, one line a phase.
 TIMES  := .make-test-times
 
-.PHONY: vllm-venv sglang-venv wheel wheel-venv test-install all build demo sysdeps test test-c test-py lint bench fuzz hostile clean
+.PHONY: vllm-venv sglang-venv wheel wheel-venv test-install all build demo sysdeps test test-c test-py test-engines test-core lint bench fuzz hostile clean
 
 all: build
 
@@ -51,22 +51,28 @@ sysdeps:
 	@$(PYTHON) tests/sysdeps.py
 
 # pytest in two lanes side by side, each its own pytest session (its own etcd, vLLM zygote and
-# engines): the vLLM suite, and the others (their engines are mostly waiting on each other, so
-# two lanes fill both cores). The second lane's output is kept in $(LANE_LOG) and shown once both
-# are done; either lane's failure fails. `make test-py LANES=1` runs one session instead.
-LANE_A := tests/vllm
-LANE_B := tests/unit tests/install tests/integration tests/testbed tests/sglang
+# engines): the suites that run real engines (vLLM, SGLang) and the installed wheel, and the core
+# suites (in-process agents, the testbed). test-py runs both and shows the second's output
+# (kept in $(LANE_LOG)) once both are done; `make test-py LANES=1` runs one session instead.
+LANE_A := tests/vllm tests/sglang tests/install
+LANE_B := tests/unit tests/integration tests/testbed
 LANE_LOG := .make-test-lane-b.log
 LANES ?= 2
+test-engines: sysdeps build vllm-venv sglang-venv wheel-venv
+	$(PY) -m pytest --durations=25 $(LANE_A)
+
+test-core: sysdeps build
+	$(PY) -m pytest --durations=25 $(LANE_B)
+
 test-py: sysdeps build vllm-venv sglang-venv wheel-venv
 	@if [ "$(LANES)" = 1 ]; then exec $(PY) -m pytest --durations=40; fi; \
 	rm -f $(LANE_LOG); \
-	$(PY) -m pytest --durations=25 $(LANE_B) > $(LANE_LOG) 2>&1 & b=$$!; \
+	$(MAKE) --no-print-directory test-core > $(LANE_LOG) 2>&1 & b=$$!; \
 	trap 'kill $$b 2>/dev/null' INT TERM; \
-	$(PY) -m pytest --durations=25 $(LANE_A); a=$$?; \
+	nice -n 10 $(MAKE) --no-print-directory test-engines; a=$$?; \
 	wait $$b; rb=$$?; \
 	echo "== the other lane: $(LANE_B) (log: $(LANE_LOG))"; cat $(LANE_LOG); \
-	echo "== lanes: $(LANE_A) exit $$a; the others exit $$rb"; \
+	echo "== lanes: $(LANE_A) exit $$a; $(LANE_B) exit $$rb"; \
 	[ $$a -eq 0 ] && [ $$rb -eq 0 ]
 
 lint: build
@@ -75,22 +81,28 @@ lint: build
 
 # Each phase timed into $(TIMES); pytest adds one line per suite (tests/conftest.py), and
 # tests/phase_times.py prints the table at the end. Every phase runs (a phase's failure does not
-# hide the others'); make test fails if any did. The wheel, the engines' venvs (pip: mostly
-# waiting on downloads and disks, and niced) and lint run beside the C tests (CPU-bound), their
-# output kept in $(SIDE_LOG) and shown when they are done.
+# hide the others'); make test fails if any did. Two lanes side by side after the set-up: the
+# C tests, then the core suites (in-process agents: they need only the set-up); and the wheel,
+# the engines' venvs (pip: mostly waiting on downloads and disks, niced) and lint, then the
+# suites that run real engines and the installed wheel. The second lane's output is kept in
+# $(SIDE_LOG) and shown once both are done. The engines run niced: the core suites' stall rules
+# (a receiver silent for ~700 ms) must not read a starved process as a stalled path.
 SIDE_LOG := .make-test-side.log
 test:
 	@rm -f $(TIMES) $(SIDE_LOG); fail=0; \
 	run() { label=$$1; shift; $(PYTHON) tests/phase_times.py run $(TIMES) "$$label" -- "$$@" || fail=1; }; \
 	$(PYTHON) tests/phase_times.py start $(TIMES); \
 	run "set-up: venv, C core build" $(MAKE) sysdeps build; \
-	( run "sdist, wheel, plain venv (beside)" $(MAKE) wheel-venv; \
-	  run "vLLM and SGLang venvs (beside)" $(MAKE) -j2 vllm-venv sglang-venv; \
-	  run "lint: ruff, mypy (beside)" $(MAKE) lint; exit $$fail ) > $(SIDE_LOG) 2>&1 & side=$$!; \
-	run "C tests (ASan/UBSan, TSan)" $(MAKE) test-c; \
-	echo "== waiting for the wheel, the engines' venvs and lint (log: $(SIDE_LOG))"; \
+	export KVLINK_PHASE_TIMES=$(CURDIR)/$(TIMES); \
+	( run "sdist, wheel, plain venv (lane 2)" $(MAKE) wheel-venv; \
+	  run "vLLM and SGLang venvs (lane 2)" $(MAKE) -j2 vllm-venv sglang-venv; \
+	  run "lint: ruff, mypy (lane 2)" $(MAKE) lint; \
+	  run "pytest: $(LANE_A) (lane 2)" nice -n 10 $(MAKE) test-engines; exit $$fail ) > $(SIDE_LOG) 2>&1 & side=$$!; \
+	trap 'kill $$side 2>/dev/null' INT TERM; \
+	run "C tests: ASan/UBSan, TSan (lane 1)" $(MAKE) test-c; \
+	run "pytest: $(LANE_B) (lane 1)" $(MAKE) test-core; \
+	echo "== waiting for lane 2: the wheel, the engines' venvs, lint, $(LANE_A) (log: $(SIDE_LOG))"; \
 	wait $$side || fail=1; cat $(SIDE_LOG); \
-	export KVLINK_PHASE_TIMES=$(CURDIR)/$(TIMES); run "pytest (all suites)" $(MAKE) test-py; \
 	$(PYTHON) tests/phase_times.py report $(TIMES); \
 	exit $$fail
 

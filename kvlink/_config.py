@@ -40,7 +40,7 @@ _FAULT_SPEC_MAX = 127  # bytes: kvl_config.fault_spec
 OTHER_ENV_VARS = frozenset({
     "KVLINK_REQUIRE_ALL", "KVLINK_PEERS_DIR", "KVLINK_SECRET_FILE",
     "KVLINK_WERROR", "KVLINK_BUILD_UCX", "KVLINK_BUILD_URING",  # kvlink/_ffi_build.py
-    "KVLINK_PHASE_TIMES", "KVLINK_TEST_MLA_BF16",  # make test's phase table, tests/vllm
+    "KVLINK_PHASE_TIMES", "KVLINK_TEST_MLA_BF16", "KVLINK_TEST_ZYGOTE",  # make test, tests/vllm
 })
 
 _TRUE = ("1", "true", "yes", "on")

@@ -10,7 +10,8 @@ one child: a JSON line ``{"args": [...], "env": {...}, "cwd": DIR, "nice": n}`` 
 engine_proc.py's command line) sent with three
 descriptors (the child's stdin, stdout and stderr) and is answered ``{"pid": n}``, then
 ``{"exit": code}`` (subprocess's convention: -N for signal N) when the child ends. The zygote
-stays single-threaded (it forks), and each child dies with it (PR_SET_PDEATHSIG).
+stays single-threaded (it forks), ends when the process that started it does, and each child
+dies with it (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def send(conn: socket.socket, obj: dict[str, object]) -> None:
 
 def serve(path: str) -> tuple[Job, list[int]] | None:
     """The zygote's loop: returns in each forked child (with its job and descriptors), and
-    None in the zygote once its listener is gone."""
+    None in the zygote once the process that started it is gone."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
@@ -105,8 +106,9 @@ def serve(path: str) -> tuple[Job, list[int]] | None:
     sel.register(listener, selectors.EVENT_READ)
     children: dict[int, socket.socket] = {}
     print("ready", flush=True)
+    parent = os.getppid()
     try:
-        while True:
+        while os.getppid() == parent:  # a harness that died (even by SIGKILL) ends the zygote
             for key, _ in sel.select(timeout=0.2):
                 if key.fileobj is not listener:
                     continue

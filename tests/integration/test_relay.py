@@ -336,6 +336,44 @@ def test_the_relay_forwards_only_for_members_and_only_to_its_networks(make_agent
     assert r.relay_stats()["refused"] >= 3
 
 
+def test_the_relay_writes_nothing_to_a_service_that_does_not_greet_as_kvlink(make_agent):
+    """A member opens a relayed connection to a line server (a Redis, memcached or SMTP
+    neighbour) and sends the sealed magic followed by commands: the relay waits for the
+    target's magic, which never comes, so the line server receives not one byte, and the
+    relay cuts the pair after connect_timeout (issue 38, item 2: before, it forwarded
+    everything after the client's magic)."""
+    r = make_agent("r", nics="127.0.0.3", secret=SECRET, relay=True, accept_relayed=False,
+                   connect_timeout_s=1.0)
+    port = json.loads(r.metadata())["relay"][0][1]
+    listener = socket.create_server(("127.0.0.2", 0))
+    got: list[bytes] = []
+
+    def line_server() -> None:
+        with contextlib.suppress(OSError):
+            c, _ = listener.accept()
+            with c:
+                c.settimeout(10)
+                while data := c.recv(4096):
+                    got.append(data)
+
+    server = threading.Thread(target=line_server, daemon=True)
+    server.start()
+    with listener, socket.create_connection(("127.0.0.3", port), timeout=5) as s:
+        hello = _recv(s, 20)
+        target = ("127.0.0.2", listener.getsockname()[1])
+        body = b"KVRQ" + socket.inet_aton(target[0]) + struct.pack(">H", target[1]) + b"\x04test"
+        mac = hmac.new(SECRET.encode(), b"kvlink relay request" + hello[4:] + body,
+                       hashlib.sha256).digest()  # fmt: skip
+        s.sendall(body + mac)
+        assert _recv(s, 2) == b"\0\0", "the relay did not connect to the line server"
+        s.sendall(b"KVE1\r\nFLUSHALL\r\nSET owned 1\r\n")
+        s.settimeout(10)
+        with contextlib.suppress(ConnectionResetError):  # cut abortively: the same answer
+            assert s.recv(100) == b"", "the relay answered for a target that never greeted"
+        server.join(timeout=10)
+    assert got == [], f"the relay wrote a member's bytes to a non-kvlink service: {got}"
+
+
 # ---- planning routes (pure) --------------------------------------------------------------
 
 

@@ -91,6 +91,7 @@ typedef struct fwd_pair {
     uint32_t src;
     int nic_in, nic_out;
     fwd_dir ct, tc;            /* client -> target, target -> client */
+    uint64_t open_by_ns;       /* both directions showed the magic by then, or it is cut */
     uint64_t tcp_c, tcp_t;     /* the last sample of each socket's TCP bytes both ways */
     int dead;                  /* freed this batch: its memory goes at the batch's end */
     struct fwd_pair *next, **pprev;
@@ -470,6 +471,7 @@ static void on_pend_target(kvl_forwarder *f, fwd_pend *p)
     q->src = p->src;
     q->nic_in = p->nic_in;
     q->nic_out = p->nic_out;
+    q->open_by_ns = kvl_now_ns() + (uint64_t)f->a->cfg.connect_timeout_ms * 1000000ull;
     q->tcp_c = tcp_bytes(q->cfd); /* the request and answer were not forwarded bytes */
     q->tcp_t = tcp_bytes(q->tfd);
     q->wc = (fwd_watch){W_PAIR, q};
@@ -495,8 +497,9 @@ static void on_pend_target(kvl_forwarder *f, fwd_pend *p)
 /* ---- forwarding ---- */
 
 /* Moves what src has into dst through d's pipe; -1 when the pair must end
- * abortively (an error), 0 otherwise. */
-static int pump(kvl_forwarder *f, fwd_dir *d, int src, int dst)
+ * abortively (an error), 0 otherwise.  gate 0: nothing moves yet (the
+ * client's bytes wait until the target showed the magic). */
+static int pump(kvl_forwarder *f, fwd_dir *d, int src, int dst, int gate)
 {
     if (!d->opened) {
         /* both ends of a relayed connection start with the sealed protocol's
@@ -512,6 +515,8 @@ static int pump(kvl_forwarder *f, fwd_dir *d, int src, int dst)
             return -1;
         d->opened = 1;
     }
+    if (!gate)
+        return 0; /* checked, held back: it moves once the other side opened */
     for (;;) {
         int moved = 0;
         if (!d->eof && d->held < KVL_RELAY_PIPE) {
@@ -551,7 +556,13 @@ static int pump(kvl_forwarder *f, fwd_dir *d, int src, int dst)
 
 static void on_pair(kvl_forwarder *f, fwd_pair *q)
 {
-    if (pump(f, &q->ct, q->cfd, q->tfd) != 0 || pump(f, &q->tc, q->tfd, q->cfd) != 0) {
+    /* The target speaks first (the sealed port greets with the magic): not one
+     * byte of the client's reaches it before that, so a member cannot make the
+     * relay write to a neighbour's service that is not kvlink's (relay.h).
+     * The target's direction goes first: its opening lets the client's through
+     * in the same event. */
+    if (pump(f, &q->tc, q->tfd, q->cfd, 1) != 0 ||
+        pump(f, &q->ct, q->cfd, q->tfd, q->tc.opened) != 0) {
         pair_free(f, q, 1);
         return;
     }
@@ -665,6 +676,12 @@ static void expire(kvl_forwarder *f, uint64_t now)
             else
                 pend_free(f, p);
         }
+    }
+    /* a target that never greets (a silent service), or a client that never answers it */
+    for (fwd_pair *q = f->pairs, *nx; q; q = nx) {
+        nx = q->next;
+        if (!(q->ct.opened && q->tc.opened) && now >= q->open_by_ns)
+            pair_free(f, q, 1);
     }
 }
 

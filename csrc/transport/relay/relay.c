@@ -200,8 +200,19 @@ static kvl_err relay_connect(kvl_agent *a, const char *local, const char *via,
                         "relay %s:%u refused to forward to %s:%u: %s", via, via_port, host,
                         port, msg[0] ? msg : "no reason given");
     }
-    /* end to end, through the relay */
+    /* end to end, through the relay: the peer's sealed port greets first (its
+     * magic and nonce), then ours, its proof, ours (relay.h) */
     uint8_t na[4 + KVL_RELAY_NONCE], ans[4 + KVL_RELAY_NONCE + KVL_SHA256_BYTES];
+    stage = "the peer's greeting";
+    if (kvl_relay_recv(fd, ans, 4 + KVL_RELAY_NONCE, deadline, NULL) != 0)
+        goto io_fail;
+    if (memcmp(ans, KVL_E2E_MAGIC, 4) != 0) {
+        close(fd);
+        return kvl_fail(KVL_ERR_HANDSHAKE,
+                        "%s:%u through relay %s:%u did not greet as a kvlink agent's sealed "
+                        "port (an older kvlink, or not kvlink)",
+                        host, port, via, via_port);
+    }
     memcpy(na, KVL_E2E_MAGIC, 4);
     if (getrandom(na + 4, KVL_RELAY_NONCE, 0) != KVL_RELAY_NONCE) {
         close(fd);
@@ -209,12 +220,11 @@ static kvl_err relay_connect(kvl_agent *a, const char *local, const char *via,
     }
     stage = "the peer's key proof";
     if (kvl_relay_send(fd, na, sizeof na, deadline) != 0 ||
-        kvl_relay_recv(fd, ans, sizeof ans, deadline, NULL) != 0)
+        kvl_relay_recv(fd, ans + 4 + KVL_RELAY_NONCE, KVL_SHA256_BYTES, deadline, NULL) != 0)
         goto io_fail;
     uint8_t want[KVL_SHA256_BYTES];
     mac(key, key_len, "kvlink e2e server", na + 4, ans + 4, want);
-    if (memcmp(ans, KVL_E2E_MAGIC, 4) != 0 ||
-        !kvl_ct_equal(want, ans + 4 + KVL_RELAY_NONCE, sizeof want)) {
+    if (!kvl_ct_equal(want, ans + 4 + KVL_RELAY_NONCE, sizeof want)) {
         close(fd);
         return kvl_fail(KVL_ERR_AUTH,
                         "%s:%u through relay %s:%u did not prove it holds the end-to-end key "
@@ -279,15 +289,18 @@ static void *sealed_main(void *arg)
         inet_ntop(AF_INET, &pa.sin_addr, ip, sizeof ip))
         snprintf(src, sizeof src, "%s:%u", ip, ntohs(pa.sin_port));
     kvl_relay_tune(fd); /* keep-alives and a user timeout: a vanished relay ends it */
-    if (kvl_relay_recv(fd, na, sizeof na, deadline, &s->stop) != 0 ||
-        memcmp(na, KVL_E2E_MAGIC, 4) != 0)
-        goto drop;
+    /* we greet first: a relay passes the client's bytes on only after it saw
+     * our magic (relay.h), so the client's hello follows our greeting */
     memcpy(ans, KVL_E2E_MAGIC, 4);
     if (getrandom(ans + 4, KVL_RELAY_NONCE, 0) != KVL_RELAY_NONCE)
         goto drop;
+    if (kvl_relay_send(fd, ans, 4 + KVL_RELAY_NONCE, deadline) != 0 ||
+        kvl_relay_recv(fd, na, sizeof na, deadline, &s->stop) != 0 ||
+        memcmp(na, KVL_E2E_MAGIC, 4) != 0)
+        goto drop;
     mac(s->e2e, sizeof s->e2e, "kvlink e2e server", na + 4, ans + 4,
         ans + 4 + KVL_RELAY_NONCE);
-    if (kvl_relay_send(fd, ans, sizeof ans, deadline) != 0 ||
+    if (kvl_relay_send(fd, ans + 4 + KVL_RELAY_NONCE, KVL_SHA256_BYTES, deadline) != 0 ||
         kvl_relay_recv(fd, proof, sizeof proof, deadline, &s->stop) != 0)
         goto drop;
     mac(s->e2e, sizeof s->e2e, "kvlink e2e client", na + 4, ans + 4, want);

@@ -15,10 +15,15 @@
  *                      before mac); zeros when the relay runs without a secret
  *  relay -> initiator  status[1] msg_len[1] msg      (status 0: forwarding from now on)
  * then, end to end through the relay, under the listener's e2e key K (its metadata):
+ *  listener -> initiator  "KVE1" nonce_b[16]          (the sealed port greets first)
  *  initiator -> listener  "KVE1" nonce_a[16]
- *  listener -> initiator  "KVE1" nonce_b[16] HMAC(K, "kvlink e2e server" | nonce_a | nonce_b)
+ *  listener -> initiator  HMAC(K, "kvlink e2e server" | nonce_a | nonce_b)
  *  initiator -> listener  HMAC(K, "kvlink e2e client" | nonce_a | nonce_b)
- * and sealed records both ways (tunnel.c). */
+ * and sealed records both ways (tunnel.c).  The relay forwards nothing of the
+ * initiator's until the target's first bytes were "KVE1" and the initiator's
+ * are too (forward.c), and cuts a pair that has not shown both within
+ * connect_timeout: what reaches a neighbour's service that is not a kvlink
+ * sealed port is nothing at all. */
 #define KVL_E2E_KEY 32
 #define KVL_RELAY_MAGIC "KVR1"
 #define KVL_RELAY_REQ "KVRQ"

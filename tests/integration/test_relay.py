@@ -336,6 +336,33 @@ def test_the_relay_forwards_only_for_members_and_only_to_its_networks(make_agent
     assert r.relay_stats()["refused"] >= 3
 
 
+def test_silent_strangers_on_the_sealed_port_lock_no_relayed_path_out(make_agent):
+    """40 silent connections from one address on the receiver's sealed port, held open (each
+    key exchange may wait connect_timeout_s = 30 s for its first byte): the relayed path of a
+    holder of the key still comes up, evicting the oldest silent exchange, long before any of
+    them would time out (issue 38, item 1: before, 32 of them kept every relayed path out)."""
+    r = make_agent("r", nics="127.0.0.3", secret=SECRET, relay=True, accept_relayed=False)
+    b = make_agent("b", nics="127.0.0.2", secret=SECRET, connect_timeout_s=30.0)
+    a = make_agent("a", nics="127.0.0.1", secret=SECRET, connect_timeout_s=30.0)
+    a.add_relay(r.metadata())
+    sealed = ("127.0.0.2", json.loads(b.metadata())["sealed"][0][1])
+    silent = [socket.create_connection(sealed, timeout=5) for _ in range(40)]
+    try:
+        a.add_peer(b.metadata())
+        wait_paths(a, "b", lambda ps: any(p.relay and p.state.name == "UP" for p in ps), 20)
+        cut = 0
+        for s in silent:  # the evicted ones were shut down, not left to their deadline
+            s.settimeout(0.5)
+            with contextlib.suppress(OSError):
+                while s.recv(4096):
+                    pass
+                cut += 1
+        assert cut >= 8, f"only {cut} of 40 silent exchanges were evicted"
+    finally:
+        for s in silent:
+            s.close()
+
+
 def test_the_relay_writes_nothing_to_a_service_that_does_not_greet_as_kvlink(make_agent):
     """A member opens a relayed connection to a line server (a Redis, memcached or SMTP
     neighbour) and sends the sealed magic followed by commands: the relay waits for the

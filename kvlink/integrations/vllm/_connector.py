@@ -1115,6 +1115,8 @@ class _WorkerSide:
                           "it ends", req_id, self.settings.load_timeout_s, t.id)
         self.stats.sends_fenced += 1
         self.stats.pushes_fenced += len(running)
+        self._interval.add("sends_fenced", 1)
+        self._interval.add("pushes_fenced", len(running))
         if s in self._step_pushes:
             self._step_pushes.remove(s)
         log.info("request %s ended without a hand-off; %d push(es) of its blocks fenced",

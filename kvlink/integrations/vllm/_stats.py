@@ -34,6 +34,9 @@ COUNTERS: dict[str, str] = {
     "retries": "Chunk sends beyond the first, of this worker's finished transfers",
     "path_state_changes": "State changes of the agent's paths and control connections",
     "path_down": "Paths or control connections that went DOWN or STALLED",
+    "sends_fenced": "Prefill requests whose blocks vLLM freed before a hand-off (EOS, a stop, an "
+    "abort, a preemption): their pushes were cancelled and waited for before the blocks' reuse",
+    "pushes_fenced": "Pushes (one per layer) so cancelled: decode's load of them fails",
 }
 # Observations: seconds, one per finished transfer.
 LATENCIES: dict[str, str] = {

@@ -423,19 +423,16 @@ kvl_err kvl_peer_connect_routes(kvl_agent *a, const char *name, uint64_t instanc
     p->ctrl_ep = jobs[0].ep;
     cmd->type = KVL_CMD_ADOPT_PEER;
     cmd->peer = p;
-    kvl_cmd *retire = old ? calloc(1, sizeof *retire) : NULL;
+    /* DEFER_RETIRE: kvl_peer_retire_replaced retires it later */
+    kvl_cmd *retire = old && !(flags & KVL_PEER_DEFER_RETIRE) ? calloc(1, sizeof *retire) : NULL;
     pthread_mutex_lock(&a->mu);
     int old_listed = 0;
     for (kvl_peer *q = a->peers; old && q; q = q->next)
         old_listed |= q == old;
-    if (old_listed && retire && !(flags & KVL_PEER_DEFER_RETIRE))
+    if (old_listed && retire)
         unlink_and_retire(a, old, retire, "replaced by a newer connection of the same name");
-    else if (old_listed) /* kvl_peer_retire_replaced's, or out of memory: it stays until close */
+    else if (old_listed) /* deferred, or out of memory to retire it: hidden until retired */
         old->replaced = 1;
-    if (flags & KVL_PEER_DEFER_RETIRE) {
-        free(retire);
-        retire = NULL;
-    }
     p->next = a->peers;
     a->peers = p;
     pthread_mutex_unlock(&a->mu);
